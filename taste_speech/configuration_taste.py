@@ -1,0 +1,293 @@
+"""Configuration of the TASTE model family, in the published `config.json` layout.
+
+The published checkpoint stores one top-level `TasteConfig` (model_type ``taste``) whose five
+sub-configs are plain dicts: ``audio_tower_config``, ``spoken_lm_config``,
+``speech_decoder_config`` (TASTE's own), ``text_config`` (a full LlamaConfig) and ``asr_config``
+(a full WhisperConfig, only used for its name). Unknown keys are kept, so a config written by the
+original code loads unchanged and is written back in the same layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig, WhisperConfig
+
+# Whisper distil-large-v3: the architecture of the audio tower's joint encoder/segmenter in the
+# published checkpoint (32 encoder layers, 2 decoder layers). Used when the config names a
+# Whisper checkpoint that is not available locally, so that loading never needs the hub.
+DISTIL_LARGE_V3 = dict(
+    d_model=1280,
+    encoder_layers=32,
+    decoder_layers=2,
+    encoder_attention_heads=20,
+    decoder_attention_heads=20,
+    encoder_ffn_dim=5120,
+    decoder_ffn_dim=5120,
+    num_mel_bins=128,
+    vocab_size=51866,
+    max_source_positions=1500,
+    max_target_positions=448,
+    activation_function="gelu",
+    scale_embedding=False,
+)
+
+
+class TasteAudioTowerConfig(PretrainedConfig):
+    """Audio tower: Whisper encoder + 2-layer Whisper decoder used as a word-level attention
+    pooler + residual VQ (`audio_tower.` in the state dict)."""
+
+    model_type = "taste_audio_tower"
+
+    def __init__(
+        self,
+        is_joint_encoder_segmenter: bool = True,
+        quantization_on: bool = True,
+        audio_dropout_ratio: float = 0.0,
+        kwargs_for_joint_encoder_segmenter: dict | None = None,
+        kwargs_for_quantizer: dict | None = None,
+        encoder__target_hidden_layer: int = 6,
+        text_token_size: int = 51866,
+        **kwargs,
+    ):
+        self.is_joint_encoder_segmenter = is_joint_encoder_segmenter
+        self.quantization_on = quantization_on
+        self.audio_dropout_ratio = audio_dropout_ratio
+        self.kwargs_for_joint_encoder_segmenter = dict(
+            {
+                "model_name_or_path": "distil-whisper/distil-large-v3",
+                "forward_type": "asr_attn_pooling",
+                "is_word_level": True,
+                "skip_prefix_idx": 4,
+                "make_v_proj_identity": True,
+                "dtype": "bfloat16",
+                "use_custom": True,
+            },
+            **(kwargs_for_joint_encoder_segmenter or {}),
+        )
+        self.kwargs_for_quantizer = dict(
+            {"dim": 1280, "num_quantizers": 4, "codebook_size": 512, "codebook_dim": 256},
+            **(kwargs_for_quantizer or {}),
+        )
+        self.encoder__target_hidden_layer = encoder__target_hidden_layer
+        self.text_token_size = text_token_size
+        super().__init__(**kwargs)
+
+    # Convenience views used by the model code.
+    @property
+    def target_hidden_layer(self) -> int:
+        # The joint module always taps layer 6 (upstream default; not in the published config).
+        return int(self.kwargs_for_joint_encoder_segmenter.get("target_hidden_layer", 6))
+
+    @property
+    def skip_prefix_idx(self) -> int:
+        return int(self.kwargs_for_joint_encoder_segmenter.get("skip_prefix_idx", 4))
+
+    @property
+    def vq_dim(self) -> int:
+        return int(self.kwargs_for_quantizer["dim"])
+
+    @property
+    def num_quantizers(self) -> int:
+        return int(self.kwargs_for_quantizer["num_quantizers"])
+
+    @property
+    def codebook_size(self) -> int:
+        return int(self.kwargs_for_quantizer["codebook_size"])
+
+    @property
+    def codebook_dim(self) -> int:
+        return int(self.kwargs_for_quantizer["codebook_dim"])
+
+
+class TasteSpokenLMConfig(PretrainedConfig):
+    """Spoken LM: Llama backbone with LoRA, weighted-sum input fusion and latent TASTE head."""
+
+    model_type = "taste_spoken_lm"
+
+    def __init__(
+        self,
+        sos_id: int = 128000,
+        delay: int = 1,
+        delay_level: str = "word",
+        audio_embed_conv_mode: str = "fill_forward",
+        in_llm_module: str = "weighted_sum",
+        out_llm_module: str = "continue_latent_linear_last",
+        use_lora: bool = True,
+        kwargs_for_lora: dict | None = None,
+        loss_weights: str = "0.5-0.5",
+        **kwargs,
+    ):
+        self.sos_id = sos_id
+        self.delay = delay
+        self.delay_level = delay_level
+        self.audio_embed_conv_mode = audio_embed_conv_mode
+        self.in_llm_module = in_llm_module
+        self.out_llm_module = out_llm_module
+        self.use_lora = use_lora
+        self.kwargs_for_lora = dict(
+            {"lora_r": 64, "lora_alpha": 128, "lora_dropout": 0.05, "lora_target_linear": True},
+            **(kwargs_for_lora or {}),
+        )
+        self.loss_weights = loss_weights
+        super().__init__(**kwargs)
+
+
+class TasteSpeechDecoderConfig(PretrainedConfig):
+    """Speech decoder: CosyVoice-v1-style AR transformer from (ASR text, TASTE, speaker) to
+    50 Hz speech tokens. Block settings use the original's ``encoder__*`` / ``llm__*`` names."""
+
+    model_type = "taste_speech_decoder"
+
+    def __init__(
+        self,
+        encoder_input_size: int = 512,
+        llm_input_size: int = 1024,
+        llm_output_size: int = 1024,
+        speech_token_size: int = 4096,
+        spk_embed_dim: int = 192,
+        text_token_size: int = 51866,
+        audio_encoder_input_size: int = 1280,
+        skip_prefix_idx: int = 4,
+        fuse_encoded_audio_text_type: str = "weighted_sum",
+        fuse_encoded_audio_text_kwargs: dict | None = None,
+        encoder__num_blocks: int = 3,
+        encoder__attention_heads: int = 8,
+        encoder__linear_units: int = 2048,
+        encoder__input_layer: str = "linear",
+        encoder__static_chunk_size: int = 1,
+        llm__num_blocks: int = 7,
+        llm__attention_heads: int = 8,
+        llm__linear_units: int = 2048,
+        llm__input_layer: str = "linear_legacy",
+        llm__static_chunk_size: int = 1,
+        **kwargs,
+    ):
+        self.encoder_input_size = encoder_input_size
+        self.llm_input_size = llm_input_size
+        self.llm_output_size = llm_output_size
+        self.speech_token_size = speech_token_size
+        self.spk_embed_dim = spk_embed_dim
+        self.text_token_size = text_token_size
+        self.audio_encoder_input_size = audio_encoder_input_size
+        self.skip_prefix_idx = skip_prefix_idx
+        self.fuse_encoded_audio_text_type = fuse_encoded_audio_text_type
+        self.fuse_encoded_audio_text_kwargs = fuse_encoded_audio_text_kwargs or {
+            "normalize": False,
+            "use_layer_norm": False,
+            "use_trainable_weight": True,
+            "weight_init_type": "balance",
+        }
+        self.encoder__num_blocks = encoder__num_blocks
+        self.encoder__attention_heads = encoder__attention_heads
+        self.encoder__linear_units = encoder__linear_units
+        self.encoder__input_layer = encoder__input_layer
+        self.encoder__static_chunk_size = encoder__static_chunk_size
+        self.llm__num_blocks = llm__num_blocks
+        self.llm__attention_heads = llm__attention_heads
+        self.llm__linear_units = llm__linear_units
+        self.llm__input_layer = llm__input_layer
+        self.llm__static_chunk_size = llm__static_chunk_size
+        super().__init__(**kwargs)
+
+
+def _as_config(cls, value):
+    if value is None:
+        return cls()
+    if isinstance(value, PretrainedConfig):
+        return value
+    return cls(**value)
+
+
+class TasteConfig(PretrainedConfig):
+    """Top-level TASTE config (model_type ``taste``).
+
+    ``joint_whisper_config`` is not part of the published file: it is resolved from
+    ``audio_tower_config.kwargs_for_joint_encoder_segmenter.model_name_or_path`` at load time
+    (a local folder with a Whisper config.json, relative to the checkpoint, or the built-in
+    distil-large-v3 architecture) and kept out of the serialised dict.
+    """
+
+    model_type = "taste"
+    sub_configs = {
+        "audio_tower_config": TasteAudioTowerConfig,
+        "spoken_lm_config": TasteSpokenLMConfig,
+        "speech_decoder_config": TasteSpeechDecoderConfig,
+        "text_config": LlamaConfig,
+        "asr_config": WhisperConfig,
+    }
+
+    def __init__(
+        self,
+        audio_tower_config=None,
+        spoken_lm_config=None,
+        speech_decoder_config=None,
+        text_config=None,
+        asr_config=None,
+        ignore_index: int = -100,
+        load_language_model_during_init: bool = True,
+        **kwargs,
+    ):
+        kwargs.pop("joint_whisper_config", None)
+        self.audio_tower_config = _as_config(TasteAudioTowerConfig, audio_tower_config)
+        self.spoken_lm_config = _as_config(TasteSpokenLMConfig, spoken_lm_config)
+        self.speech_decoder_config = _as_config(TasteSpeechDecoderConfig, speech_decoder_config)
+        self.text_config = _as_config(LlamaConfig, text_config)
+        self.asr_config = _as_config(WhisperConfig, asr_config)
+        self.ignore_index = ignore_index
+        self.load_language_model_during_init = load_language_model_during_init
+        super().__init__(**kwargs)
+        self._joint_whisper_config: WhisperConfig | None = None
+
+    # -- the Whisper architecture of the audio tower -------------------------------------------
+    @property
+    def joint_whisper_config(self) -> WhisperConfig:
+        if self._joint_whisper_config is None:
+            self._joint_whisper_config = resolve_joint_whisper_config(self, base_dir=None)
+        return self._joint_whisper_config
+
+    @joint_whisper_config.setter
+    def joint_whisper_config(self, value: WhisperConfig) -> None:
+        self._joint_whisper_config = value
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "TasteConfig":
+        config = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        if isinstance(config, tuple):  # return_unused_kwargs=True
+            return config
+        base = str(pretrained_model_name_or_path)
+        config.joint_whisper_config = resolve_joint_whisper_config(
+            config, base_dir=base if os.path.isdir(base) else None
+        )
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.pop("_joint_whisper_config", None)
+        out.pop("joint_whisper_config", None)
+        return out
+
+
+def resolve_joint_whisper_config(config: TasteConfig, base_dir: str | None) -> WhisperConfig:
+    """Find the Whisper architecture named by the audio tower config, without the hub.
+
+    Order: a folder (absolute, or relative to the checkpoint folder) holding a Whisper
+    ``config.json``; otherwise the built-in distil-large-v3 dimensions (the published model)."""
+    name = config.audio_tower_config.kwargs_for_joint_encoder_segmenter.get("model_name_or_path")
+    candidates = []
+    if name:
+        if base_dir is not None and not os.path.isabs(name):
+            candidates.append(os.path.join(base_dir, name))
+        candidates.append(name)
+    for folder in candidates:
+        path = os.path.join(folder, "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                data = json.load(f)
+            return WhisperConfig(**data)
+    return WhisperConfig(**DISTIL_LARGE_V3)
+
+
+AutoConfig.register("taste", TasteConfig)

@@ -1,0 +1,75 @@
+"""Parity checks against golden directories made from the original TASTE implementation.
+
+A golden directory holds a small random checkpoint in the published layout plus
+``io.safetensors`` with inputs and outputs at several parity points. Each part of the model owns
+one module here (``points_<part>.py``) with ``run(golden, model) -> list[PointResult]``; the
+runner (``python -m taste_speech.verify DIR``) loads the checkpoint once, runs every part that
+applies to the directory, prints one line per point and fails on any mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+# Default tolerances (see the golden READMEs): float32 rounding differences of a correct
+# re-implementation are ~3.5e-5.
+FLOAT_TOL = 1e-4
+
+
+@dataclass
+class PointResult:
+    name: str
+    max_abs_diff: float  # 0.0 for exact (integer / boolean) comparisons that match
+    tolerance: float  # 0.0 means exact equality was required
+    ok: bool
+    note: str = ""
+
+    def line(self) -> str:
+        kind = "exact" if self.tolerance == 0 else f"tol {self.tolerance:.0e}"
+        status = "ok  " if self.ok else "FAIL"
+        note = f"  ({self.note})" if self.note else ""
+        return f"{status} {self.name:<55} max_abs_diff {self.max_abs_diff:.3e}  [{kind}]{note}"
+
+
+class Golden:
+    """The tensors (``io.safetensors``) and metadata of one golden directory."""
+
+    def __init__(self, directory: str):
+        self.dir = directory
+        self.tensors: dict[str, torch.Tensor] = load_file(os.path.join(directory, "io.safetensors"))
+        meta_path = os.path.join(directory, "io_meta.json")
+        self.meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    @property
+    def kind(self) -> str:
+        """``taste_lm`` (TasteForCausalLM checkpoint) or ``voice_generator`` (flow + HiFT)."""
+        if os.path.exists(os.path.join(self.dir, "weights.safetensors")):
+            return "voice_generator"
+        return "taste_lm"
+
+
+def compare(name: str, actual, expected: torch.Tensor, tol: float = FLOAT_TOL) -> PointResult:
+    """Floating tensors: max |actual - expected| <= tol. Integer/boolean: exact equality."""
+    actual = torch.as_tensor(actual).detach().cpu()
+    expected = expected.detach().cpu()
+    if tuple(actual.shape) != tuple(expected.shape):
+        return PointResult(name, float("inf"), tol, False,
+                           f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    if expected.is_floating_point():
+        diff = (actual.double() - expected.double()).abs()
+        mad = float(diff.max()) if diff.numel() else 0.0
+        return PointResult(name, mad, tol, mad <= tol)
+    equal = torch.equal(actual.to(expected.dtype), expected)
+    mad = 0.0 if equal else float((actual.long() - expected.long()).abs().max())
+    return PointResult(name, mad, 0.0, equal)
