@@ -4,6 +4,10 @@ Four Euclidean codebooks applied residually in a 256-d code space (spec §3.5). 
 serve three users: the audio tower quantises pooled word features (``quantize``), the spoken LM's
 TASTE head quantises a regressed latent that already lives in code space (``indices_from_code``),
 and everything downstream turns codes back into TASTE embeddings (``decode``).
+
+The module layout mirrors the published state dict: ``project_in``, ``project_out``,
+``layers.{k}._codebook.{initted, cluster_size, embed_avg, embed}`` (persistent buffers; only
+``embed`` is used, the rest is k-means/EMA training state) and three never-used ``mlps.{j}``.
 """
 
 from __future__ import annotations
@@ -11,27 +15,66 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+IGNORE = -1  # "no code" marker: decodes to a zero vector at that level
 
-class Codebook(nn.Module):
-    """One level: the codebook plus the k-means/EMA training buffers the checkpoint carries."""
+
+class EuclideanCodebook(nn.Module):
+    """One level's codebook (``embed``, shape (1, codebook_size, codebook_dim)) plus the training
+    buffers the checkpoint carries."""
 
     def __init__(self, codebook_size: int, codebook_dim: int):
         super().__init__()
+        embed = torch.randn(1, codebook_size, codebook_dim)
+        # Registration order follows the published checkpoint.
         self.register_buffer("initted", torch.ones(1))
         self.register_buffer("cluster_size", torch.ones(1, codebook_size))
-        self.register_buffer("embed", torch.zeros(1, codebook_size, codebook_dim))
-        self.register_buffer("embed_avg", torch.zeros(1, codebook_size, codebook_dim))
+        self.register_buffer("embed_avg", embed.clone())
+        self.register_buffer("embed", embed)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """(codebook_size, codebook_dim) in fp32."""
+        return self.embed[0].float()
 
     def nearest(self, x: torch.Tensor) -> torch.Tensor:
-        """Index of the nearest code for each row of x (..., d); ties go to the lowest index."""
-        codes = self.embed[0].float()
+        """Index of the nearest code for every row of x (..., codebook_dim), computed in fp32 the
+        way the original does (spec §3.5): argmax of -sqrt(clamp(|x|^2 + |e|^2 - 2 x.e, 0));
+        ties go to the lowest index."""
+        codes = self.codes
         x = x.float()
-        dist2 = x.pow(2).sum(-1, keepdim=True) + codes.pow(2).sum(-1) - 2 * x @ codes.t()
-        return (-dist2.clamp(min=0).sqrt()).argmax(dim=-1)
+        dist_sq = x.pow(2).sum(-1, keepdim=True) + codes.pow(2).sum(-1) - 2 * (x @ codes.t())
+        return (-dist_sq.clamp(min=0).sqrt()).argmax(dim=-1)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Load-time guard for torch's load_state_dict path (transformers' loader sets tensors
+        # directly; TasteForCausalLM calls ResidualVQ.check_initialised() after loading).
+        initted = state_dict.get(prefix + "initted")
+        if initted is not None and initted.device.type != "meta":
+            _raise_if_not_initted(prefix + "initted", initted)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class _UnusedImplicitCodebookMLP(nn.Module):
-    """Present in the published state dict (the original always creates three), never used."""
+def _raise_if_not_initted(name: str, initted: torch.Tensor) -> None:
+    if not bool((initted == 1).all()):
+        raise ValueError(
+            f"{name} is not 1: these codebooks were never initialised (a training-time state in which "
+            "the original would run k-means on the first batch). Load a trained checkpoint such as "
+            "MediaTek-Research/Llama-1B-TASTE-V0."
+        )
+
+
+class QuantizerLevel(nn.Module):
+    """``layers.{k}``: one residual level. Its own in/out projections are identities
+    (dim == codebook_dim) and therefore have no weights."""
+
+    def __init__(self, codebook_size: int, codebook_dim: int):
+        super().__init__()
+        self._codebook = EuclideanCodebook(codebook_size, codebook_dim)
+
+
+class UnusedImplicitCodebookMLP(nn.Module):
+    """``mlps.{j}``: present in the published state dict (the original always creates one per level
+    after the first), never used at inference. Kept only so the checkpoint loads strictly."""
 
     def __init__(self, codebook_dim: int, depth: int = 4):
         super().__init__()
@@ -45,54 +88,71 @@ class _UnusedImplicitCodebookMLP(nn.Module):
 class ResidualVQ(nn.Module):
     def __init__(self, dim: int, num_quantizers: int, codebook_size: int, codebook_dim: int):
         super().__init__()
-        self.dim, self.num_quantizers = dim, num_quantizers
-        self.codebook_size, self.codebook_dim = codebook_size, codebook_dim
+        self.dim = dim
+        self.num_quantizers = num_quantizers
+        self.codebook_size = codebook_size
+        self.codebook_dim = codebook_dim
         self.project_in = nn.Linear(dim, codebook_dim)
         self.project_out = nn.Linear(codebook_dim, dim)
-        self.layers = nn.ModuleList(
-            nn.ModuleDict({"_codebook": Codebook(codebook_size, codebook_dim)}) for _ in range(num_quantizers)
-        )
-        self.mlps = nn.ModuleList(_UnusedImplicitCodebookMLP(codebook_dim) for _ in range(num_quantizers - 1))
+        self.layers = nn.ModuleList(QuantizerLevel(codebook_size, codebook_dim) for _ in range(num_quantizers))
+        self.mlps = nn.ModuleList(UnusedImplicitCodebookMLP(codebook_dim) for _ in range(num_quantizers - 1))
 
-    def codebooks(self) -> list[torch.Tensor]:
-        return [layer["_codebook"].embed[0] for layer in self.layers]
+    def codebooks(self) -> list[EuclideanCodebook]:
+        return [layer._codebook for layer in self.layers]
 
     def check_initialised(self) -> None:
-        """A codebook with initted == 0 would make the original run k-means on the first batch;
-        a loaded checkpoint must never be in that state."""
-        for k, layer in enumerate(self.layers):
-            if float(layer["_codebook"].initted.reshape(-1)[0]) != 1.0:
-                raise ValueError(
-                    f"audio_tower.vq.rvq.layers.{k}._codebook.initted is not 1: this checkpoint's codebooks "
-                    "were never initialised (a training-time state). Load a trained/published checkpoint."
-                )
+        """Raise ValueError unless every level's ``initted`` buffer is 1 (spec §9.6 check 3)."""
+        for k, book in enumerate(self.codebooks()):
+            _raise_if_not_initted(f"audio_tower.vq.rvq.layers.{k}._codebook.initted", book.initted)
+
+    # -- encoding ---------------------------------------------------------------------------
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Indices (..., K) int64 of features x (..., dim): project_in, then the residual search."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"ResidualVQ.quantize expects features of size {self.dim}, got {tuple(x.shape)}")
+        z = self.project_in(x.to(self.project_in.weight.dtype))
+        return self.indices_from_code(z)
 
     def indices_from_code(self, z: torch.Tensor) -> torch.Tensor:
-        """Residual nearest-neighbour search for z (..., codebook_dim) already in code space."""
+        """Residual nearest-neighbour search for z (..., codebook_dim), already in code space (no
+        project_in; this is what the spoken LM's TASTE head uses). Returns (..., K) int64."""
+        if z.shape[-1] != self.codebook_dim:
+            raise ValueError(
+                f"ResidualVQ.indices_from_code expects codes of size {self.codebook_dim}, got {tuple(z.shape)}"
+            )
         residual = z.float()
         indices = []
-        for layer in self.layers:
-            book = layer["_codebook"]
+        for book in self.codebooks():
             idx = book.nearest(residual)
-            residual = residual - book.embed[0].float()[idx]
+            residual = residual - book.codes[idx]
             indices.append(idx)
         return torch.stack(indices, dim=-1)
 
-    def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """Indices (..., K) of features x (..., dim): project_in, then the residual search."""
-        return self.indices_from_code(self.project_in(x.to(self.project_in.weight.dtype)).float())
-
+    # -- decoding ---------------------------------------------------------------------------
     def codes_from_indices(self, indices: torch.Tensor) -> torch.Tensor:
-        """Chosen code vectors per level, (K, ..., codebook_dim); index -1 gives a zero vector."""
+        """The chosen code vectors per level, (K, ..., codebook_dim) fp32; index -1 gives zeros."""
+        self._check_indices(indices)
         out = []
         for k, book in enumerate(self.codebooks()):
-            idx = indices[..., k]
-            valid = idx >= 0
-            vec = book.float()[idx.clamp(min=0)] * valid.unsqueeze(-1)
-            out.append(vec)
+            idx = indices[..., k].long()
+            present = (idx != IGNORE).unsqueeze(-1)
+            out.append(book.codes[idx.clamp(min=0)] * present)
         return torch.stack(out, dim=0)
 
     def decode(self, indices: torch.Tensor) -> torch.Tensor:
-        """TASTE embedding of indices (..., K): project_out of the summed codes, (..., dim)."""
+        """TASTE embedding of indices (..., K): project_out of the summed codes, (..., dim), in the
+        dtype of project_out."""
         summed = self.codes_from_indices(indices).sum(dim=0)
         return self.project_out(summed.to(self.project_out.weight.dtype))
+
+    def _check_indices(self, indices: torch.Tensor) -> None:
+        if indices.is_floating_point() or indices.dim() == 0 or indices.shape[-1] != self.num_quantizers:
+            raise ValueError(
+                f"RVQ indices must be an integer tensor (..., {self.num_quantizers}), got "
+                f"{indices.dtype} {tuple(indices.shape)}"
+            )
+        if indices.numel() and bool(((indices < IGNORE) | (indices >= self.codebook_size)).any()):
+            raise ValueError(
+                f"RVQ indices must lie in [0, {self.codebook_size}) or be {IGNORE} (no code); got values in "
+                f"[{int(indices.min())}, {int(indices.max())}]"
+            )
