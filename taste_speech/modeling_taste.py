@@ -1,39 +1,137 @@
 """TasteForCausalLM: the whole TASTE model, loadable from the published checkpoint.
 
-Three parts with the published state-dict prefixes: ``audio_tower`` (audio -> TASTE codes),
-``spoken_lm`` (joint text + TASTE Llama) and ``speech_decoder`` (text + TASTE -> speech tokens).
-The voice generator (flow + HiFT) ships as a separate file and lives in
+Three parts with the published state-dict prefixes: ``audio_tower`` (audio + transcript -> TASTE
+codes), ``spoken_lm`` (joint text + TASTE Llama) and ``speech_decoder`` (text + TASTE + speaker ->
+speech tokens). The voice generator (flow + HiFT) ships as a separate file and lives in
 ``taste_speech.voice_generator``.
 
-Loading (``from_pretrained``) takes a local directory or a hub id, reads single or sharded
-safetensors (or a plain ``.bin`` state dict through ``torch.load(weights_only=True)``), accepts
-the LoRA key spellings different peft versions write, ties the LM head to the input embedding
-when the checkpoint drops it, and refuses missing, unexpected or mis-shaped tensors by name.
+``from_pretrained`` takes a local directory or a hub id, builds the model on the meta device (no
+time spent on random init), compares the checkpoint's names and shapes with it before reading any
+tensor data, then fills every slot with the checkpoint tensor cast to the dtype that part runs in.
+It accepts single or sharded safetensors and plain ``.bin`` state dicts (``weights_only=True``),
+every LoRA key spelling of spec §10.2, ties the LM head to the input embedding when the file drops
+it, checks that the RVQ codebooks are initialised, and refuses anything else by name.
+
+Run dtypes (``torch_dtype``):
+
+* ``None`` / ``"auto"``: the published layout on CUDA - the Whisper tower and the Llama base
+  weights in bfloat16, LoRA adapters, bridges, RVQ and speech decoder in float32 - and float32
+  everywhere on CPU;
+* ``torch.float32``: everything float32 (parity tests and the golden sets need this);
+* ``torch.bfloat16`` / ``torch.float16``: the published mixed layout with that half type, on any
+  device.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import re
+from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-from taste_speech.configuration_taste import TasteConfig
+from taste_speech.configuration_taste import DISTIL_LARGE_V3, TasteConfig, resolve_joint_whisper_config
+from taste_speech.loading import (
+    LM_HEAD_KEY,
+    CheckpointError,
+    CheckpointReader,
+    KeyMatch,
+    match_keys,
+    resolve_checkpoint_dir,
+)
 from taste_speech.modeling_audio_tower import TasteAudioTower
 from taste_speech.modeling_speech_decoder import TasteSpeechDecoder
 from taste_speech.modeling_spoken_lm import TasteSpokenLM
 
-LM_HEAD_KEY = "spoken_lm.language_model.base_model.model.lm_head.weight"
-EMBED_KEY = "spoken_lm.language_model.base_model.model.model.embed_tokens.weight"
-_LORA_PREFIX = "spoken_lm.language_model.base_model.model."
-_ADAPTED = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+logger = logging.getLogger(__name__)
+
+# Parts that the published model runs in a half dtype (their weights are stored in bfloat16).
+HALF_PRECISION_PREFIXES = ("audio_tower.audio_joint_encoder_segmenter.", "spoken_lm.language_model.")
+JOINT_WHISPER_DIR = "whisper_joint"
+_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
+
+__all__ = [
+    "TastePreTrainedModel", "TasteForCausalLM", "TasteCompletion", "LoadingInfo", "CheckpointError", "run_dtype_for_key",
+]
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not match the architecture; the message names every offending tensor."""
+def run_dtype_for_key(key: str, half_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a float tensor runs in: ``half_dtype`` for the Whisper tower and the Llama base
+    weights (not its LoRA adapters) when given, float32 for everything else."""
+    if half_dtype is not None and key.startswith(HALF_PRECISION_PREFIXES) and ".lora_" not in key:
+        return half_dtype
+    return torch.float32
+
+
+def resolve_run_dtypes(torch_dtype, device: torch.device) -> torch.dtype | None:
+    """The half dtype of the mixed layout, or None for float32 everywhere."""
+    if isinstance(torch_dtype, str):
+        if torch_dtype == "auto":
+            torch_dtype = None
+        else:
+            try:
+                torch_dtype = getattr(torch, torch_dtype)
+            except AttributeError:
+                raise ValueError(f"unknown torch_dtype {torch_dtype!r}: use 'auto', 'float32' or 'bfloat16'") from None
+    if torch_dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else None
+    if torch_dtype == torch.float32:
+        return None
+    if torch_dtype in (torch.bfloat16, torch.float16):
+        return torch_dtype
+    raise ValueError(f"torch_dtype {torch_dtype} is not supported: use None ('auto'), torch.float32, "
+                     "torch.bfloat16 or torch.float16")
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass
+class LoadingInfo:
+    """What ``from_pretrained`` found (``model.loading_info``)."""
+
+    directory: str
+    files: list[str]
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    mismatched_keys: list[str] = field(default_factory=list)
+    tied_lm_head: bool = False
+    merged_lora: bool = False
+    spelling: str = "canonical"
+
+
+@dataclass
+class TasteCompletion:
+    """Result of ``TasteForCausalLM.inference_completion`` (batch 1)."""
+
+    text: str  # the generated words, each with its leading space
+    generated_llm_token_ids: torch.Tensor  # (1, G)
+    generated_llm_word_ids: torch.Tensor  # (1, G) int32
+    taste_codes: torch.Tensor  # (1, W, K): one code row per synthesised word
+    asr_token_ids: torch.Tensor  # (1, L) Whisper-space ids of the synthesised words
+    asr_word_ids: torch.Tensor  # (1, L)
+    speech_token_ids: torch.Tensor  # (1, S) int32, 50 Hz speech tokens
+    text_end_reason: str  # 'sentence_end' | 'max_words' | 'stop_id' | 'max_steps'
+    speech_stop_reason: str  # 'eos' | 'max_len'
+
+
+def _vocabulary_tables(processor, vocab_size: int):
+    """The sampler's vocabulary tables for the processor's Llama tokenizer, built once per processor
+    (decoding every id takes seconds for the 128 256-id vocabulary)."""
+    from taste_speech.sampler import VocabularyTables
+
+    tables = getattr(processor, "_taste_vocabulary_tables", None)
+    if tables is None or tables.word_start.numel() != vocab_size:
+        tables = VocabularyTables.from_tokenizer(processor.llm_tokenizer, vocab_size)
+        processor._taste_vocabulary_tables = tables
+    return tables
 
 
 class TastePreTrainedModel(PreTrainedModel):
@@ -52,182 +150,248 @@ class TasteForCausalLM(TastePreTrainedModel):
         self.audio_tower = TasteAudioTower(config)
         self.spoken_lm = TasteSpokenLM(config)
         self.speech_decoder = TasteSpeechDecoder(config)
+        self.post_init()
+        self.loading_info: LoadingInfo | None = None
 
     @property
     def rvq(self):
+        """The residual VQ shared by all three parts (owned by the audio tower)."""
         return self.audio_tower.vq.rvq
 
     def tie_weights(self, *args, **kwargs):
         self.spoken_lm.tie_lm_head()
 
-    # -- loading --------------------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, torch_dtype=None, device=None, strict=True, **kwargs):
-        """Load from a local directory or a hub id (downloaded with huggingface_hub).
+    # -- the model-level API ----------------------------------------------------------------------
+    @torch.no_grad()
+    def extract_vq(self, audio_features, asr_token_ids, asr_word_ids, llm_word_ids, **unused):
+        """TASTE codes of one turn (batch 1): ``(asr_indices (1, L, K), llm_indices (1, N, K))``.
 
-        ``torch_dtype=None`` keeps the published run dtypes (Llama and Whisper in bfloat16 on
-        CUDA; everything float32 on CPU). ``torch_dtype=torch.float32`` makes everything fp32."""
-        directory = resolve_checkpoint_dir(pretrained_model_name_or_path)
-        config = TasteConfig.from_pretrained(directory)
+        ``llm_indices`` carries each word's code on its first Llama token and -1 elsewhere (what the
+        spoken LM's prompt takes). Extra processor outputs (lengths, llm_token_ids, ...) are accepted
+        and ignored, so ``model.extract_vq(**processor_outputs)`` works."""
+        return self.audio_tower.extract_vq(audio_features, asr_token_ids, asr_word_ids, llm_word_ids)
+
+    @torch.no_grad()
+    def inference_completion(self, processor, llm_token_ids=None, llm_word_ids=None, asr_token_ids=None,
+                             asr_word_ids=None, audio_features=None, speaker_embeds=None, *,
+                             conditional_mode: str = "audio", extra_words: int = 8, text_top_p: float = 0.3,
+                             taste_top_p: float = 0.0, text_temperature: float = 0.5,
+                             repetition_penalty: float = 1.1, out_generated_part_only: bool = False,
+                             generator: torch.Generator | None = None, speech_sampler=None,
+                             max_steps: int | None = 4096, **unused) -> "TasteCompletion":
+        """Continue an utterance, end to end up to speech tokens (the original's
+        ``inference_completion``, spec §1.2 / §5.4), for batch 1.
+
+        ``conditional_mode``: ``'audio'`` (the prompt's audio and transcript - take the inputs from
+        ``processor(audio, sr, text=...)``), ``'text'`` (transcript ids only, no audio) or
+        ``'zero'`` (no prompt). Text decoding uses the TasteSampler with the given settings (README
+        defaults; ``text_top_p=0`` is greedy); the generated words are re-tokenised for the speech
+        decoder by ``processor.align_llm_ids``. With ``out_generated_part_only=False`` (audio mode)
+        the speech tokens re-synthesise prompt + continuation, as the original does.
+        ``speaker_embeds`` (1, spk_dim) defaults to ``processor.default_speaker_embedding()``;
+        ``speech_sampler`` defaults to the original top-k 25 sampling (seeded by ``generator``).
+        Synthesise audio from ``speech_token_ids`` with ``taste_speech.voice_generator.VoiceGenerator``."""
+        from taste_speech.modeling_speech_decoder import TopKSampler
+        from taste_speech.sampler import SamplingParams, TasteSampler
+
+        if conditional_mode not in ("audio", "text", "zero"):
+            raise ValueError(f"conditional_mode must be 'audio', 'text' or 'zero', got {conditional_mode!r}")
+        llm_indices = None
+        if conditional_mode == "audio":
+            if audio_features is None:
+                raise ValueError("conditional_mode 'audio' needs audio_features (use processor(audio, sr, text=...))")
+            _, llm_indices = self.extract_vq(audio_features, asr_token_ids, asr_word_ids, llm_word_ids)
+        params = SamplingParams(text_top_p, taste_top_p, text_temperature, repetition_penalty, extra_words)
+        sampler = TasteSampler(_vocabulary_tables(processor, self.config.text_config.vocab_size), params)
+        generation = self.spoken_lm.generate(
+            self.rvq, sampler, conditional_mode, llm_token_ids=llm_token_ids, llm_indices=llm_indices,
+            llm_word_ids=llm_word_ids, extra_words=extra_words, max_steps=max_steps, generator=generator,
+        )
+        if generation.token_ids.shape[1] == 0:
+            raise ValueError("the spoken LM generated no text (it terminated at once); nothing to synthesise")
+        new = processor.align_llm_ids(generation.token_ids, generation.word_ids)
+        codes = generation.word_codes()
+        if codes.shape[0] != len(new.words):
+            raise ValueError(f"generation produced {codes.shape[0]} TASTE codes for {len(new.words)} words")
+        asr_ids, asr_wids = new.asr_token_ids, new.asr_word_ids
+        if conditional_mode == "audio" and not out_generated_part_only:
+            prompt_codes = llm_indices[0][(llm_indices[0] >= 0).all(-1)]
+            codes = torch.cat([prompt_codes, codes.to(prompt_codes.device)], dim=0)
+            asr_ids = torch.cat([asr_token_ids.long(), asr_ids.to(asr_token_ids.device)], dim=1)
+            asr_wids = torch.cat([asr_word_ids.int(), (asr_wids + len(prompt_codes)).int().to(asr_word_ids.device)],
+                                 dim=1)
+        if speaker_embeds is None:
+            speaker_embeds = processor.default_speaker_embedding()
+        device = self.rvq.project_out.weight.device
+        speech = self.speech_decoder.generate_from_taste(
+            self.rvq, speaker_embeds.to(device), codes.unsqueeze(0).to(device), asr_ids.to(device),
+            asr_wids.to(device), sampler=speech_sampler or TopKSampler(generator=generator),
+        )
+        return TasteCompletion(
+            text="".join(new.words), generated_llm_token_ids=generation.token_ids,
+            generated_llm_word_ids=generation.word_ids, taste_codes=codes.unsqueeze(0), asr_token_ids=asr_ids,
+            asr_word_ids=asr_wids, speech_token_ids=speech.speech_token_ids, text_end_reason=generation.end_reason,
+            speech_stop_reason=speech.stop_reason,
+        )
+
+    # -- loading ----------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, torch_dtype=None, device=None, *, strict: bool = True,
+                        output_loading_info: bool = False, config: TasteConfig | None = None, **kwargs):
+        """Load a TASTE checkpoint from a local directory or a hub id.
+
+        ``torch_dtype``: see the module docstring (None = published layout on CUDA, float32 on CPU).
+        ``device``: where the weights go (default CPU; ``"auto"`` = CUDA when available).
+        ``strict=False`` loads despite missing/unexpected/mis-shaped tensors (missing ones become
+        zeros) - ``model.loading_info`` lists them; ``output_loading_info=True`` returns
+        ``(model, loading_info)``. Raises ``CheckpointError`` (a ValueError) naming every bad tensor.
+
+        Returns the model in eval mode with ``requires_grad=False`` weights. On the CPU, tensors
+        stored in their run dtype stay memory-mapped from the safetensors files (no copy, fast
+        loading): replace checkpoint files rather than rewriting them in place while a model uses them.
+        """
+        torch_dtype = kwargs.pop("dtype", torch_dtype)  # transformers >= 5 spelling
+        device_map = kwargs.pop("device_map", None)
+        if device is None and isinstance(device_map, (str, torch.device)):
+            device = device_map
+        hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+        for key in [k for k in kwargs if k.startswith("_") or k in ("trust_remote_code", "adapter_kwargs")]:
+            kwargs.pop(key)
+        if kwargs:
+            raise TypeError(f"TasteForCausalLM.from_pretrained got unsupported arguments: {sorted(kwargs)}")
+        if hub.get("subfolder"):
+            raise ValueError("subfolder is not supported: pass the checkpoint directory itself")
+        directory = resolve_checkpoint_dir(pretrained_model_name_or_path, revision=hub.get("revision"),
+                                           cache_dir=hub.get("cache_dir"), token=hub.get("token"),
+                                           local_files_only=hub.get("local_files_only"))
+        if config is None:
+            config = TasteConfig.from_pretrained(directory)
+        elif config._joint_whisper_config is None:  # e.g. from AutoConfig: resolve whisper_joint here
+            config.joint_whisper_config = resolve_joint_whisper_config(config, base_dir=directory)
+        device = resolve_device(device)
+        half_dtype = resolve_run_dtypes(torch_dtype, device)
+
         with torch.device("meta"):
             model = cls(config)
-        state = normalise_keys(read_state_dict(directory))
-        model.load_checkpoint_state(state, strict=strict)
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        model.to(device)
-        model.set_run_dtypes(torch_dtype, device)
-        return model.eval()
-
-    def load_checkpoint_state(self, state: dict[str, torch.Tensor], strict: bool = True):
-        expected = self.state_dict()
-        state = dict(state)
-        if LM_HEAD_KEY not in state:  # dropped by save_pretrained: the head is tied
-            state[LM_HEAD_KEY] = state.get(EMBED_KEY)
-        if not any(".lora_" in k for k in state):
-            # A merged checkpoint (LoRA folded into the base weights): adapters that add nothing.
-            for key, slot in expected.items():
-                if ".lora_" in key:
-                    state[key] = torch.zeros(slot.shape, dtype=slot.dtype)
-        missing = sorted(k for k in expected if k not in state or state[k] is None)
-        unexpected = sorted(k for k in state if k not in expected)
-        misshaped = sorted(
-            f"{k}: checkpoint {tuple(state[k].shape)} != model {tuple(expected[k].shape)}"
-            for k in expected
-            if k in state and state[k] is not None and tuple(state[k].shape) != tuple(expected[k].shape)
+        reader = CheckpointReader(directory)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        match = match_keys({k: info.shape for k, info in reader.infos.items()}, expected)
+        if strict and not match.ok:
+            raise CheckpointError(match.describe(directory))
+        model._fill_from_checkpoint(reader, match, half_dtype, device)
+        model.loading_info = LoadingInfo(
+            directory=directory, files=reader.files, missing_keys=match.missing, unexpected_keys=match.unexpected,
+            mismatched_keys=match.mismatched, tied_lm_head=match.tied_lm_head, merged_lora=match.merged_lora,
+            spelling=match.spelling,
         )
-        if strict and (missing or unexpected or misshaped):
-            raise CheckpointError(describe_mismatch(missing, unexpected, misshaped))
-        loadable = {k: v for k, v in state.items() if k in expected and v is not None
-                    and tuple(v.shape) == tuple(expected[k].shape)}
-        # Materialise from meta: assign the checkpoint tensors (cast to each slot's dtype).
-        for key, value in loadable.items():
-            _assign(self, key, value.to(expected[key].dtype))
-        self.spoken_lm.tie_lm_head()
-        _rebuild_non_persistent(self)
+        if not match.ok:
+            logger.warning(match.describe(directory))
+        model.eval()
+        return (model, model.loading_info) if output_loading_info else model
+
+    @torch.no_grad()
+    def _fill_from_checkpoint(self, reader: CheckpointReader, match: KeyMatch, half_dtype, device) -> None:
+        """Replace every meta tensor by its checkpoint tensor (cast to its run dtype, on ``device``)."""
+        slots = self.state_dict()
+        filled = set()
+        stored_to_model = {stored: key for key, stored in match.sources.items()}
+        bad_shape = {m.split(":")[0] for m in match.mismatched}
+        names = [s for s, k in stored_to_model.items() if k not in bad_shape]
+        for stored, value in reader.iter_tensors(names):
+            key = stored_to_model[stored]
+            _assign(self, key, _to_run(value, key, half_dtype, device))
+            filled.add(key)
+        for key, slot in slots.items():  # zero adapters of a merged checkpoint; zeros for strict=False gaps
+            if key in filled or key == LM_HEAD_KEY:
+                continue
+            dtype = run_dtype_for_key(key, half_dtype) if slot.is_floating_point() else slot.dtype
+            _assign(self, key, torch.zeros(slot.shape, dtype=dtype, device=device))
+        self._settle_lm_head(filled, device, half_dtype)
+        _rebuild_non_persistent(self, device)
         self.spoken_lm.round_rope_frequencies()
         self.rvq.check_initialised()
-        return missing, unexpected, misshaped
 
-    def set_run_dtypes(self, torch_dtype, device) -> None:
-        """Cast parts to their run dtypes: one dtype if given, else the published choice."""
-        if torch_dtype is not None:
-            self.to(torch_dtype)
-        elif torch.device(device).type == "cuda":
-            self.audio_tower.audio_joint_encoder_segmenter.to(torch.bfloat16)
-            self.spoken_lm.language_model.to(torch.bfloat16)
-            self.spoken_lm.tie_lm_head()
+    def _settle_lm_head(self, filled: set, device, half_dtype) -> None:
+        """Tie the head to the embedding unless the checkpoint stores a different head."""
+        lm = self.spoken_lm
+        if LM_HEAD_KEY in filled:
+            head = lm.causal_lm.lm_head.weight
+            if head.shape == lm.embed_tokens.weight.shape and torch.equal(head, lm.embed_tokens.weight):
+                lm.tie_lm_head()  # a stored duplicate: share one tensor
+            else:
+                logger.warning("the checkpoint stores an lm_head that differs from embed_tokens; keeping it untied")
         else:
-            self.to(torch.float32)
-        self.spoken_lm.round_rope_frequencies()
+            lm.tie_lm_head()
+
+    def set_run_dtypes(self, torch_dtype=None, device=None) -> "TasteForCausalLM":
+        """Re-cast a loaded model to another run-dtype layout (see the module docstring)."""
+        device = resolve_device(device) if device is not None else self.rvq.project_in.weight.device
+        half_dtype = resolve_run_dtypes(torch_dtype, device)
+        with torch.no_grad():
+            for key, param in list(self.named_parameters()):
+                if param.is_floating_point():
+                    _assign(self, key, param.data.to(device=device, dtype=run_dtype_for_key(key, half_dtype)))
+        self.to(device)
+        self.spoken_lm.tie_lm_head()
+        return self
+
+    # -- saving -----------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, max_shard_size: int | None = None, **unused) -> None:
+        """Write the published layout: ``config.json`` (plus ``whisper_joint/config.json`` when the
+        tower's Whisper is not distil-large-v3) and safetensors weights without the tied lm_head,
+        sharded with an index when ``max_shard_size`` (bytes) is given."""
+        from taste_speech.loading import write_safetensors_checkpoint
+
+        os.makedirs(save_directory, exist_ok=True)
+        config = self.config.to_dict()
+        joint = self.config.joint_whisper_config
+        if any(getattr(joint, k) != v for k, v in DISTIL_LARGE_V3.items()):
+            os.makedirs(os.path.join(save_directory, JOINT_WHISPER_DIR), exist_ok=True)
+            joint.to_json_file(os.path.join(save_directory, JOINT_WHISPER_DIR, "config.json"), use_diff=False)
+            config["audio_tower_config"]["kwargs_for_joint_encoder_segmenter"]["model_name_or_path"] = JOINT_WHISPER_DIR
+        config["architectures"] = [type(self).__name__]
+        attn = getattr(self.config.text_config, "_attn_implementation", None)
+        if attn:  # to_dict drops it; the published layout carries it at the top level
+            config["_attn_implementation"] = attn
+        with open(os.path.join(save_directory, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        state = self.state_dict()
+        lm = self.spoken_lm
+        if lm.causal_lm.lm_head.weight is lm.embed_tokens.weight:
+            state.pop(LM_HEAD_KEY, None)
+        write_safetensors_checkpoint(state, save_directory, max_shard_size)
+
+
+def _to_run(value: torch.Tensor, key: str, half_dtype, device) -> torch.Tensor:
+    dtype = run_dtype_for_key(key, half_dtype) if value.is_floating_point() else value.dtype
+    return value.to(device=device, dtype=dtype)
 
 
 def _assign(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
+    """Put ``value`` in the parameter or buffer slot ``key`` (replacing a meta tensor)."""
     module_path, _, name = key.rpartition(".")
     module = model.get_submodule(module_path)
     if name in module._parameters:
         module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
-    else:
+    elif name in module._buffers:
         module._buffers[name] = value
+    else:
+        raise KeyError(f"{key} is neither a parameter nor a buffer of the model")
 
 
-def _rebuild_non_persistent(model: torch.nn.Module) -> None:
-    """Modules whose buffers are not in checkpoints (RoPE tables) are rebuilt on the CPU."""
+def _rebuild_non_persistent(model: torch.nn.Module, device) -> None:
+    """Modules whose buffers are not in checkpoints (RoPE tables) are rebuilt on ``device``."""
     for path, module in list(model.named_modules()):
         if not any(b.device.type == "meta" for b in module.buffers(recurse=False)):
             continue
         if not hasattr(module, "rope_type"):
             raise CheckpointError(f"cannot rebuild the non-persistent buffers of {path}")
         parent_path, _, child = path.rpartition(".")
-        with torch.device("cpu"):
+        with torch.device(device):
             setattr(model.get_submodule(parent_path), child, type(module)(module.config))
-
-
-def describe_mismatch(missing, unexpected, misshaped) -> str:
-    lines = ["checkpoint does not match the TASTE architecture:"]
-    for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
-        if items:
-            lines.append(f"  {len(items)} {title} tensor(s):")
-            lines.extend(f"    {k}" for k in items)
-    lines.append("Check that the directory holds the published TASTE layout (python -m taste_speech.check DIR).")
-    return "\n".join(lines)
-
-
-def resolve_checkpoint_dir(name_or_path: str) -> str:
-    """A local directory as is; otherwise a hub id, downloaded (or found in the local cache)."""
-    path = os.path.expanduser(str(name_or_path))
-    if os.path.isdir(path):
-        return path
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(name_or_path)) is None:
-        raise FileNotFoundError(f"{name_or_path!r} is neither a local directory nor a hub id (owner/name)")
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(repo_id=str(name_or_path))
-
-
-def weight_files(directory: str) -> list[str]:
-    """The weight files of a checkpoint directory, in the order they should be read."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(directory, s) for s in shards]
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if os.path.exists(os.path.join(directory, name)):
-            return [os.path.join(directory, name)]
-    raise FileNotFoundError(
-        f"no model weights in {directory}: expected model.safetensors, sharded model-*.safetensors with "
-        "model.safetensors.index.json, or pytorch_model.bin"
-    )
-
-
-def read_state_dict(directory: str) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for path in weight_files(directory):
-        state.update(read_weight_file(path))
-    return state
-
-
-def read_weight_file(path: str) -> dict[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        try:
-            with safe_open(path, framework="pt") as f:
-                return {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # truncated or corrupt file
-            raise CheckpointError(f"cannot read {path}: {exc}. Re-download the file.") from exc
-    return load_plain_state_dict(path)
-
-
-def load_plain_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """A ``.bin``/``.pth`` file, loaded without unpickling arbitrary objects."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(
-            f"{path} is not a plain tensor state dict (refused to unpickle it safely: {exc}). "
-            "Use the published file or convert it to safetensors."
-        ) from exc
-    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
-        raise CheckpointError(f"{path} must hold a flat dict of name -> tensor (a state dict)")
-    return obj
-
-
-def normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map the LoRA spellings of §10.2 onto ours (peft >= 0.7: ``.base_layer.weight`` and
-    ``.lora_A.default.weight``): old peft (base weight at ``q_proj.weight`` beside adapters
-    without ``.default``) and merged checkpoints (``spoken_lm.language_model.model.…``, no
-    adapters; see ``load_checkpoint_state``)."""
-    merged = not any(k.startswith(_LORA_PREFIX) for k in state) and any(
-        k.startswith("spoken_lm.language_model.model.") for k in state
-    )
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        if merged and key.startswith("spoken_lm.language_model."):
-            key = _LORA_PREFIX + key[len("spoken_lm.language_model."):]
-        if key.startswith(_LORA_PREFIX) and ".layers." in key:
-            key = re.sub(rf"\.{_ADAPTED}\.weight$", r".\1.base_layer.weight", key)
-            key = re.sub(r"\.lora_([AB])\.weight$", r".lora_\1.default.weight", key)
-        out[key] = value
-    return out
+    leftovers = [k for k, v in model.state_dict().items() if v.device.type == "meta"]
+    if leftovers:
+        raise CheckpointError(f"tensors left unloaded: {', '.join(leftovers)}")
 
 
 AutoConfig.register("taste", TasteConfig, exist_ok=True)

@@ -1,10 +1,14 @@
 """TasteSampler: how the spoken LM picks its next text token and TASTE code (spec §5.3).
 
-The sampler owns static vocabulary tables (word starts, sentence ends, banned ids) and a small
-per-sequence state. It implements TASTE's word-level one-word delay: the TASTE code of word k is
-read at the first token of word k+1, and a reply ends only through its heuristics (at least
-``extra_words`` words and then a token containing '.', or 3x ``extra_words`` words, or a stop id),
-because the LM never learned an end-of-utterance token.
+The sampler has static vocabulary tables (word starts, sentence ends, banned ids), built once per
+tokenizer, and a small per-sequence ``SamplerState``. It implements TASTE's word-level one-word
+delay: the TASTE code of word k is read at the first token of word k+1. A reply ends only through
+the sampler's heuristics (at least ``extra_words`` words and then a token containing '.', or
+3 x ``extra_words`` words, or a stop id), because the LM never learned an end-of-utterance token.
+
+Differences from Hugging Face sampling are deliberate (they are what the checkpoint was used with):
+top-p also removes the token that crosses p, the order is top-p -> repetition penalty ->
+temperature, and greedy decoding (``text_top_p == 0``) ignores penalty and temperature.
 """
 
 from __future__ import annotations
@@ -14,57 +18,119 @@ from enum import IntEnum
 
 import torch
 
-BAN_VALUE = -100000.0
-LLAMA3_SPECIAL_START = 128000
-LLAMA3_END_OF_TEXT = 128001
-_ALLOWED_CHARS = set(".,'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+BAN_VALUE = -100000.0  # the original's "minus infinity" (representable in bf16 logits)
+LLAMA3_SPECIAL_START = 128000  # every Llama-3 special token counts as a word start
+LLAMA3_END_OF_TEXT = 128001  # <|end_of_text|>: banned (generation never ends by EOS)
+END_OF_TEXT_TOKEN = "<|end_of_text|>"
+_ALLOWED_CHARS = frozenset(".,'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 
 
 class Action(IntEnum):
+    """What the generation loop does with the sampled text token (values as in the goldens)."""
+
     CONTINUE_AT_WORD_START = 0
     CONTINUE_NOT_AT_WORD_START = 1
-    WAIT_FOR_TASTE = 2
-    TERMINATE = 3
+    WAIT_FOR_TASTE = 2  # the token is dropped (never happens with delay 1 except when terminating)
+    TERMINATE = 3  # the token is dropped and the loop ends
 
 
 class TasteAction(IntEnum):
-    SAMPLE = 0
-    USE_PREFIX = 1  # feed the prompt's withheld last-word code
-    USE_PREFIX_IGNORE = 2  # keep the current code (inner tokens of the first word)
-    WAIT = 3  # feed the pad audio vector
+    """Which audio vector is fused with the sampled token in the next input row."""
+
+    SAMPLE = 0  # the TASTE code sampled at this step (fill forward when none was sampled)
+    USE_PREFIX = 1  # the prompt's withheld last-word code ('audio' mode, first generated word)
+    USE_PREFIX_IGNORE = 2  # keep the current code (inner tokens of the first generated word)
+    WAIT = 3  # the pad audio vector (first generated word without an audio prompt)
+
+
+# -- static tables ---------------------------------------------------------------------------------
+def _decode_each(tokenizer, size: int) -> list[str]:
+    """decode(i) of every id, batched when the tokenizer can (seconds for Llama-3's 128 256 ids)."""
+    batch_decode = getattr(tokenizer, "batch_decode", None)
+    if callable(batch_decode):
+        return list(batch_decode([[i] for i in range(size)]))
+    return [tokenizer.decode(i) for i in range(size)]
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids of a tokenizer's special tokens (transformers' ``all_special_ids`` plus added tokens
+    marked special); empty for a plain tokenizer-like object."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids |= {int(i) for i, tok in added.items() if getattr(tok, "special", False)}
+    return ids
+
+
+def end_of_text_ids(tokenizer=None, eos_token_id=None) -> list[int]:
+    """The ids the sampler bans as "end of text" (Llama-3's 128001 in the published model).
+
+    Resolved from the tokenizer's ``<|end_of_text|>`` token when it has one, else from
+    ``eos_token_id`` (e.g. ``config.text_config.eos_token_id``, an int or a list), else the
+    original's hard-coded 128001. Ids outside a small vocabulary are dropped by the caller."""
+    convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+    if callable(convert):
+        tid = convert(END_OF_TEXT_TOKEN)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if isinstance(tid, int) and tid >= 0 and tid != unk:
+            return [tid]
+    if eos_token_id is not None:
+        return [int(i) for i in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])]
+    return [LLAMA3_END_OF_TEXT]
 
 
 @dataclass
 class VocabularyTables:
-    word_start: torch.Tensor  # (V,) bool
-    sentence_end: torch.Tensor  # (V,) bool
-    banned: torch.Tensor  # (V,) bool
+    """Per-id boolean tables, shape (V,)."""
+
+    word_start: torch.Tensor
+    sentence_end: torch.Tensor
+    banned: torch.Tensor
+
+    @property
+    def vocab_size(self) -> int:
+        return self.word_start.numel()
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, end_of_text_id: int | None = None):
-        """Decode every id once. ``tokenizer`` needs ``decode([id])``; special tokens of a
-        transformers tokenizer also count as word starts (like Llama-3's ids >= 128000)."""
-        size = vocab_size if vocab_size is not None else len(tokenizer)
-        specials = set(getattr(tokenizer, "all_special_ids", []) or [])
-        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        specials |= {i for i, tok in added.items() if getattr(tok, "special", False)}
-        word_start = torch.zeros(size, dtype=torch.bool)
-        sentence_end = torch.zeros(size, dtype=torch.bool)
-        banned = torch.zeros(size, dtype=torch.bool)
-        for i in range(size):
-            piece = tokenizer.decode([i])
-            word_start[i] = piece.startswith(" ") or i >= LLAMA3_SPECIAL_START or i in specials
-            sentence_end[i] = "." in piece
-            banned[i] = piece != "." and (not (set(piece) & _ALLOWED_CHARS) or "\n" in piece)
-        if end_of_text_id is None:
-            end_of_text_id = LLAMA3_END_OF_TEXT
-        if 0 <= end_of_text_id < size:
-            banned[end_of_text_id] = True
+    def from_pieces(cls, pieces: list[str], special_ids=(), banned_extra=()) -> "VocabularyTables":
+        """Tables from decode(i) of every id (spec §5.3):
+
+        * word start: the piece starts with a space, or the id is >= 128000 or a special token;
+        * sentence end: the piece contains '.';
+        * banned: the piece contains none of ``. , ' a-z A-Z 0-9`` or contains a newline (the
+          exact piece '.' is kept), plus ``banned_extra`` (end of text) when inside the vocabulary.
+        """
+        size = len(pieces)
+        specials = {int(i) for i in special_ids}
+        word_start = torch.tensor(
+            [p.startswith(" ") or i >= LLAMA3_SPECIAL_START or i in specials for i, p in enumerate(pieces)],
+            dtype=torch.bool,
+        )
+        sentence_end = torch.tensor(["." in p for p in pieces], dtype=torch.bool)
+        banned = torch.tensor(
+            [p != "." and (not (_ALLOWED_CHARS & set(p)) or "\n" in p) for p in pieces], dtype=torch.bool
+        )
+        for i in banned_extra:
+            if 0 <= int(i) < size:  # the original's 128001 does not exist in a small vocabulary
+                banned[int(i)] = True
         return cls(word_start, sentence_end, banned)
 
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, eos_token_id=None) -> "VocabularyTables":
+        """Decode every id once. ``tokenizer`` needs ``len()`` and ``decode(i)`` (a transformers
+        tokenizer, or any object offering these two). ``vocab_size`` (the LM's embedding rows,
+        which may exceed ``len(tokenizer)``) sets the table size; ids the tokenizer does not know
+        decode to '' and are therefore banned. ``eos_token_id``: see ``end_of_text_ids``."""
+        known = len(tokenizer)
+        size = known if vocab_size is None else int(vocab_size)
+        pieces = _decode_each(tokenizer, min(size, known)) + [""] * max(0, size - known)
+        return cls.from_pieces(pieces, special_token_ids(tokenizer), end_of_text_ids(tokenizer, eos_token_id))
 
+
+# -- parameters and state ----------------------------------------------------------------------------
 @dataclass
 class SamplingParams:
+    """Decoding settings. Defaults are the README's; ``text_top_p == 0`` is greedy."""
+
     text_top_p: float = 0.3
     taste_top_p: float = 0.0
     text_temperature: float = 0.5
@@ -73,115 +139,199 @@ class SamplingParams:
     delay: int = 1
 
     def __post_init__(self):
-        if not 0.0 <= self.text_top_p <= 1.0 or not 0.0 <= self.taste_top_p <= 1.0:
-            raise ValueError("text_top_p and taste_top_p must be in [0, 1] (0 = greedy)")
-        if self.text_temperature <= 0:
-            raise ValueError("text_temperature must be > 0")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0 (1.0 = off)")
-        if self.extra_words < 1:
-            raise ValueError("extra_words must be >= 1")
+        if not 0.0 <= self.text_top_p <= 1.0:
+            raise ValueError(f"text_top_p must be in [0, 1] (0 = greedy), got {self.text_top_p}")
+        if not 0.0 <= self.taste_top_p <= 1.0:
+            raise ValueError(f"taste_top_p must be in [0, 1] (0 = argmax), got {self.taste_top_p}")
+        if not self.text_temperature > 0:
+            raise ValueError(f"text_temperature must be > 0, got {self.text_temperature}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 = off), got {self.repetition_penalty}")
+        if int(self.extra_words) < 1:
+            raise ValueError(f"extra_words must be >= 1, got {self.extra_words}")
         if self.delay != 1:
-            raise ValueError("only the word-level delay of 1 (the published model) is supported")
+            raise ValueError(f"only the word-level delay of 1 (the published model) is supported, got {self.delay}")
 
 
 @dataclass
 class SamplerState:
-    """Per-sequence state; create with ``TasteSampler.new_state`` for every generation."""
+    """Everything the sampler remembers about one sequence. Make one per generation with
+    ``TasteSampler.reset``; ``reset`` on the state itself re-arms it in place."""
 
     extra_words: int
     has_prefix: bool
-    stop_id: int | None
+    stop_id: int | tuple[int, ...] | None = None  # one stop id or several
+    delay: int = 1
     word_start_history: list[bool] = field(default_factory=list)
     end_countdown: int | None = None
     end_text: bool = False
     word_counter: int = 0
+    end_reason: str | None = None  # 'sentence_end' | 'max_words' | 'stop_id' once the end is decided
 
     @property
     def max_words(self) -> int:
         return 3 * self.extra_words
 
+    def is_stop(self, text_id: int) -> bool:
+        if self.stop_id is None:
+            return False
+        if isinstance(self.stop_id, int):
+            return text_id == self.stop_id
+        return text_id in self.stop_id
+
+    def reset(self, extra_words: int | None = None, has_prefix: bool | None = None, stop_id=...) -> "SamplerState":
+        if extra_words is not None:
+            self.extra_words = int(extra_words)
+        if has_prefix is not None:
+            self.has_prefix = bool(has_prefix)
+        if stop_id is not ...:
+            self.stop_id = stop_id
+        self.word_start_history = []
+        self.end_countdown = None
+        self.end_text = False
+        self.word_counter = 0
+        self.end_reason = None
+        return self
+
 
 @dataclass
 class Decision:
+    """The sampler's choice at one step."""
+
     text_id: int
-    taste_ids: torch.Tensor  # (K,) long; -1 when no code was sampled at this step
+    taste_ids: torch.Tensor  # (K,) long; all -1 when no code was sampled at this step
     action: Action
     taste_action: TasteAction
-    text_logits: torch.Tensor  # the banned (and filtered) logits the choice was made from
+    text_logits: torch.Tensor  # (V,) the banned (and filtered) logits the choice was made from
+
+    @property
+    def has_taste(self) -> bool:
+        return bool((self.taste_ids >= 0).all())
+
+    @property
+    def emits_text(self) -> bool:
+        return self.action in (Action.CONTINUE_AT_WORD_START, Action.CONTINUE_NOT_AT_WORD_START)
 
 
+# -- the sampler ---------------------------------------------------------------------------------------
 class TasteSampler:
-    def __init__(self, tables: VocabularyTables, params: SamplingParams):
+    def __init__(self, tables: VocabularyTables, params: SamplingParams | None = None):
         self.tables = tables
-        self.params = params
+        self.params = params or SamplingParams()
+        self._banned_here = tables.banned  # the ban mask on the device of the last logits seen
 
-    def new_state(self, has_prefix: bool, stop_id: int | None = None, extra_words: int | None = None) -> SamplerState:
-        return SamplerState(
-            extra_words=self.params.extra_words if extra_words is None else extra_words,
-            has_prefix=has_prefix,
-            stop_id=stop_id,
-        )
+    def _banned_on(self, device: torch.device) -> torch.Tensor:
+        if self._banned_here.device != device:
+            self._banned_here = self.tables.banned.to(device)
+        return self._banned_here
 
-    # -- text ------------------------------------------------------------------------------
-    def sample_text(self, logits: torch.Tensor, input_ids: list[int], generator=None) -> tuple[int, torch.Tensor]:
-        """Pick a text id from the last position's logits (V,). Order as the original:
-        ban -> top-p (remove cumulative prob > p, keep the best) -> repetition penalty ->
-        temperature -> one multinomial draw. p == 0 is plain argmax (no penalty/temperature)."""
+    @classmethod
+    def from_tokenizer(cls, tokenizer, params: SamplingParams | None = None, vocab_size: int | None = None,
+                       eos_token_id=None) -> "TasteSampler":
+        return cls(VocabularyTables.from_tokenizer(tokenizer, vocab_size, eos_token_id), params)
+
+    # Mask names used by the golden sets.
+    @property
+    def ban_mask(self) -> torch.Tensor:
+        return self.tables.banned
+
+    @property
+    def sentence_end_mask(self) -> torch.Tensor:
+        return self.tables.sentence_end
+
+    @property
+    def word_start_mask(self) -> torch.Tensor:
+        return self.tables.word_start
+
+    def reset(self, has_prefix: bool, stop_id=None, extra_words: int | None = None) -> SamplerState:
+        """A fresh per-sequence state (the original's ``reset``). ``stop_id``: an id, several ids
+        (a tuple) or None; sampling one ends the sequence at once (spec §5.3)."""
+        if stop_id is not None and not isinstance(stop_id, int):
+            stop_id = tuple(int(i) for i in stop_id)
+        words = self.params.extra_words if extra_words is None else int(extra_words)
+        if words < 1:
+            raise ValueError(f"extra_words must be >= 1, got {words}")
+        return SamplerState(extra_words=words, has_prefix=bool(has_prefix), stop_id=stop_id, delay=self.params.delay)
+
+    new_state = reset
+
+    # -- text --------------------------------------------------------------------------------------
+    def _check_vocab(self, logits: torch.Tensor) -> None:
+        if logits.shape[-1] != self.tables.vocab_size:
+            raise ValueError(
+                f"text logits have {logits.shape[-1]} entries but the sampler tables cover {self.tables.vocab_size} "
+                "ids: build the tables with vocab_size=config.text_config.vocab_size"
+            )
+
+    def sample_text(self, logits: torch.Tensor, input_ids, generator: torch.Generator | None = None):
+        """Pick a text id from the last position's logits (V,). Returns (id, logits used).
+
+        ban -> if p == 0: argmax; else top-p (remove cumulative prob > p, keep the best) ->
+        repetition penalty over ``input_ids`` (CTRL style) -> temperature -> one multinomial draw."""
+        self._check_vocab(logits)
         p = self.params
         logits = logits.float().clone()
-        logits[self.tables.banned.to(logits.device)] = BAN_VALUE
+        logits[self._banned_on(logits.device)] = BAN_VALUE
         if p.text_top_p == 0:
             return int(logits.argmax()), logits
-        sorted_logits, order = logits.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative > p.text_top_p
-        remove[0] = False
-        logits[order[remove]] = BAN_VALUE
-        if p.repetition_penalty != 1.0 and input_ids:
-            ids = torch.tensor(sorted(set(input_ids)), device=logits.device)
-            ids = ids[ids < logits.numel()]
+        logits = self._top_p(logits, p.text_top_p)
+        if p.repetition_penalty != 1.0 and len(input_ids):
+            ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=logits.device).unique()
+            ids = ids[(ids >= 0) & (ids < logits.numel())]
             chosen = logits[ids]
             logits[ids] = torch.where(chosen < 0, chosen * p.repetition_penalty, chosen / p.repetition_penalty)
         logits = logits / p.text_temperature
-        probs = logits.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=generator)), logits
+        return int(torch.multinomial(logits.softmax(-1), 1, generator=generator)), logits
 
-    # -- TASTE -----------------------------------------------------------------------------
-    def sample_taste(self, taste_logits: torch.Tensor, generator=None) -> torch.Tensor:
-        """(K, C) logits of the last position -> (K,) codes. With the published head the logits
-        are one-hot x 1000, so this is deterministic in practice."""
+    @staticmethod
+    def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+        """Set every token whose cumulative probability (sorted descending) exceeds ``top_p`` to
+        BAN_VALUE - including the one that crosses ``top_p`` - but always keep the best."""
+        sorted_logits, order = logits.sort(descending=True)
+        remove = sorted_logits.softmax(-1).cumsum(-1) > top_p
+        remove[..., 0] = False
+        out = logits.clone()
+        out[order[remove]] = BAN_VALUE
+        return out
+
+    # -- TASTE -------------------------------------------------------------------------------------
+    def sample_taste(self, taste_logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """(K, C) logits of the last position -> (K,) codes. The published head's logits are
+        one-hot x 1000, so this is the head's own code whatever ``taste_top_p`` is."""
         if self.params.taste_top_p == 0:
             return taste_logits.argmax(-1)
-        codes = []
-        for level in taste_logits.float():
-            sorted_logits, order = level.sort(descending=True)
-            remove = sorted_logits.softmax(-1).cumsum(-1) > self.params.taste_top_p
-            remove[0] = False
-            level = level.clone()
-            level[order[remove]] = BAN_VALUE
-            codes.append(torch.multinomial(level.softmax(-1), 1, generator=generator)[0])
+        codes = [
+            torch.multinomial(self._top_p(level.float(), self.params.taste_top_p).softmax(-1), 1, generator=generator)[0]
+            for level in taste_logits
+        ]
         return torch.stack(codes)
 
-    # -- one step --------------------------------------------------------------------------
-    def update(self, state: SamplerState, text_logits, taste_logits, input_ids: list[int], generator=None) -> Decision:
-        delay = self.params.delay
+    # -- one step ----------------------------------------------------------------------------------
+    def update(self, state: SamplerState, text_logits: torch.Tensor, taste_logits: torch.Tensor, input_ids,
+               generator: torch.Generator | None = None) -> Decision:
+        """One generation step from the last position's text logits (V,) and TASTE logits (K, C).
+        ``input_ids``: every id so far (prompt + generated), for the repetition penalty."""
+        delay = state.delay
         text_id, used_logits = self.sample_text(text_logits, input_ids, generator)
-        waiting = state.end_text
+        waiting = state.end_text  # decided at an earlier step
         if state.word_counter == 0:
             is_word_start = True  # the first generated token always starts a word
         elif waiting:
             state.end_countdown = (delay if state.end_countdown is None else state.end_countdown) - 1
-            is_word_start = True
+            is_word_start = True  # forced, so the last word's code is read now
         else:
             is_word_start = bool(self.tables.word_start[text_id])
         state.word_start_history.append(is_word_start)
 
-        if (state.word_counter >= state.extra_words and bool(self.tables.sentence_end[text_id])) or (
-            state.word_counter >= state.max_words
-        ):
+        # max_words is checked before this word is counted: up to 3E + 1 words.
+        if state.word_counter >= state.extra_words and bool(self.tables.sentence_end[text_id]):
+            state.end_reason = state.end_reason or "sentence_end"
             state.end_text = True
-        if state.stop_id is not None and text_id == state.stop_id:
+        elif state.word_counter >= state.max_words:
+            state.end_reason = state.end_reason or "max_words"
+            state.end_text = True
+        if state.is_stop(text_id):
+            state.end_reason = "stop_id"
             state.end_text = True
             state.end_countdown = delay - 1
             waiting = True
@@ -197,12 +347,11 @@ class TasteSampler:
         else:
             action = Action.CONTINUE_NOT_AT_WORD_START
 
-        started = sum(state.word_start_history) > delay
-        k = taste_logits.shape[-2]
+        started = sum(state.word_start_history) > delay  # a finished word's code is due
         if started and is_word_start:
             taste_ids = self.sample_taste(taste_logits, generator)
         else:
-            taste_ids = torch.full((k,), -1, dtype=torch.long, device=taste_logits.device)
+            taste_ids = torch.full((taste_logits.shape[-2],), -1, dtype=torch.long, device=taste_logits.device)
         if started:
             taste_action = TasteAction.SAMPLE
         elif state.has_prefix and is_word_start:

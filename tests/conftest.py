@@ -20,3 +20,21 @@ def taste_lm_tiny_a() -> Path:
 @pytest.fixture(scope="session")
 def voice_generator_tiny_a() -> Path:
     return DATA / "voice_generator_tiny_a"
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random checkpoint in the published layout, built by taste_speech.tiny (seed 0)."""
+    from taste_speech.tiny import build_tiny_checkpoint
+
+    directory = tmp_path_factory.mktemp("tiny") / "ckpt"
+    build_tiny_checkpoint(str(directory), seed=0)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    from taste_speech.modeling_taste import TasteForCausalLM
+    from taste_speech.processing_taste import TasteProcessor
+
+    return TasteForCausalLM.from_pretrained(str(tiny_checkpoint)), TasteProcessor.from_pretrained(str(tiny_checkpoint))

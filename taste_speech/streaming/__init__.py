@@ -1,23 +1,32 @@
-"""Streaming API of taste_speech: listen (taste_tokenize), think (streaming_generate with a
-per-call Conversation) and speak (taste_detokenize)."""
+"""Streaming API of taste_speech: listen (``taste_tokenize``), think (``streaming_generate`` with a
+per-call ``Conversation``) and speak (``taste_detokenize``).
 
-from taste_speech.streaming.conversation import Conversation, ConversationSnapshot
-from taste_speech.streaming.generate import at_punctuation, every_n_words, every_word, streaming_generate
-from taste_speech.streaming.prompt import CONTINUATION, DIALOGUE
+    from taste_speech.streaming import taste_tokenize, streaming_generate, TASTESegment, taste_detokenize
+"""
+
+from taste_speech.streaming.conversation import Conversation, ConversationState
+from taste_speech.streaming.generate import (
+    PendingWord,
+    at_punctuation,
+    every_n_words,
+    every_word,
+    streaming_generate,
+    vocabulary_tables,
+)
+from taste_speech.streaming.prompt import CONTINUATION, DIALOGUE, FORMATS, INSTRUCT
 from taste_speech.streaming.segment import TASTESegment
+from taste_speech.streaming.tokenize import taste_tokenize
 
 __all__ = [
-    "TASTESegment", "streaming_generate", "Conversation", "ConversationSnapshot",
-    "every_word", "every_n_words", "at_punctuation", "CONTINUATION", "DIALOGUE",
+    "TASTESegment", "taste_tokenize", "streaming_generate", "Conversation", "ConversationState", "PendingWord",
+    "every_word", "every_n_words", "at_punctuation", "vocabulary_tables",
+    "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS",
 ]
 
-try:  # parts written in their own modules
-    from taste_speech.streaming.tokenize import taste_tokenize  # noqa: F401
-    __all__.append("taste_tokenize")
-except ImportError:  # pragma: no cover
-    pass
-try:
+try:  # the speaking side lives in its own modules (taste_speech/streaming/detokenize.py)
     from taste_speech.streaming.detokenize import taste_detokenize  # noqa: F401
+except ModuleNotFoundError as exc:  # pragma: no cover - only while that module is absent
+    if exc.name != "taste_speech.streaming.detokenize":
+        raise
+else:
     __all__.append("taste_detokenize")
-except ImportError:  # pragma: no cover
-    pass

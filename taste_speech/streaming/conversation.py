@@ -1,11 +1,13 @@
 """Conversation: the per-call state of the spoken LM.
 
-It holds the system segment and the turns, and a KV cache of the rows of every committed turn, so a
-new turn only appends its own rows (no re-prefill of history). The reply being generated appends
-rows to the same cache; committing it (all of it, or only the words that were actually played
-after a barge-in) crops the cache to what is kept and closes the turn. A rolling window drops the
-oldest turns (never the system segment) when the history grows past ``max_tokens``/``max_turns``;
-only then is the cache rebuilt. ``snapshot()``/``restore()`` copy the whole state.
+A conversation holds the system segment, the committed turns and a KV cache of exactly their
+rows (in one prompt format, see ``prompt.py``). A new turn only appends its own rows - the history
+is never prefilled again. A reply being generated appends rows to the same cache and is committed
+when it ends; ``truncate_last_assistant`` cuts it to the words that were actually played after a
+barge-in (the cache is cropped in place). A rolling window (``max_tokens`` / ``max_turns``) drops
+the oldest turns, never the system segment; only then is the cache rebuilt, because every later
+row's position changes. All of it lives in one ``ConversationState`` that ``snapshot()`` copies and
+``restore()`` puts back.
 """
 
 from __future__ import annotations
@@ -16,137 +18,244 @@ from dataclasses import dataclass, field
 import torch
 
 from taste_speech.modeling_spoken_lm import LMDecodeState
-from taste_speech.streaming.prompt import CONTINUATION, PromptBuilder
+from taste_speech.streaming.prompt import CONTINUATION, PromptFormat
 from taste_speech.streaming.segment import TASTESegment
 
 
 @dataclass
-class ConversationSnapshot:
-    system: TASTESegment | None
-    turns: list[TASTESegment]
-    state: LMDecodeState | None
-    committed_rows: int
-    turn_rows: list[int]
+class ConversationState:
+    """Everything a conversation remembers (snapshot / restore copy this object)."""
 
-
-class Conversation:
-    def __init__(self, model, processor, system: TASTESegment | None = None, prompt_format: str = CONTINUATION,
-                 max_tokens: int = 2048, max_turns: int = 64):
-        if system is not None and system.role != "system":
-            raise ValueError("the system segment must have role 'system'")
-        self.model = model
-        self.builder = PromptBuilder(model.spoken_lm, model.rvq, processor.llm_tokenizer, prompt_format)
-        self.system = system
-        self.turns: list[TASTESegment] = []
-        self.max_tokens, self.max_turns = max_tokens, max_turns
-        self.state: LMDecodeState | None = None
-        self.committed_rows = 0  # rows of committed segments in the cache
-        self.turn_rows: list[int] = []  # rows each committed turn occupies
-
-    @property
-    def prompt_format(self) -> str:
-        return self.builder.format
+    system: TASTESegment | None = None
+    turns: list[TASTESegment] = field(default_factory=list)
+    turn_rows: list[int] = field(default_factory=list)  # cache rows of each committed turn
+    turn_ids: list[int] = field(default_factory=list)  # penalty ids each committed turn added
+    turn_carry: list = field(default_factory=list)  # carry before each turn (continuation format)
+    decode: LMDecodeState | None = None  # the KV cache; None = rebuild on next use
+    committed_rows: int = 0  # rows of everything committed (a reply in progress lies beyond)
+    committed_ids: int = 0  # length of decode.input_ids that belongs to committed rows
+    committed_hidden: torch.Tensor | None = None  # hidden state of the last committed row (1, H)
+    carry: torch.Tensor | None = None  # continuation format: code the next stream row inherits
+    reply_opening: int = 0  # rows the reply in progress fed before its content
 
     @property
     def segments(self) -> list[TASTESegment]:
         return ([self.system] if self.system is not None else []) + list(self.turns)
 
-    # -- cache management ---------------------------------------------------------------------
+
+class Conversation:
+    def __init__(self, model, processor, system: TASTESegment | None = None, prompt_format: str = CONTINUATION,
+                 max_tokens: int = 4096, max_turns: int = 64):
+        """``model``: a TasteForCausalLM (anything with ``.spoken_lm`` and ``.audio_tower.vq.rvq``);
+        ``processor``: anything with ``.llm_tokenizer``. ``max_tokens`` bounds the cached rows
+        of the committed history, ``max_turns`` its number of turns (system excluded)."""
+        if system is not None and (not isinstance(system, TASTESegment) or system.role != "system"):
+            raise ValueError("the system segment must be a TASTESegment with role 'system'")
+        if max_tokens < 1 or max_turns < 1:
+            raise ValueError(f"max_tokens and max_turns must be >= 1, got {max_tokens} and {max_turns}")
+        self.model = model
+        self.processor = processor
+        self.format = PromptFormat(model.spoken_lm, model.audio_tower.vq.rvq, processor.llm_tokenizer, prompt_format)
+        self.max_tokens, self.max_turns = int(max_tokens), int(max_turns)
+        self.state = ConversationState(system=system)
+
+    @property
+    def prompt_format(self) -> str:
+        return self.format.name
+
+    @property
+    def lm(self):
+        return self.model.spoken_lm
+
+    @property
+    def system(self) -> TASTESegment | None:
+        return self.state.system
+
+    @property
+    def turns(self) -> list[TASTESegment]:
+        return list(self.state.turns)
+
+    # -- the cache ------------------------------------------------------------------------------
     @torch.no_grad()
     def _rebuild(self) -> None:
-        lm = self.model.spoken_lm
-        self.state = lm.new_decode_state()
-        rows = [self.builder.sos_rows()]
-        if self.system is not None:
-            rows.append(self.builder.segment_rows(self.system))
-        self.turn_rows = []
-        for turn in self.turns:
-            r = self.builder.segment_rows(turn)
+        """Prefill the whole committed history (first use, or after the window moved / a turn in
+        the middle changed)."""
+        st = self.state
+        decode = self.lm.new_decode_state()
+        rows = [self.format.sos_rows()]
+        carry = None
+        if st.system is not None:
+            r, ids, carry = self.format.segment_rows(st.system, carry)
             rows.append(r)
-            self.turn_rows.append(r.shape[1])
-        all_rows = torch.cat(rows, dim=1)
-        lm.feed(self.state, all_rows)
-        self.committed_rows = all_rows.shape[1]
-        self.state.input_ids = [t for s in self.segments for t in s.text_ids[0].tolist()]
+            decode.input_ids.extend(ids)
+        st.turn_rows, st.turn_ids, st.turn_carry = [], [], []
+        for turn in st.turns:
+            st.turn_carry.append(carry)
+            r, ids, carry = self.format.segment_rows(turn, carry)
+            rows.append(r)
+            decode.input_ids.extend(ids)
+            st.turn_rows.append(r.shape[1])
+            st.turn_ids.append(len(ids))
+        self.lm.feed(decode, torch.cat(rows, dim=1))
+        st.decode, st.carry = decode, carry
+        self._mark_committed()
 
-    def ensure_ready(self) -> LMDecodeState:
-        if self.state is None:
+    def _mark_committed(self) -> None:
+        st = self.state
+        st.committed_rows = st.decode.length
+        st.committed_ids = len(st.decode.input_ids)
+        st.committed_hidden = st.decode.last_hidden
+        st.reply_opening = 0
+
+    @torch.no_grad()
+    def _cut(self, rows: int, ids: int) -> None:
+        """Keep the first ``rows`` cache rows and ``ids`` penalty ids; the last kept row is fed
+        again so its hidden state (the next step's input) is known."""
+        decode = self.state.decode
+        last = decode.inputs_embeds()[:, rows - 1: rows]
+        decode.crop(rows - 1)
+        self.lm.feed(decode, last)
+        del decode.input_ids[ids:]
+
+    def ready(self) -> LMDecodeState:
+        """The decode state holding exactly the committed history (rows of an abandoned reply are
+        dropped)."""
+        st = self.state
+        if st.decode is None:
             self._rebuild()
-        return self.state
+        elif st.decode.length != st.committed_rows:
+            st.decode.crop(st.committed_rows)
+            del st.decode.input_ids[st.committed_ids:]
+            st.decode.last_hidden = st.committed_hidden
+            st.reply_opening = 0
+        return st.decode
 
-    def crop(self, rows: int) -> None:
-        """Forget everything in the cache after the first ``rows`` rows."""
-        extra = self.state.cache.get_seq_length() - rows
-        if extra > 0:
-            self.state.cache.crop(-extra)  # transformers' crop takes the number of rows to drop
-        del self.state.rows[rows:]
-
+    # -- turns ----------------------------------------------------------------------------------------
     @torch.no_grad()
     def add_turn(self, segment: TASTESegment) -> None:
-        """Append a committed turn (a user turn, or an assistant turn given from outside)."""
-        state = self.ensure_ready()
-        self.crop(self.committed_rows)  # drop any uncommitted reply rows
-        rows = self.builder.segment_rows(segment)
-        self.model.spoken_lm.feed(state, rows)
-        self.turns.append(segment)
-        self.turn_rows.append(rows.shape[1])
-        self.committed_rows += rows.shape[1]
-        state.input_ids.extend(segment.text_ids[0].tolist())
+        """Append a committed turn (user speech or text; an assistant turn given from outside)."""
+        if not isinstance(segment, TASTESegment):
+            raise ValueError(f"turns must be TASTESegment objects, got {type(segment).__name__}")
+        st = self.state
+        if segment.role == "system":
+            if st.system is None and not st.turns:
+                st.system, st.decode = segment, None
+                return
+            raise ValueError("a system segment can only open a conversation (pass it as Conversation(system=...))")
+        decode = self.ready()
+        rows, ids, carry = self.format.segment_rows(segment, st.carry)
+        self.lm.feed(decode, rows)
+        decode.input_ids.extend(ids)
+        st.turns.append(segment)
+        st.turn_rows.append(rows.shape[1])
+        st.turn_ids.append(len(ids))
+        st.turn_carry.append(st.carry)
+        st.carry = carry
+        self._mark_committed()
         self._apply_window()
 
     @torch.no_grad()
-    def commit_reply(self, reply: TASTESegment, opening_rows: int, played_tokens: int | None = None) -> TASTESegment:
-        """Keep the generated reply, or only its first ``played_tokens`` tokens (barge-in: the
-        words that were actually played). The cache holds ``opening_rows`` + the reply's content
-        rows after the committed rows; it is cropped to what is kept and the turn is closed."""
-        if played_tokens is not None and played_tokens < reply.length:
-            if played_tokens <= 0:
-                self.crop(self.committed_rows)
-                return None
-            keep = reply.taste_ids[0, :played_tokens]
-            reply = TASTESegment("assistant", "audio", reply.text_ids[:, :played_tokens], keep.unsqueeze(0))
-        content_rows = reply.length
-        self.crop(self.committed_rows + opening_rows + content_rows)
-        closing = self.builder.reply_closing_rows(reply)
-        if closing.shape[1]:
-            self.model.spoken_lm.feed(self.state, closing)
-        used = opening_rows + content_rows + closing.shape[1]
-        self.turns.append(reply)
-        self.turn_rows.append(used)
-        self.committed_rows += used
-        self.state.input_ids = [t for s in self.segments for t in s.text_ids[0].tolist()]
-        self._apply_window()
-        return reply
+    def begin_reply(self, eos_id: int | None = None):
+        """Feed the reply's opening rows after the committed history; returns the ReplyOpening."""
+        decode = self.ready()
+        opening = self.format.reply_opening(self.state.carry, eos_id)
+        if opening.rows is not None:
+            self.lm.feed(decode, opening.rows)
+            decode.input_ids.extend(opening.opening_ids)
+        self.state.reply_opening = 0 if opening.rows is None else opening.rows.shape[1]
+        return opening
 
-    def truncate_last_assistant(self, played_tokens: int) -> None:
-        """After the fact: keep only the first ``played_tokens`` tokens of the last assistant turn."""
-        for i in range(len(self.turns) - 1, -1, -1):
-            turn = self.turns[i]
-            if turn.role == "assistant":
-                if played_tokens <= 0:
-                    del self.turns[i]
-                else:
-                    self.turns[i] = TASTESegment(turn.role, turn.modality, turn.text_ids[:, :played_tokens],
-                                                 None if turn.taste_ids is None else turn.taste_ids[:, :played_tokens])
-                self.state = None  # history changed in the middle: rebuild lazily
-                return
-        raise ValueError("there is no assistant turn to truncate")
+    @torch.no_grad()
+    def commit_reply(self, reply: TASTESegment | None) -> None:
+        """Close the reply whose rows the generation fed (opening + one row per token)."""
+        st = self.state
+        if reply is None:
+            self.ready()  # nothing was said: drop the opening rows
+            return
+        decode = st.decode
+        expected = st.committed_rows + st.reply_opening + reply.length
+        if decode is None or decode.length != expected:
+            raise ValueError(f"the cache holds {0 if decode is None else decode.length} rows but this reply needs "
+                             f"{expected}: commit_reply must directly follow the generation of this reply")
+        rows, ids, carry = self.format.reply_closing(reply)
+        if rows is not None:
+            self.lm.feed(decode, rows)
+            decode.input_ids.extend(ids)
+        st.turns.append(reply)
+        st.turn_rows.append(decode.length - st.committed_rows)
+        st.turn_ids.append(len(decode.input_ids) - st.committed_ids)
+        st.turn_carry.append(st.carry)
+        st.carry = carry
+        self._mark_committed()
+        self._apply_window()
+
+    @torch.no_grad()
+    def truncate_last_assistant(self, played_words: int) -> TASTESegment | None:
+        """Keep only the first ``played_words`` words of the last assistant turn (barge-in: what
+        the caller actually heard); returns the kept turn (None when nothing was kept). When that
+        turn is the newest one the cache is cut in place (no re-prefill)."""
+        if isinstance(played_words, bool) or not isinstance(played_words, int) or played_words < 0:
+            raise ValueError(f"played_words must be an integer >= 0, got {played_words!r}")
+        st = self.state
+        index = next((i for i in range(len(st.turns) - 1, -1, -1) if st.turns[i].role == "assistant"), None)
+        if index is None:
+            raise ValueError("there is no assistant turn to truncate")
+        turn = st.turns[index]
+        kept = turn.first_words(played_words) if turn.modality == "audio" else (turn if played_words else None)
+        if kept is turn:
+            return turn
+        if index != len(st.turns) - 1 or st.decode is None:  # in the middle of the history: rebuild later
+            if kept is None:
+                del st.turns[index]
+            else:
+                st.turns[index] = kept
+            st.decode = None
+            return kept
+        self.ready()
+        start_rows = st.committed_rows - st.turn_rows[index]
+        start_ids = st.committed_ids - st.turn_ids[index]
+        carry_before = st.turn_carry[index]
+        del st.turns[index], st.turn_rows[index], st.turn_ids[index], st.turn_carry[index]
+        if kept is None:
+            self._cut(start_rows, start_ids)
+            st.carry = carry_before
+            self._mark_committed()
+            return None
+        # The kept turn's rows are a prefix of the old ones up to its content; its closing rows
+        # (if any) differ and are fed again.
+        rows, ids, carry = self.format.segment_rows(kept, carry_before)
+        closing_rows, closing_ids, _ = self.format.reply_closing(kept)
+        n_close = 0 if closing_rows is None else closing_rows.shape[1]
+        self._cut(start_rows + rows.shape[1] - n_close, start_ids + len(ids) - len(closing_ids))
+        if closing_rows is not None:
+            self.lm.feed(st.decode, closing_rows)
+            st.decode.input_ids.extend(closing_ids)
+        st.turns.append(kept)
+        st.turn_rows.append(rows.shape[1])
+        st.turn_ids.append(len(ids))
+        st.turn_carry.append(carry_before)
+        st.carry = carry
+        self._mark_committed()
+        return kept
 
     def _apply_window(self) -> None:
+        st = self.state
         dropped = False
-        while self.turns and (len(self.turns) > self.max_turns or self.committed_rows > self.max_tokens):
-            self.committed_rows -= self.turn_rows.pop(0)
-            self.turns.pop(0)
+        while st.turns and (len(st.turns) > self.max_turns or st.committed_rows > self.max_tokens):
+            st.committed_rows -= st.turn_rows.pop(0)
+            st.turns.pop(0)
+            st.turn_ids.pop(0)
+            st.turn_carry.pop(0)
             dropped = True
-        if dropped:
-            self.state = None  # positions shift: rebuild on next use
+        if dropped:  # every later row's position changes: prefill the kept history again
+            self._rebuild()
 
-    # -- snapshots -------------------------------------------------------------------------------
-    def snapshot(self) -> ConversationSnapshot:
-        return ConversationSnapshot(self.system, list(self.turns), copy.deepcopy(self.state),
-                                    self.committed_rows, list(self.turn_rows))
+    # -- snapshots ------------------------------------------------------------------------------------
+    def snapshot(self) -> ConversationState:
+        """A deep copy of the whole state (turns, cache, window bookkeeping)."""
+        return copy.deepcopy(self.state)
 
-    def restore(self, snap: ConversationSnapshot) -> None:
-        self.system, self.turns = snap.system, list(snap.turns)
-        self.state = copy.deepcopy(snap.state)
-        self.committed_rows, self.turn_rows = snap.committed_rows, list(snap.turn_rows)
+    def restore(self, snapshot: ConversationState) -> None:
+        if not isinstance(snapshot, ConversationState):
+            raise ValueError("restore() takes what snapshot() returned")
+        self.state = copy.deepcopy(snapshot)

@@ -1,9 +1,11 @@
-"""streaming_generate: decide whether to answer a turn, then stream the answer word by word.
+"""streaming_generate: decide whether to answer, then stream the answer word by word.
 
-Each step feeds one row to the KV-cached spoken LM and lets the TasteSampler choose the next text
-token and (one word behind) the TASTE code of the word just finished. Completed words accumulate
-until ``should_emit_segment`` releases them as an assistant audio segment whose TASTE rows align
-with its text; concatenating the yielded segments gives exactly the whole reply.
+Each step feeds one row to the KV-cached spoken LM (the history was prefilled once, by the
+Conversation) and lets the TasteSampler pick the next text token and - one word behind - the
+TASTE code of the word just finished. A word is complete when its code is known: at the first
+token of the next word, or at the end. Complete words accumulate until ``should_emit_segment``
+releases them as an assistant audio segment whose TASTE rows align with its text; the segments of
+one reply concatenate to exactly the whole reply.
 """
 
 from __future__ import annotations
@@ -16,141 +18,195 @@ import torch
 
 from taste_speech.sampler import Action, SamplingParams, TasteSampler, VocabularyTables
 from taste_speech.streaming.conversation import Conversation
-from taste_speech.streaming.prompt import CONTINUATION, DIALOGUE
+from taste_speech.streaming.prompt import CONTINUATION
 from taste_speech.streaming.segment import TASTESegment
+
+PUNCTUATION = ".,;:!?"
 
 
 @dataclass
 class PendingWord:
+    """A finished word waiting to be emitted."""
+
     token_ids: list[int]
-    codes: torch.Tensor  # (K,)
+    code: torch.Tensor  # (K,) long
     text: str = ""
 
 
-# -- emission policies ------------------------------------------------------------------------
+# -- emission policies (should_emit_segment) ----------------------------------------------------------
 def every_word(pending: list[PendingWord]) -> bool:
-    """Default: release every word as soon as its TASTE code is known."""
+    """Default: release each word as soon as its TASTE code is known."""
     return len(pending) >= 1
 
 
 def every_n_words(n: int) -> Callable[[list[PendingWord]], bool]:
-    if n < 1:
-        raise ValueError("n must be >= 1")
+    """Release words in groups of ``n``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"every_n_words needs an integer n >= 1, got {n!r}")
     return lambda pending: len(pending) >= n
 
 
 def at_punctuation(max_words: int = 8) -> Callable[[list[PendingWord]], bool]:
-    """Release at a word that carries punctuation (or after max_words words)."""
-    return lambda pending: bool(pending) and (any(c in pending[-1].text for c in ".,;:!?") or len(pending) >= max_words)
+    """Release at a word that carries punctuation, or after ``max_words`` words."""
+    if max_words < 1:
+        raise ValueError(f"at_punctuation needs max_words >= 1, got {max_words}")
+    return lambda pending: bool(pending) and (any(c in pending[-1].text for c in PUNCTUATION)
+                                              or len(pending) >= max_words)
 
 
 def vocabulary_tables(processor, vocab_size: int) -> VocabularyTables:
-    """Sampler tables of the processor's LLM tokenizer, computed once and kept on the processor."""
-    tables = getattr(processor, "_taste_vocabulary_tables", None)
-    if tables is None or tables.word_start.numel() != vocab_size:
-        tokenizer = processor.llm_tokenizer
-        end = tokenizer.convert_tokens_to_ids("<|end_of_text|>")
-        tables = VocabularyTables.from_tokenizer(tokenizer, vocab_size, end_of_text_id=end)
-        processor._taste_vocabulary_tables = tables
+    """The sampler tables of ``processor.llm_tokenizer`` for an LM of ``vocab_size`` ids, built
+    once (decoding every id takes seconds for Llama-3) and kept on the processor."""
+    tables = getattr(processor, "_taste_sampler_tables", None)
+    if tables is None or tables.vocab_size != vocab_size:
+        tables = VocabularyTables.from_tokenizer(processor.llm_tokenizer, vocab_size)
+        try:
+            processor._taste_sampler_tables = tables
+        except AttributeError:  # an object that takes no attributes: rebuild next time
+            pass
     return tables
 
 
-def _segment(pending: list[PendingWord], k: int) -> TASTESegment:
+def _segment(words: list[PendingWord], k: int) -> TASTESegment:
     ids, rows = [], []
-    for word in pending:
+    for word in words:
         ids.extend(word.token_ids)
-        rows.append(word.codes.view(1, k))
+        rows.append(word.code.view(1, k).cpu())
         rows.extend([torch.full((1, k), -1, dtype=torch.long)] * (len(word.token_ids) - 1))
-    return TASTESegment("assistant", "audio", torch.tensor([ids], dtype=torch.long),
-                        torch.cat(rows, 0).unsqueeze(0).long())
+    return TASTESegment("assistant", "audio", torch.tensor([ids], dtype=torch.long), torch.cat(rows).long().unsqueeze(0))
 
 
-def _stopped(stop) -> bool:
+def _stop_requested(stop) -> bool:
     if stop is None:
         return False
     if isinstance(stop, threading.Event):
         return stop.is_set()
-    return bool(stop())
+    if callable(stop):
+        return bool(stop())
+    raise ValueError(f"stop must be a threading.Event or a callable returning bool, got {type(stop).__name__}")
+
+
+def _item(complete: bool, reason: str | None, segment: TASTESegment | None, **extra) -> dict:
+    return {"is_complete": complete, "completion_reason": reason, "segment": segment, **extra}
 
 
 @torch.no_grad()
-def streaming_generate(model, processor, input_segments, text_top_p=0.3, taste_top_p=0.0, text_temperature=0.5,
-                       repetition_penalty=1.1, max_length=512, eos_id=None, should_emit_segment=None, *,
+def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3, taste_top_p: float = 0.0,
+                       text_temperature: float = 0.5, repetition_penalty: float = 1.1, max_length: int = 512,
+                       eos_id: int | None = None, should_emit_segment=None, *,
                        conversation: Conversation | None = None, prompt_format: str = CONTINUATION,
                        extra_words: int = 8, stop=None, generator: torch.Generator | None = None,
-                       ) -> Iterator[dict]:
-    """Yield ``{'is_complete', 'completion_reason', 'segment', ...}`` items for one reply.
+                       sampler_tables: VocabularyTables | None = None) -> Iterator[dict]:
+    """Yield ``{'is_complete', 'completion_reason', 'segment'}`` items for one reply.
 
-    ``input_segments`` are new turns (appended to ``conversation`` when one is given, else they are
-    the whole history). ``completion_reason`` is 'no_speech' (the model hands the turn back: keep
-    listening) or 'finished' (the reply ended by the sampler's end rules, ``eos_id``, ``max_length``
-    - then ``truncated`` is True - or ``stop``, a threading.Event or callable checked every step -
-    then ``cancelled`` is True). ``conversation.commit_reply`` keeps the reply afterwards."""
-    if max_length < 1:
-        raise ValueError("max_length must be >= 1")
+    ``input_segments``: new turns (TASTESegments) - appended to ``conversation`` when one is given
+    (its KV cache already holds the earlier turns), else the whole history of a fresh
+    Conversation in ``prompt_format`` ('continuation', 'instruct' or 'dialogue', see prompt.py).
+
+    Items: ``is_complete=False`` items carry a segment of finished words; the last item has
+    ``is_complete=True`` and ``completion_reason``:
+
+    * ``'no_speech'`` (dialogue format only): the model chose the user role - nothing to say,
+      keep listening; ``segment`` is None and nothing is added to the conversation;
+    * ``'finished'``: the reply ended, by the sampler's end rules (``end_reason`` 'sentence_end'
+      or 'max_words'), a stop token (segment_end in the dialogue format, or ``eos_id``:
+      'stop_id'), ``max_length`` generated tokens ('max_length', ``truncated=True``) or ``stop``
+      ('cancelled', ``cancelled=True``); ``segment`` holds the words not yet emitted (or None)
+      and ``reply`` the whole reply. The reply is committed to the conversation; after a
+      barge-in call ``conversation.truncate_last_assistant(played_words)``.
+
+    Sampling is the original TasteSampler's (``text_top_p == 0`` is greedy); ``generator`` makes
+    sampling reproducible. ``stop`` (a threading.Event or a callable) is checked before every
+    step, so a cancelled reply ends within one step. Abandoning the iterator early discards the
+    reply (the next call starts from the committed history).
+    """
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length must be an integer >= 1 (generated tokens), got {max_length!r}")
+    if should_emit_segment is not None and not callable(should_emit_segment):
+        raise ValueError("should_emit_segment must be a callable taking the list of pending words")
+    if isinstance(input_segments, TASTESegment):
+        input_segments = [input_segments]
+    segments = list(input_segments)
+    for segment in segments:
+        if not isinstance(segment, TASTESegment):
+            raise ValueError(f"input_segments must be TASTESegment objects, got {type(segment).__name__}")
+    params = SamplingParams(text_top_p, taste_top_p, text_temperature, repetition_penalty, extra_words)
+    _stop_requested(stop)  # validates its type before any work
     emit = should_emit_segment or every_word
     if conversation is None:
         conversation = Conversation(model, processor, prompt_format=prompt_format)
-    for segment in input_segments:
-        if not isinstance(segment, TASTESegment):
-            raise ValueError(f"input_segments must be TASTESegment objects, got {type(segment).__name__}")
-        if segment.role == "system" and conversation.system is None and not conversation.turns:
-            conversation.system, conversation.state = segment, None
+    elif prompt_format != CONTINUATION and prompt_format != conversation.prompt_format:
+        raise ValueError(f"prompt_format {prompt_format!r} differs from the conversation's "
+                         f"{conversation.prompt_format!r}: the format is fixed per conversation")
+    if not segments and not conversation.state.turns and conversation.state.system is None:
+        raise ValueError("input_segments is empty and the conversation has no history: give at least one turn")
+
+    lm, rvq = model.spoken_lm, model.audio_tower.vq.rvq
+    tables = sampler_tables or vocabulary_tables(processor, lm.vocab_size)
+    sampler = TasteSampler(tables, params)
+    for segment in segments:
+        conversation.add_turn(segment)
+    decode = conversation.ready()
+    fmt = conversation.format
+
+    if fmt.decides_turns:
+        # The model's own next token decides: user role = hand the turn back, assistant = answer.
+        text_logits = lm.heads(decode.last_hidden, rvq).text_logits
+        choice = fmt.turn_logits(text_logits)
+        if params.text_top_p > 0:
+            probs = (choice / params.text_temperature).softmax(-1)
+            assistant = bool(torch.multinomial(probs, 1, generator=generator)[0] == 1)
         else:
-            conversation.add_turn(segment)
-    lm, rvq = model.spoken_lm, model.rvq
-    state = conversation.ensure_ready()
-    conversation.crop(conversation.committed_rows)
-    builder = conversation.builder
-    params = SamplingParams(text_top_p, taste_top_p, text_temperature, repetition_penalty, extra_words)
-    sampler = TasteSampler(vocabulary_tables(processor, model.config.text_config.vocab_size), params)
-    k = rvq.num_quantizers
-    ids = builder.ids
-
-    stop_id = eos_id
-    if conversation.prompt_format == DIALOGUE:
-        # Turn decision: the model's own choice between handing the turn back and answering.
-        text_logits, _, _ = lm.heads_at(state.last_hidden, rvq)
-        if float(text_logits[ids.user]) > float(text_logits[ids.assistant]):
-            yield {"is_complete": True, "completion_reason": "no_speech", "segment": None}
+            assistant = bool(choice[1] >= choice[0])
+        if not assistant:
+            yield _item(True, "no_speech", None, end_reason="user_turn", reply=None, truncated=False,
+                        cancelled=False, steps=0)
             return
-        stop_id = ids.segment_end if eos_id is None else eos_id
-    opening = builder.reply_opening_rows("assistant")
-    hidden = lm.feed(state, opening)
-    sstate = sampler.new_state(has_prefix=False, stop_id=stop_id)
-    state.audio_vec = lm.pad_audio_unit_embed.float()
-    tokenizer = processor.llm_tokenizer
 
-    pending: list[PendingWord] = []
-    current: list[int] = []
+    opening = conversation.begin_reply(eos_id)
+    sstate = sampler.reset(has_prefix=opening.pending_audio is not None, stop_id=opening.stop_ids or None)
+    decode.audio_vec = lm.pad_audio()
+    decode.pending_audio = opening.pending_audio
+    tokenizer = processor.llm_tokenizer
+    k = rvq.num_quantizers
+
+    words: list[PendingWord] = []  # finished, not yet emitted
+    reply_words: list[PendingWord] = []  # every finished word of the reply
+    current: list[int] = []  # tokens of the word in progress
     generated = 0
-    reason_flags = {}
+    end_reason, flags = None, {}
     while True:
-        text_logits, taste_logits, _ = lm.heads_at(hidden, rvq)
-        cancelled = _stopped(stop)
-        truncated = generated >= max_length
-        if cancelled or truncated:
-            # Close the word in progress with the code the head gives for it now (as the terminate step does).
+        heads = lm.heads(decode.last_hidden, rvq)
+        if _stop_requested(stop) or generated >= max_length:
+            # End now: the head at this position gives the code of the word in progress, exactly
+            # as the terminating step of the sampler reads it.
+            end_reason = "cancelled" if _stop_requested(stop) else "max_length"
+            flags = {"cancelled": True} if end_reason == "cancelled" else {"truncated": True}
             if current:
-                pending.append(PendingWord(current, sampler.sample_taste(taste_logits, generator), tokenizer.decode(current)))
-            reason_flags = {"cancelled": True} if cancelled else {"truncated": True}
+                word = PendingWord(current, sampler.sample_taste(heads.taste_logits, generator), tokenizer.decode(current))
+                words.append(word)
+                reply_words.append(word)
             break
-        d = sampler.update(sstate, text_logits, taste_logits, state.input_ids, generator)
-        state.input_ids.append(d.text_id)
-        if d.action in (Action.TERMINATE, Action.CONTINUE_AT_WORD_START) and current:
-            codes = d.taste_ids if bool((d.taste_ids >= 0).all()) else sampler.sample_taste(taste_logits, generator)
-            pending.append(PendingWord(current, codes, tokenizer.decode(current)))
+        decision = sampler.update(sstate, heads.text_logits, heads.taste_logits, decode.input_ids, generator)
+        if current and (decision.action == Action.TERMINATE or decision.action == Action.CONTINUE_AT_WORD_START):
+            code = decision.taste_ids if decision.has_taste else sampler.sample_taste(heads.taste_logits, generator)
+            word = PendingWord(current, code, tokenizer.decode(current))
+            words.append(word)
+            reply_words.append(word)
             current = []
-        lm._advance_audio(state, d, [], rvq)
-        if d.action == Action.TERMINATE:
+        lm.advance_audio(decode, decision, rvq)
+        if decision.action == Action.TERMINATE:
+            end_reason = sstate.end_reason
             break
-        current.append(d.text_id)
+        decode.input_ids.append(decision.text_id)
+        current.append(decision.text_id)
         generated += 1
-        if pending and emit(pending):
-            yield {"is_complete": False, "completion_reason": None, "segment": _segment(pending, k)}
-            pending = []
-        row = lm.fuse(lm.token_embeds([d.text_id]).float(), state.audio_vec).unsqueeze(0)
-        hidden = lm.feed(state, row)
-    segment = _segment(pending, k) if pending else None
-    yield {"is_complete": True, "completion_reason": "finished", "segment": segment,
-           "opening_rows": opening.shape[1], **reason_flags}
+        if words and emit(list(words)):
+            yield _item(False, None, _segment(words, k), steps=generated)
+            words = []
+        lm.feed(decode, lm.next_row(decode, decision.text_id))
+
+    reply = _segment(reply_words, k) if reply_words else None
+    conversation.commit_reply(reply)
+    yield _item(True, "finished", _segment(words, k) if words else None, end_reason=end_reason, reply=reply,
+                truncated=flags.get("truncated", False), cancelled=flags.get("cancelled", False), steps=generated)

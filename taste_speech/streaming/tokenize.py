@@ -1,30 +1,50 @@
-"""taste_tokenize: a user's spoken turn -> TASTE codes aligned to its Llama text ids."""
+"""taste_tokenize: a spoken turn -> TASTE codes aligned to its Llama text ids."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from taste_speech.word_alignment import llm_indices_from_asr
-
-SILENCE_PEAK = 1e-4  # a turn whose loudest sample is below this holds no speech
+SILENCE_PEAK = 1e-4  # a turn whose loudest sample is below this (-80 dBFS) holds no speech
 
 
 @torch.no_grad()
 def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int = 16000) -> torch.Tensor:
-    """(1, S, K) long TASTE ids for ``text_ids`` (1, S): each word's 4 codes on its first token,
-    -1 on its other tokens (the original ``extract_vq`` mapping). ``audio`` (1, T) or (T,) at any
-    rate; turns longer than the audio tower's window (30 s for the published model) must be
-    split by the caller (an error says so)."""
-    text_ids = torch.as_tensor(text_ids)
-    if text_ids.dim() != 2 or text_ids.shape[0] != 1:
-        raise ValueError(f"text_ids must have shape (1, S), got {tuple(text_ids.shape)}")
-    wav = processor.prepare_audio(audio, sampling_rate)
-    if float(np.abs(wav).max()) < SILENCE_PEAK:
-        raise ValueError("the audio is silent (peak below -80 dBFS): there is nothing to tokenize")
-    text = processor.align_llm_ids(text_ids)
-    device = next(model.parameters()).device
+    """(1, S, K) int64 TASTE ids for ``text_ids`` (1, S): each word's K codes on its first token,
+    -1 on its other tokens - the original ``extract_vq`` mapping.
+
+    ``audio``: the turn's waveform, (1, T), (T,) or (C, T), any rate (resampled to 16 kHz, channels
+    averaged). ``text_ids``: the Llama ids of its transcript; words are the groups that start at a
+    piece with a leading space (how the processor encodes every word). The audio tower sees one
+    window (30 s for the published model): longer turns raise and must be split by the caller, e.g.
+    at pauses, each piece with its own part of the transcript.
+    """
+    text_ids = _check_text_ids(text_ids)
+    wav = processor.prepare_audio(audio, sampling_rate)  # mono 16 kHz; empty / NaN / too long raise
+    peak = float(np.abs(wav).max()) if wav.size else 0.0
+    if peak < SILENCE_PEAK:
+        raise ValueError(f"the audio is silent (peak {peak:.1e}, below -80 dBFS): there is no speech to tokenize")
+    text = processor.align_llm_ids(text_ids)  # raises when the ids decode to no words
+    limit = getattr(processor, "max_asr_tokens", None)
+    if limit is not None and text.asr_token_ids.shape[1] > limit:
+        raise ValueError(f"the transcript has {text.asr_token_ids.shape[1]} ASR tokens; the audio tower takes at most "
+                         f"{limit}: split the turn into shorter pieces")
+    device = model.audio_tower.vq.rvq.project_out.weight.device
     features = processor.audio_features(wav, 16000).to(device)
-    tower = model.audio_tower
-    asr_indices = tower(features, text.asr_token_ids.to(device), text.asr_word_ids.to(device)).asr_indices
-    return llm_indices_from_asr(asr_indices.cpu(), text.asr_word_ids, text.llm_word_ids).long()
+    _, llm_indices = model.extract_vq(features, text.asr_token_ids.to(device), text.asr_word_ids.to(device),
+                                      text.llm_word_ids.to(device))
+    if llm_indices.shape[1] != text_ids.shape[1]:  # the processor keeps the given ids; guard the contract
+        raise ValueError(f"internal alignment error: {llm_indices.shape[1]} code rows for {text_ids.shape[1]} text ids")
+    return llm_indices.long().cpu()
+
+
+def _check_text_ids(text_ids) -> torch.Tensor:
+    if not isinstance(text_ids, torch.Tensor):
+        raise ValueError(f"text_ids must be a torch.Tensor of shape (1, S), got {type(text_ids).__name__}")
+    if text_ids.dim() != 2 or text_ids.shape[0] != 1:
+        raise ValueError(f"text_ids must have shape (1, S) (batch 1), got {tuple(text_ids.shape)}")
+    if text_ids.dtype.is_floating_point or text_ids.dtype == torch.bool:
+        raise ValueError(f"text_ids must be an integer tensor, got {text_ids.dtype}")
+    if text_ids.shape[1] == 0:
+        raise ValueError("text_ids is empty: give the Llama ids of the turn's transcript")
+    return text_ids.long().cpu()

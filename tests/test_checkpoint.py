@@ -1,0 +1,348 @@
+"""Checkpoint compatibility: published names/shapes/dtypes, every accepted key spelling, the tied
+head, clear errors for broken files, and ``python -m taste_speech.check``."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from taste_speech import check
+from taste_speech.configuration_taste import TasteConfig
+from taste_speech.loading import EMBED_KEY, LM_HEAD_KEY, CheckpointError
+from taste_speech.modeling_taste import TasteForCausalLM, run_dtype_for_key
+
+DATA = Path(__file__).parent / "data"
+MANIFEST = json.loads((DATA / "taste_lm_manifest_full.json").read_text())
+
+
+# -- the full-size architecture ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def full_meta_model():
+    config = TasteConfig.from_json_file(str(DATA / "taste_lm_config_full.json"))
+    with torch.device("meta"):
+        return TasteForCausalLM(config)
+
+
+def test_full_size_state_dict_equals_manifest(full_meta_model):
+    ours = {k: tuple(v.shape) for k, v in full_meta_model.state_dict().items()}
+    published = {e["key"]: tuple(e["shape"]) for e in MANIFEST["keys"]}
+    assert len(published) == 1252 and LM_HEAD_KEY in published
+    assert sorted(set(published) - set(ours)) == []
+    assert sorted(set(ours) - set(published)) == []
+    assert {k: (s, published[k]) for k, s in ours.items() if published[k] != s} == {}
+
+
+def test_published_run_dtypes_follow_the_manifest(full_meta_model):
+    """The default CUDA layout (half dtype for Whisper + Llama base, fp32 elsewhere, LoRA fp32) is
+    exactly the dtype layout the original constructs."""
+    wrong = {}
+    for entry in MANIFEST["keys"]:
+        expected = getattr(torch, entry["dtype"])
+        if expected.is_floating_point and run_dtype_for_key(entry["key"], torch.bfloat16) != expected:
+            wrong[entry["key"]] = entry["dtype"]
+    assert wrong == {}
+
+
+# -- the golden tiny checkpoint --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def golden_io(taste_lm_tiny_a):
+    return load_file(str(taste_lm_tiny_a / "io.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def reference(taste_lm_tiny_a, golden_io):
+    model, info = TasteForCausalLM.from_pretrained(taste_lm_tiny_a, torch_dtype=torch.float32,
+                                                   output_loading_info=True)
+    return model, info, _text_logits(model, golden_io)
+
+
+def _text_logits(model, io):
+    with torch.no_grad():
+        return model.spoken_lm(io["b.inputs_embeds"], model.rvq)[1]
+
+
+def test_tiny_a_loads_without_missing_or_unexpected_keys(reference, taste_lm_tiny_a):
+    model, info, _ = reference
+    assert info.missing_keys == [] and info.unexpected_keys == [] and info.mismatched_keys == []
+    assert info.tied_lm_head and not info.merged_lora and info.spelling == "canonical"
+    assert model.loading_info is info
+    lm = model.spoken_lm
+    assert lm.causal_lm.lm_head.weight is lm.embed_tokens.weight  # Caution 1 of the golden README
+    stored = load_file(str(taste_lm_tiny_a / "model.safetensors"))
+    assert set(stored) | {LM_HEAD_KEY} == set(model.state_dict())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not model.training
+
+
+def test_tiny_a_reproduces_golden_logits_and_codes(reference, golden_io):
+    model, _, logits = reference
+    assert (logits - golden_io["b.text_logits"]).abs().max() <= 1e-3
+    asr_indices, llm_indices = model.extract_vq(
+        audio_features=golden_io["in.audio_features"], asr_token_ids=golden_io["in.asr_token_ids"],
+        asr_word_ids=golden_io["in.asr_word_ids"], llm_word_ids=golden_io["in.llm_word_ids"],
+        llm_token_ids=golden_io["in.llm_token_ids"],  # extra processor outputs are accepted
+    )
+    assert torch.equal(asr_indices, golden_io["a.out.asr_indices"])
+    assert torch.equal(llm_indices, golden_io["a.out.llm_indices"])
+
+
+def test_mixed_dtype_layout_on_request(taste_lm_tiny_a, golden_io, reference):
+    model = TasteForCausalLM.from_pretrained(taste_lm_tiny_a, torch_dtype=torch.bfloat16)
+    for key, value in model.state_dict().items():
+        assert value.dtype == run_dtype_for_key(key, torch.bfloat16), key
+    assert model.spoken_lm.causal_lm.lm_head.weight is model.spoken_lm.embed_tokens.weight
+    logits = _text_logits(model, golden_io)  # runs, and stays close to fp32 (bf16 weight rounding only)
+    assert logits.dtype == torch.float32 and (logits - reference[2]).abs().max() < 1.0
+    default = TasteForCausalLM.from_pretrained(taste_lm_tiny_a)  # CPU default: float32 everywhere
+    assert {p.dtype for p in default.parameters()} == {torch.float32}
+    default.set_run_dtypes("bfloat16")  # re-cast a loaded model to the mixed layout
+    assert {k: v.dtype for k, v in default.state_dict().items()} == {k: v.dtype for k, v in model.state_dict().items()}
+    assert default.spoken_lm.causal_lm.lm_head.weight is default.spoken_lm.embed_tokens.weight
+
+
+def test_auto_classes_load_the_checkpoint(taste_lm_tiny_a, reference, golden_io):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert isinstance(AutoConfig.from_pretrained(taste_lm_tiny_a), TasteConfig)
+    model = AutoModelForCausalLM.from_pretrained(taste_lm_tiny_a, dtype=torch.float32)
+    assert isinstance(model, TasteForCausalLM)
+    assert model.config.joint_whisper_config.d_model == 64  # whisper_joint/ resolved next to config.json
+    assert torch.equal(_text_logits(model, golden_io), reference[2])
+
+
+# -- key spellings and file layouts ---------------------------------------------------------------------
+def _variant(src: Path, dst: Path, state: dict, weights_name: str = "model.safetensors") -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors", "io.safetensors"))
+    if weights_name.endswith(".bin"):
+        torch.save(state, dst / weights_name)
+    else:
+        save_file(state, str(dst / weights_name))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def stored(taste_lm_tiny_a):
+    return load_file(str(taste_lm_tiny_a / "model.safetensors"))
+
+
+def _loads_identically(directory, reference, io, exact=True):
+    model = TasteForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+    logits = _text_logits(model, io)
+    if exact:
+        assert torch.equal(logits, reference[2])
+    else:
+        assert (logits - reference[2]).abs().max() <= 1e-4
+    return model
+
+
+def test_sharded_checkpoint_from_save_pretrained(reference, golden_io, taste_lm_tiny_a, tmp_path):
+    model = reference[0]
+    model.save_pretrained(tmp_path / "sharded", max_shard_size=2_000_000)
+    files = sorted(os.listdir(tmp_path / "sharded"))
+    assert "model.safetensors.index.json" in files and "whisper_joint" in files
+    shards = [f for f in files if f.startswith("model-") and f.endswith(".safetensors")]
+    assert len(shards) > 2
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert LM_HEAD_KEY not in index["weight_map"]  # the tied head is not written
+    loaded = _loads_identically(tmp_path / "sharded", reference, golden_io)
+    assert loaded.loading_info.tied_lm_head and len(loaded.loading_info.files) == len(shards)
+
+
+def test_old_peft_spelling(stored, reference, golden_io, taste_lm_tiny_a, tmp_path):
+    old = {k.replace(".base_layer.weight", ".weight").replace(".default.weight", ".weight"): v for k, v in stored.items()}
+    assert any(k.endswith("self_attn.q_proj.weight") for k in old)
+    model = _loads_identically(_variant(taste_lm_tiny_a, tmp_path / "old", old), reference, golden_io)
+    assert model.loading_info.spelling == "old peft"
+
+
+def test_merged_lora_checkpoint(stored, reference, golden_io, taste_lm_tiny_a, tmp_path):
+    lora = reference[0].config.spoken_lm_config.kwargs_for_lora
+    scaling = lora["lora_alpha"] / lora["lora_r"]
+    merged = {}
+    for key, value in stored.items():
+        if ".lora_" in key:
+            continue
+        if key.endswith(".base_layer.weight"):
+            a = stored[key.replace(".base_layer.weight", ".lora_A.default.weight")]
+            b = stored[key.replace(".base_layer.weight", ".lora_B.default.weight")]
+            value, key = value + scaling * b @ a, key.replace(".base_layer.weight", ".weight")
+        merged[key.replace("spoken_lm.language_model.base_model.model.", "spoken_lm.language_model.")] = value
+    assert not any("base_model" in k for k in merged)
+    model = _loads_identically(_variant(taste_lm_tiny_a, tmp_path / "merged", merged), reference, golden_io,
+                               exact=False)
+    assert model.loading_info.merged_lora and model.loading_info.spelling == "merged"
+
+
+def test_plain_bin_and_stored_duplicate_head(stored, reference, golden_io, taste_lm_tiny_a, tmp_path):
+    with_head = dict(stored)
+    with_head[LM_HEAD_KEY] = stored[EMBED_KEY].clone()  # older scripts saved an untied copy
+    model = _loads_identically(_variant(taste_lm_tiny_a, tmp_path / "bin", with_head, "pytorch_model.bin"),
+                               reference, golden_io)
+    assert not model.loading_info.tied_lm_head
+    assert model.spoken_lm.causal_lm.lm_head.weight is model.spoken_lm.embed_tokens.weight
+
+
+def test_a_different_stored_head_is_kept(stored, taste_lm_tiny_a, tmp_path):
+    state = dict(stored)
+    state[LM_HEAD_KEY] = torch.randn_like(stored[EMBED_KEY])
+    model = TasteForCausalLM.from_pretrained(_variant(taste_lm_tiny_a, tmp_path / "head", state))
+    assert torch.equal(model.spoken_lm.causal_lm.lm_head.weight, state[LM_HEAD_KEY])
+    assert torch.equal(model.spoken_lm.embed_tokens.weight, stored[EMBED_KEY])
+
+
+# -- broken checkpoints ------------------------------------------------------------------------------
+def test_missing_unexpected_and_misshaped_tensors_are_named(stored, taste_lm_tiny_a, tmp_path):
+    state = dict(stored)
+    del state["speech_decoder.llm_decoder.bias"]
+    state["audio_tower.vq.rvq.project_in.weight"] = torch.zeros(3, 3)
+    state["spoken_lm.extract_for_bridge_out_llm.linear.weight"] = torch.zeros(4, 4)  # an older TASTE head
+    directory = _variant(taste_lm_tiny_a, tmp_path / "broken", state)
+    with pytest.raises(CheckpointError) as err:
+        TasteForCausalLM.from_pretrained(directory)
+    message = str(err.value)
+    assert "1 missing tensor(s)" in message and "speech_decoder.llm_decoder.bias" in message
+    assert "audio_tower.vq.rvq.project_in.weight: checkpoint (3, 3) != model (16, 64)" in message
+    assert "spoken_lm.extract_for_bridge_out_llm.linear.weight" in message and "weighted_layer" in message
+
+    model, info = TasteForCausalLM.from_pretrained(directory, strict=False, output_loading_info=True)
+    assert info.missing_keys == ["speech_decoder.llm_decoder.bias"]
+    assert info.unexpected_keys == ["spoken_lm.extract_for_bridge_out_llm.linear.weight"]
+    assert [m.split(":")[0] for m in info.mismatched_keys] == ["audio_tower.vq.rvq.project_in.weight"]
+    assert not any(v.device.type == "meta" for v in model.state_dict().values())
+    assert torch.count_nonzero(model.speech_decoder.llm_decoder.bias) == 0  # gaps are zero-filled
+
+
+@pytest.mark.parametrize("cut", ["data", "header"])
+def test_truncated_safetensors(taste_lm_tiny_a, tmp_path, cut):
+    directory = tmp_path / cut
+    shutil.copytree(taste_lm_tiny_a, directory)
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[: len(data) - 1000] if cut == "data" else data[:100])
+    with pytest.raises(CheckpointError, match="cannot read .*model.safetensors.*download it again"):
+        TasteForCausalLM.from_pretrained(directory)
+
+
+def test_missing_shard_is_named(reference, tmp_path):
+    reference[0].save_pretrained(tmp_path / "sharded", max_shard_size=4_000_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    second = sorted(set(index["weight_map"].values()))[1]
+    os.remove(tmp_path / "sharded" / second)
+    with pytest.raises(CheckpointError, match=f"not there: .*{second}"):
+        TasteForCausalLM.from_pretrained(tmp_path / "sharded")
+
+
+class _Payload:
+    """Unpickling this would create a file: proof that no arbitrary object is ever unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_bin_with_a_non_tensor_object_is_refused_unopened(stored, taste_lm_tiny_a, tmp_path):
+    marker = tmp_path / "unpickled"
+    state = dict(stored)
+    state["evil"] = _Payload(str(marker))
+    directory = _variant(taste_lm_tiny_a, tmp_path / "pickle", state, "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="not a plain tensor state dict"):
+        TasteForCausalLM.from_pretrained(directory)
+    assert check.main([str(directory)]) == 2
+    assert not marker.exists()
+
+
+def test_uninitialised_codebooks_are_refused(stored, taste_lm_tiny_a, tmp_path):
+    state = dict(stored)
+    state["audio_tower.vq.rvq.layers.2._codebook.initted"] = torch.zeros(1)
+    directory = _variant(taste_lm_tiny_a, tmp_path / "kmeans", state)
+    with pytest.raises(ValueError, match="layers.2._codebook.initted"):
+        TasteForCausalLM.from_pretrained(directory)
+    report = check.check_checkpoint(str(directory))
+    assert not report.ok and any("layers.2._codebook.initted" in p for p in report.problems)
+
+
+def test_not_a_directory_nor_a_hub_id(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        TasteForCausalLM.from_pretrained(str(tmp_path / "nope" / "deeper" / "x"))
+
+
+def test_unknown_hub_id_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match="huggingface-cli download"):
+        TasteForCausalLM.from_pretrained("no-such-owner/no-such-taste-model")
+
+
+# -- python -m taste_speech.check -------------------------------------------------------------------
+def test_check_accepts_the_golden_checkpoint(taste_lm_tiny_a, capsys):
+    assert check.main([str(taste_lm_tiny_a)]) == 0
+    out = capsys.readouterr().out
+    assert "result: OK" in out and "tied to embed_tokens" in out
+
+
+def test_check_names_every_problem_without_reading_tensor_data(stored, taste_lm_tiny_a, tmp_path, monkeypatch,
+                                                               capsys):
+    state = dict(stored)
+    del state["speech_decoder.llm_decoder.bias"]
+    state["audio_tower.vq.rvq.project_in.weight"] = torch.zeros(3, 3)
+    state["spoken_lm.stray"] = torch.zeros(1)
+    directory = _variant(taste_lm_tiny_a, tmp_path / "broken", state)
+
+    import safetensors
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the checker must not read tensor data")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_data)
+    monkeypatch.setattr(check.CheckpointReader, "get", no_data)
+    assert check.main([str(directory)]) == 1
+    out = capsys.readouterr().out
+    assert "missing tensor: speech_decoder.llm_decoder.bias" in out
+    assert "unexpected tensor: spoken_lm.stray" in out
+    assert "mis-shaped tensor: audio_tower.vq.rvq.project_in.weight: checkpoint (3, 3) != model (16, 64)" in out
+    assert "does NOT fit" in out
+
+
+def test_check_accepts_other_spellings_and_reports_truncation(stored, taste_lm_tiny_a, tmp_path):
+    old = {k.replace(".base_layer.weight", ".weight"): v for k, v in stored.items()}
+    report = check.check_checkpoint(str(_variant(taste_lm_tiny_a, tmp_path / "old", old)))
+    assert report.ok and any("old peft" in n for n in report.notes)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(taste_lm_tiny_a, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:-10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        check.check_checkpoint(str(truncated))
+
+
+def test_check_voice_generator(tiny_checkpoint, tmp_path):
+    report = check.check_checkpoint(str(tiny_checkpoint))
+    assert report.ok, report.render()
+    assert any("voice_generator.pth" in n and "tensors" in n for n in report.notes)
+    broken = tmp_path / "vg"
+    shutil.copytree(tiny_checkpoint, broken)
+    pth = broken / "cosyvoice" / "voice_generator.pth"
+    state = torch.load(pth, weights_only=True)
+    dropped = sorted(state)[0]
+    del state[dropped]
+    state["hift.extra"] = torch.zeros(1)
+    torch.save(state, pth)
+    report = check.check_checkpoint(str(broken))
+    assert not report.ok
+    assert f"missing tensor in cosyvoice/voice_generator.pth: {dropped}" in report.problems
+    assert "unexpected tensor in cosyvoice/voice_generator.pth: hift.extra" in report.problems
+
+
+def test_check_command_line(taste_lm_tiny_a, tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "taste_speech.check", str(taste_lm_tiny_a)],
+                        capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    missing = subprocess.run([sys.executable, "-m", "taste_speech.check", str(tmp_path)],
+                             capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert missing.returncode == 2 and "ERROR" in missing.stdout

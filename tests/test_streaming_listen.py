@@ -1,0 +1,499 @@
+"""taste_speech.streaming, listening and thinking: TASTESegment, taste_tokenize, streaming_generate
+and Conversation - on the golden set tiny_a (greedy parity with the original) and on the tiny
+checkpoint with real tokenizers (all three prompt formats, cache reuse, barge-in, window,
+snapshots, bad input)."""
+
+import copy
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from taste_speech.modeling_spoken_lm import InitialContext
+from taste_speech.sampler import SamplingParams, TasteSampler
+from taste_speech.streaming import (
+    CONTINUATION,
+    DIALOGUE,
+    INSTRUCT,
+    Conversation,
+    TASTESegment,
+    at_punctuation,
+    every_n_words,
+    streaming_generate,
+    taste_tokenize,
+    vocabulary_tables,
+)
+from taste_speech.verify import Golden
+from taste_speech.verify.points_spoken_lm import PieceTokenizer, load_golden_spoken_lm
+
+FORMATS = [CONTINUATION, INSTRUCT, DIALOGUE]
+
+
+def voiced(seconds=1.5, rate=16000, seed=0):
+    t = np.arange(int(seconds * rate)) / rate
+    rng = np.random.RandomState(seed)
+    tone = 0.2 * np.sin(2 * np.pi * 150 * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    return (tone + 0.01 * rng.randn(t.size)).astype(np.float32)
+
+
+def reply_of(items):
+    return items[-1]["reply"]
+
+
+def run(model, processor, segments, **kw):
+    kw.setdefault("generator", torch.Generator().manual_seed(0))
+    kw.setdefault("extra_words", 3)
+    return list(streaming_generate(model, processor, segments, **kw))
+
+
+# -- fixtures ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def golden(taste_lm_tiny_a):
+    return Golden(str(taste_lm_tiny_a))
+
+
+@pytest.fixture(scope="module")
+def golden_model(golden):
+    return load_golden_spoken_lm(golden.dir)
+
+
+@pytest.fixture(scope="module")
+def golden_processor(golden):
+    return SimpleNamespace(llm_tokenizer=PieceTokenizer.from_golden(golden.dir))
+
+
+@pytest.fixture(scope="module")
+def golden_turn(golden):
+    return TASTESegment("user", "audio", golden["in.llm_token_ids"], golden["a.out.llm_indices"])
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model[0]
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model):
+    return tiny_model[1]
+
+
+@pytest.fixture(scope="module")
+def user_turn(model, processor):
+    text = processor.process_text("hello there how are you doing today")
+    taste = taste_tokenize(model, processor, voiced()[None], text.llm_token_ids)
+    return TASTESegment("user", "audio", text.llm_token_ids, taste)
+
+
+@pytest.fixture(scope="module")
+def second_turn(model, processor):
+    text = processor.process_text("tell me about the garden")
+    taste = taste_tokenize(model, processor, voiced(1.2, seed=1)[None], text.llm_token_ids)
+    return TASTESegment("user", "audio", text.llm_token_ids, taste)
+
+
+def text_segment(processor, role, text):
+    return TASTESegment(role, "text", torch.tensor([processor.llm_tokenizer.encode(text, add_special_tokens=False)]))
+
+
+# -- TASTESegment ------------------------------------------------------------------------------------------
+IDS = torch.ones(1, 2, dtype=torch.long)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(role="bot", modality="text", text_ids=IDS), "role"),
+    (dict(role="user", modality="video", text_ids=IDS), "modality"),
+    (dict(role="user", modality="text", text_ids=[[1, 2]]), "torch.Tensor"),
+    (dict(role="user", modality="text", text_ids=torch.ones(2, dtype=torch.long)), r"\(1, S\)"),
+    (dict(role="user", modality="text", text_ids=torch.ones(2, 3, dtype=torch.long)), r"\(1, S\)"),
+    (dict(role="user", modality="text", text_ids=torch.ones(1, 2)), "integer"),
+    (dict(role="user", modality="text", text_ids=torch.ones(1, 0, dtype=torch.long)), "empty"),
+    (dict(role="user", modality="text", text_ids=-IDS), "negative"),
+    (dict(role="user", modality="text", text_ids=IDS, taste_ids=torch.zeros(1, 2, 4, dtype=torch.long)),
+     "must not carry"),
+    (dict(role="user", modality="audio", text_ids=IDS), "needs taste_ids"),
+    (dict(role="user", modality="audio", text_ids=IDS, taste_ids=[[[0, 0, 0, 0]]]), "torch.Tensor"),
+    (dict(role="user", modality="audio", text_ids=IDS, taste_ids=torch.zeros(2, 4, dtype=torch.long)), r"\(1, S, K\)"),
+    (dict(role="user", modality="audio", text_ids=IDS, taste_ids=torch.zeros(1, 2, 4)), "integer"),
+    (dict(role="user", modality="audio", text_ids=IDS, taste_ids=torch.zeros(1, 3, 4, dtype=torch.long)), "one row per"),
+    (dict(role="user", modality="audio", text_ids=IDS, taste_ids=torch.full((1, 2, 4), -2)), "below -1"),
+    (dict(role="user", modality="audio", text_ids=IDS, taste_ids=torch.tensor([[[0, 1, 2, 3], [0, -1, 2, 3]]])),
+     "mix codes"),
+    (dict(role="user", modality="audio", text_ids=IDS, taste_ids=torch.tensor([[[-1] * 4, [0, 1, 2, 3]]])),
+     "first token"),
+])
+def test_segment_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TASTESegment(**kwargs)
+
+
+def test_segment_words_and_concat():
+    taste = torch.tensor([[[1, 2, 3, 4], [-1] * 4, [5, 6, 7, 0], [8, 8, 8, 8], [-1] * 4]])
+    seg = TASTESegment("assistant", "audio", torch.arange(5)[None], taste)
+    assert seg.num_words == 3 and seg.word_ids().tolist() == [0, 0, 1, 2, 2]
+    assert seg.first_words(2).text_ids.tolist() == [[0, 1, 2]] and seg.first_words(0) is None
+    assert seg.first_words(9) is seg
+    joined = TASTESegment.concat([seg.first_words(1), TASTESegment("assistant", "audio", seg.text_ids[:, 2:],
+                                                                   seg.taste_ids[:, 2:])])
+    assert torch.equal(joined.taste_ids, seg.taste_ids)
+    with pytest.raises(ValueError, match="one role"):
+        TASTESegment.concat([seg, TASTESegment("user", "audio", seg.text_ids, seg.taste_ids)])
+    with pytest.raises(ValueError, match="nothing"):
+        TASTESegment.concat([])
+
+
+# -- taste_tokenize ------------------------------------------------------------------------------------
+def test_taste_tokenize_equals_extract_vq(model, processor, user_turn):
+    inputs = processor(voiced()[None], 16000, text="hello there how are you doing today")
+    assert torch.equal(inputs["llm_token_ids"], user_turn.text_ids)
+    _, llm_indices = model.extract_vq(**inputs)
+    assert torch.equal(user_turn.taste_ids, llm_indices)
+    starts = [i for i, wid in enumerate(inputs["llm_word_ids"][0].tolist())
+              if i == 0 or wid != inputs["llm_word_ids"][0, i - 1]]
+    assert (user_turn.taste_ids[0] >= 0).all(-1).nonzero().flatten().tolist() == starts
+    assert user_turn.taste_ids.dtype == torch.long and user_turn.taste_ids.shape[-1] == 4
+
+
+def test_taste_tokenize_any_rate_and_channels(model, processor, user_turn):
+    import soxr
+
+    up = soxr.resample(voiced(), 16000, 48000)
+    taste = taste_tokenize(model, processor, np.stack([up, up]), user_turn.text_ids, sampling_rate=48000)
+    assert taste.shape == user_turn.taste_ids.shape
+    assert torch.equal(taste >= 0, user_turn.taste_ids >= 0)
+    mono = taste_tokenize(model, processor, torch.from_numpy(voiced()), user_turn.text_ids)  # (T,) tensor
+    assert torch.equal(mono, user_turn.taste_ids)
+
+
+@pytest.mark.parametrize("audio, match", [
+    (np.zeros((1, 0), np.float32), "empty"),
+    (np.zeros((1, 16000), np.float32), "silent"),
+    (np.full((1, 16000), np.nan, np.float32), "NaN"),
+    (np.full((1, 16000), np.inf, np.float32), "infinite"),
+    ("hello.wav", "numpy array or torch tensor"),
+])
+def test_taste_tokenize_bad_audio(model, processor, user_turn, audio, match):
+    with pytest.raises(ValueError, match=match):
+        taste_tokenize(model, processor, audio, user_turn.text_ids)
+
+
+def test_taste_tokenize_too_long_bad_rate_and_bad_text(model, processor, user_turn):
+    too_long = np.tile(voiced(), int(processor.max_seconds / 1.5) + 2)[None]
+    with pytest.raises(ValueError, match="split"):
+        taste_tokenize(model, processor, too_long, user_turn.text_ids)
+    with pytest.raises(ValueError, match="sampling_rate"):
+        taste_tokenize(model, processor, voiced()[None], user_turn.text_ids, sampling_rate=0)
+    blank = torch.tensor([processor.llm_tokenizer.encode("   ", add_special_tokens=False)])
+    with pytest.raises(ValueError, match="no words"):
+        taste_tokenize(model, processor, voiced()[None], blank)
+    for bad, match in [(user_turn.text_ids[0], r"\(1, S\)"), (user_turn.text_ids.float(), "integer"),
+                       (torch.zeros(1, 0, dtype=torch.long), "empty"), (user_turn.text_ids.tolist(), "torch.Tensor")]:
+        with pytest.raises(ValueError, match=match):
+            taste_tokenize(model, processor, voiced()[None], bad)
+
+
+# -- greedy parity with the original --------------------------------------------------------------------
+def test_greedy_streaming_equals_the_original_on_golden(golden, golden_model, golden_processor, golden_turn):
+    conv = Conversation(golden_model, golden_processor)
+    items = run(golden_model, golden_processor, [golden_turn], conversation=conv, text_top_p=0.0, extra_words=4)
+    reply = reply_of(items)
+    assert torch.equal(reply.text_ids, golden["c.audio.generated_llm_token_ids"])
+    rows = golden["c.audio.generated_llm_indices"][0]
+    assert torch.equal(reply.word_codes(), rows[(rows >= 0).all(-1)])
+    streamed = TASTESegment.concat([i["segment"] for i in items])
+    assert torch.equal(streamed.text_ids, reply.text_ids) and torch.equal(streamed.taste_ids, reply.taste_ids)
+    assert items[-1]["end_reason"] == "sentence_end"
+    # the cache holds exactly the rows the original fed (prompt + one row per generated token)
+    final = golden["c.audio.final_inputs_embeds"]
+    assert conv.state.committed_rows == final.shape[1]
+    assert (conv.state.decode.inputs_embeds() - final).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["pairs", "punctuation"])
+def test_emission_policies_concatenate_to_the_same_reply(golden, golden_model, golden_processor, golden_turn, name):
+    policy = every_n_words(2) if name == "pairs" else at_punctuation(3)
+    items = run(golden_model, golden_processor, [golden_turn], text_top_p=0.0, extra_words=4,
+                should_emit_segment=policy)
+    joined = TASTESegment.concat([i["segment"] for i in items])
+    assert torch.equal(joined.text_ids, golden["c.audio.generated_llm_token_ids"])
+    decode = golden_processor.llm_tokenizer.decode
+    for item in items[:-1]:
+        seg = item["segment"]
+        assert seg.role == "assistant" and seg.modality == "audio" and seg.taste_ids.shape[1] == seg.length
+        if name == "pairs":
+            assert seg.num_words == 2
+        else:  # ' the' | ' wihe.' ...: released at the word carrying '.', or after 3 words
+            assert seg.num_words == 3 or "." in decode(seg.text_ids[0].tolist()).split(" ")[-1]
+    assert len(items) >= 2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_streaming_equals_the_no_cache_loop(model, processor, user_turn, fmt):
+    if fmt == DIALOGUE:  # make sure the model answers (the random tiny model may hand the turn back)
+        model, conv = forced_choice(model, processor, user_turn, "assistant")
+        items = run(model, processor, [], conversation=conv, text_top_p=0.0, extra_words=3)
+    else:
+        conv = Conversation(model, processor, prompt_format=fmt)
+        items = run(model, processor, [user_turn], conversation=conv, text_top_p=0.0, extra_words=3)
+    reply = reply_of(items)
+    lm, rvq = model.spoken_lm, model.audio_tower.vq.rvq
+    tables = vocabulary_tables(processor, lm.vocab_size)
+    sampler = TasteSampler(tables, SamplingParams(text_top_p=0.0, extra_words=3))
+    history = conv.state.decode.inputs_embeds()[:, : conv.state.committed_rows - conv.state.turn_rows[-1]]
+    opening = conv.format.reply_opening(None, None)
+    rows = history if opening.rows is None else torch.cat([history, opening.rows], dim=1)
+    pending = conv.format.word_embeds(user_turn)[-1] if fmt == CONTINUATION else None
+    ctx = InitialContext(rows, [], pending, pending is not None)
+    with torch.no_grad():
+        ref = lm.generate(rvq, sampler, context=ctx, stop_id=opening.stop_ids or None, use_cache=False, max_steps=200)
+    assert reply.text_ids[0].tolist() == ref.token_ids[0].tolist()
+    assert torch.equal(reply.word_codes(), ref.word_codes())
+    assert items[-1]["end_reason"] == ref.end_reason
+
+
+# -- streaming_generate behaviour -------------------------------------------------------------------------
+def test_word_segments_concatenate_to_the_reply(model, processor, user_turn):
+    items = run(model, processor, [user_turn])
+    assert items[-1]["is_complete"] and items[-1]["completion_reason"] == "finished"
+    assert all(not i["is_complete"] and i["completion_reason"] is None for i in items[:-1])
+    pieces = [i["segment"] for i in items if i["segment"] is not None]
+    assert all(p.num_words == 1 for p in pieces)  # default: one word per segment
+    whole = TASTESegment.concat(pieces)
+    assert torch.equal(whole.text_ids, reply_of(items).text_ids)
+    assert torch.equal(whole.taste_ids, reply_of(items).taste_ids)
+
+
+def test_top_p_sampling_is_reproducible_with_a_generator(model, processor, user_turn):
+    a = reply_of(run(model, processor, [user_turn], generator=torch.Generator().manual_seed(5), text_top_p=0.9))
+    b = reply_of(run(model, processor, [user_turn], generator=torch.Generator().manual_seed(5), text_top_p=0.9))
+    assert torch.equal(a.text_ids, b.text_ids) and torch.equal(a.taste_ids, b.taste_ids)
+
+
+def test_max_length_truncates_and_says_so(model, processor, user_turn):
+    items = run(model, processor, [user_turn], max_length=3, extra_words=8)
+    last = items[-1]
+    assert last["completion_reason"] == "finished" and last["truncated"] and last["end_reason"] == "max_length"
+    assert reply_of(items).length == 3 and sum(i["segment"].length for i in items if i["segment"]) == 3
+
+
+def test_eos_id_ends_the_reply_without_emitting_it(model, processor, user_turn):
+    free = reply_of(run(model, processor, [user_turn], text_top_p=0.0, extra_words=8))
+    eos = int(free.text_ids[0, 3])
+    first = free.text_ids[0].tolist().index(eos)
+    items = run(model, processor, [user_turn], text_top_p=0.0, extra_words=8, eos_id=eos)
+    assert items[-1]["end_reason"] == "stop_id" and not items[-1]["truncated"]
+    assert reply_of(items).text_ids[0].tolist() == free.text_ids[0, :first].tolist()
+
+
+@pytest.mark.parametrize("kind", ["event", "callable"])
+def test_cancellation_ends_within_one_step(model, processor, user_turn, kind):
+    event = threading.Event()
+    stop = event if kind == "event" else event.is_set
+    seen = []
+    for item in streaming_generate(model, processor, [user_turn], extra_words=8, stop=stop,
+                                   generator=torch.Generator().manual_seed(0)):
+        seen.append(item)
+        if not item["is_complete"] and not event.is_set():
+            event.set()
+    assert len(seen) == 2 and seen[-1]["cancelled"] and seen[-1]["end_reason"] == "cancelled"
+    assert seen[-1]["steps"] == seen[0]["steps"]  # not one more token after the stop request
+    reply = reply_of(seen)
+    assert reply.length == seen[0]["steps"] and reply.word_starts()[0]
+
+
+# -- dialogue format -------------------------------------------------------------------------------------
+def test_dialogue_rows_use_reserved_tokens(model, processor, user_turn):
+    conv = Conversation(model, processor, prompt_format=DIALOGUE)
+    tok = processor.llm_tokenizer
+    ids = conv.format.ids
+    assert ids.segment_start == tok.convert_tokens_to_ids("<|reserved_special_token_50|>")
+    assert ids.segment_end == tok.convert_tokens_to_ids("<|reserved_special_token_51|>")
+    assert ids.assistant == tok.convert_tokens_to_ids("<|reserved_special_token_54|>")
+    rows, fed, _ = conv.format.segment_rows(user_turn, None)
+    assert rows.shape[1] == user_turn.length + 3
+    assert fed == [ids.user, ids.segment_start] + user_turn.text_ids[0].tolist() + [ids.segment_end]
+    lm = model.spoken_lm
+    pad_row = lm.fuse(lm.token_embeds([ids.user]).float(), lm.pad_audio()[None])
+    assert torch.allclose(rows[0, :1], pad_row)
+    last_code = conv.format.word_embeds(user_turn)[-1:]
+    assert torch.allclose(rows[0, -1:], lm.fuse(lm.token_embeds([ids.segment_end]).float(), last_code))
+
+
+def forced_choice(model, processor, turn, winner):
+    """A copy of the model whose text head (untied for the test) makes ``winner`` the next role."""
+    forced = copy.deepcopy(model)
+    lm = forced.spoken_lm
+    conv = Conversation(forced, processor, prompt_format=DIALOGUE)
+    conv.add_turn(turn)
+    hidden = conv.ready().last_hidden[0]
+    head = torch.nn.Parameter(lm.embed_tokens.weight.detach().clone(), requires_grad=False)
+    lm.causal_lm.lm_head.weight = head
+    ids = conv.format.ids
+    direction = hidden / hidden.norm()
+    with torch.no_grad():
+        head[getattr(ids, winner)] = 50 * direction
+        head[ids.assistant if winner == "user" else ids.user] = -50 * direction
+    return forced, conv
+
+
+def test_dialogue_turn_decision(model, processor, user_turn):
+    forced, conv = forced_choice(model, processor, user_turn, "user")
+    rows_before = conv.state.decode.length
+    items = run(forced, processor, [], conversation=conv)
+    assert len(items) == 1 and items[0]["completion_reason"] == "no_speech" and items[0]["segment"] is None
+    assert items[0]["is_complete"] and len(conv.turns) == 1 and conv.state.decode.length == rows_before
+    forced, conv = forced_choice(model, processor, user_turn, "assistant")
+    items = run(forced, processor, [], conversation=conv, extra_words=2)
+    assert items[-1]["completion_reason"] == "finished" and reply_of(items) is not None
+    assert conv.turns[-1].role == "assistant"
+
+
+def test_dialogue_format_needs_reserved_tokens(golden_model, golden_processor, golden_turn):
+    with pytest.raises(ValueError, match="convert_tokens_to_ids|reserved"):
+        run(golden_model, golden_processor, [golden_turn], prompt_format=DIALOGUE)
+
+
+# -- Conversation ------------------------------------------------------------------------------------------
+def assert_cache_equals_fresh_build(model, processor, conv):
+    fresh = Conversation(model, processor, system=conv.system, prompt_format=conv.prompt_format)
+    fresh.state.turns = list(conv.state.turns)
+    fresh.ready()
+    assert fresh.state.committed_rows == conv.state.committed_rows == conv.state.decode.length
+    assert fresh.state.decode.input_ids == conv.state.decode.input_ids
+    assert (fresh.state.decode.inputs_embeds() - conv.state.decode.inputs_embeds()).abs().max() < 1e-6
+    for a, b in zip(fresh.state.decode.cache.layers, conv.state.decode.cache.layers):
+        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+    assert (fresh.state.committed_hidden - conv.state.committed_hidden).abs().max() < 1e-5
+    if conv.state.carry is None:
+        assert fresh.state.carry is None
+    else:
+        assert torch.allclose(fresh.state.carry, conv.state.carry)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_turns_reuse_the_prefix_cache(model, processor, user_turn, second_turn, fmt):
+    system = text_segment(processor, "system", " be kind")
+    conv = Conversation(model, processor, system=system, prompt_format=fmt)
+    run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+    assert_cache_equals_fresh_build(model, processor, conv)
+    fed = []
+    lm = model.spoken_lm
+    original = lm.feed
+    lm.feed = lambda state, rows: (fed.append(rows.shape[1]), original(state, rows))[1]
+    try:
+        before = conv.state.committed_rows
+        items = run(model, processor, [second_turn], conversation=conv, text_top_p=0.0)
+    finally:
+        del lm.feed
+    # only the new turn and the reply were fed: no row of the history again
+    assert sum(fed) == conv.state.committed_rows - before
+    index = max(i for i, t in enumerate(conv.state.turns) if t is second_turn)
+    assert fed[0] == conv.state.turn_rows[index]  # the new user turn in one block
+    if items[-1]["completion_reason"] == "finished":
+        assert conv.turns[-1].role == "assistant"
+    assert_cache_equals_fresh_build(model, processor, conv)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_truncate_to_played_words(model, processor, user_turn, second_turn, fmt):
+    conv = Conversation(model, processor, prompt_format=fmt)
+    items = run(model, processor, [user_turn], conversation=conv, text_top_p=0.0, extra_words=4)
+    if items[-1]["completion_reason"] != "finished":
+        conv.add_turn(TASTESegment("assistant", "audio", user_turn.text_ids, user_turn.taste_ids))
+    full = conv.turns[-1]
+    kept = conv.truncate_last_assistant(2)
+    assert kept.num_words == 2 and conv.turns[-1] is kept
+    assert torch.equal(kept.text_ids, full.first_words(2).text_ids)
+    assert_cache_equals_fresh_build(model, processor, conv)
+    assert conv.truncate_last_assistant(5) is kept  # more than it has: unchanged
+    assert conv.truncate_last_assistant(0) is None and conv.turns[-1].role == "user"
+    assert_cache_equals_fresh_build(model, processor, conv)
+    # in the middle of the history: rebuilt lazily
+    run(model, processor, [second_turn], conversation=conv, text_top_p=0.0, extra_words=2)
+    conv.add_turn(user_turn)
+    if any(t.role == "assistant" for t in conv.turns):
+        conv.truncate_last_assistant(1)
+        conv.ready()
+        assert_cache_equals_fresh_build(model, processor, conv)
+
+
+def test_rolling_window_keeps_the_system_segment(model, processor, user_turn, second_turn):
+    system = text_segment(processor, "system", " be kind")
+    conv = Conversation(model, processor, system=system, max_turns=3)
+    for turn in [user_turn, second_turn, user_turn, second_turn, user_turn]:
+        conv.add_turn(turn)
+    assert len(conv.turns) == 3 and conv.system is system
+    assert [t.length for t in conv.turns] == [user_turn.length, second_turn.length, user_turn.length]
+    assert_cache_equals_fresh_build(model, processor, conv)
+    small = Conversation(model, processor, system=system, max_tokens=2 * user_turn.length + 2)
+    for turn in [user_turn, user_turn, user_turn]:
+        small.add_turn(turn)
+    assert small.state.committed_rows <= small.max_tokens and len(small.turns) == 1
+    assert_cache_equals_fresh_build(model, processor, small)
+
+
+def test_snapshot_and_restore(model, processor, user_turn, second_turn):
+    conv = Conversation(model, processor)
+    run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+    snap = conv.snapshot()
+    first = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))
+    assert len(conv.turns) == 4
+    conv.restore(snap)
+    assert len(conv.turns) == 2 and conv.state.decode.length == snap.decode.length
+    again = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))
+    assert torch.equal(first.text_ids, again.text_ids) and torch.equal(first.taste_ids, again.taste_ids)
+    assert snap.decode.length < conv.state.decode.length  # the snapshot was not touched
+    with pytest.raises(ValueError, match="snapshot"):
+        conv.restore({"turns": []})
+
+
+def test_abandoned_reply_is_discarded(model, processor, user_turn):
+    conv = Conversation(model, processor)
+    conv.add_turn(user_turn)
+    rows = conv.state.committed_rows
+    iterator = streaming_generate(model, processor, [], conversation=conv, extra_words=8)
+    next(iterator)
+    iterator.close()
+    assert conv.state.decode.length > rows and len(conv.turns) == 1
+    assert conv.ready().length == rows
+    assert_cache_equals_fresh_build(model, processor, conv)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_length=0), "max_length"), (dict(max_length=2.5), "max_length"),
+    (dict(text_top_p=2.0), "text_top_p"), (dict(text_temperature=0.0), "text_temperature"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"), (dict(taste_top_p=-0.5), "taste_top_p"),
+    (dict(extra_words=0), "extra_words"), (dict(stop="now"), "stop"),
+    (dict(should_emit_segment=3), "should_emit_segment"), (dict(prompt_format="chat"), "prompt_format"),
+])
+def test_bad_generation_arguments(model, processor, user_turn, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        run(model, processor, [user_turn], **kwargs)
+
+
+def test_bad_segments_and_conversations(model, processor, user_turn):
+    with pytest.raises(ValueError, match="TASTESegment"):
+        run(model, processor, ["hello"])
+    with pytest.raises(ValueError, match="no history"):
+        run(model, processor, [])
+    conv = Conversation(model, processor, prompt_format=INSTRUCT)
+    with pytest.raises(ValueError, match="fixed per conversation"):
+        run(model, processor, [user_turn], conversation=conv, prompt_format=DIALOGUE)
+    with pytest.raises(ValueError, match="system"):
+        Conversation(model, processor, system=user_turn)
+    with pytest.raises(ValueError, match="no assistant turn"):
+        conv.truncate_last_assistant(1)
+    conv.add_turn(user_turn)
+    with pytest.raises(ValueError, match="only open"):
+        conv.add_turn(text_segment(processor, "system", " late"))
+    with pytest.raises(ValueError, match="played_words"):
+        conv.truncate_last_assistant(-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Conversation(model, processor, max_tokens=0)
+    wrong_k = TASTESegment("user", "audio", user_turn.text_ids, user_turn.taste_ids[..., :3])
+    with pytest.raises(ValueError, match="levels"):
+        run(model, processor, [wrong_k])
+    with pytest.raises(ValueError, match="n >= 1"):
+        every_n_words(0)
