@@ -1,0 +1,302 @@
+"""taste_detokenize: one segment of LLM output (text ids + TASTE codes) -> speech audio.
+
+Pipeline per segment (spec §6-§7):
+
+1. the segment's Llama-token words (with the previous segment's words before them) are
+   re-tokenised into Whisper (ASR) tokens by the processor; each word's TASTE codes are spread
+   onto its ASR tokens and turned into TASTE embeddings with the audio tower's RVQ;
+2. the speech decoder reads ``[SOS, speaker, fused(previous + current words), TASK]``, is
+   force-fed the previous segment's speech tokens (so the new tokens continue that utterance),
+   then generates the new speech tokens one at a time (KV cache, top-25 sampling);
+3. the new speech tokens stream into the voice generator (:mod:`taste_speech.streaming.synthesis`)
+   as they are generated; audio chunks come out as soon as the emission policy allows.
+
+Continuity across segments. Two ways:
+
+* keep the returned ``state`` and pass it to the next call with ``final=False`` on every segment
+  but the last (or call :func:`finish_speaking`): the voice generator continues seamlessly (same
+  noise tapes, carried source phase, mel/waveform cross-fades); the audio held back for the
+  cross-fade is emitted by the next call;
+* stateless (``state=None``, the reference API): the tail of ``prev_speech_ids`` is re-synthesised
+  as left context and not emitted; the audio starts at ``prev_audio_ms`` of the utterance. The
+  previous call ended with a fade-out and this one fades in, so the join is a short dip rather
+  than a click.
+
+The VoiceGenerator is passed in (``voice_generator=``) or taken from ``processor.get_generator()``
+when the processor offers it; it is not part of TasteForCausalLM (separate weight file, separate
+device placement, and the LM never needs it).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+
+from taste_speech.streaming.synthesis import SpeechChunk, speak, start_speaking
+from taste_speech.streaming.synthesis_state import (
+    SAMPLES_PER_FRAME,
+    SOURCE_RATE,
+    EmissionPolicy,
+    SynthesisState,
+    frames_for_tokens,
+)
+from taste_speech.voice_generator import VoiceGenerator
+
+IGNORE = -1
+PREV_AUDIO_TOLERANCE_MS = 30.0  # resampler delay + one mel frame
+
+
+def resolve_voice_generator(processor, voice_generator: Optional[VoiceGenerator]) -> VoiceGenerator:
+    if voice_generator is not None:
+        return voice_generator
+    getter = getattr(processor, "get_generator", None)
+    if callable(getter):
+        return getter()
+    raise ValueError(
+        "taste_detokenize needs the voice generator: pass voice_generator=VoiceGenerator.from_pretrained(checkpoint_dir) "
+        "(loaded once and reused), or use a processor that provides get_generator()"
+    )
+
+
+def _as_ids(value, name: str, allow_empty: bool) -> torch.Tensor:
+    if value is None:
+        return torch.zeros(1, 0, dtype=torch.long)
+    value = torch.as_tensor(value)
+    if value.dim() != 2 or value.shape[0] != 1:
+        raise ValueError(f"{name} must have shape (1, S), got {tuple(value.shape)}")
+    if value.is_floating_point() or value.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer ids, got {value.dtype}")
+    if not allow_empty and value.shape[1] == 0:
+        raise ValueError(f"{name} is empty: a segment needs at least one word")
+    return value.long()
+
+
+def _as_codes(value, n: int, name: str, k: Optional[int]) -> torch.Tensor:
+    if value is None:
+        if n:
+            raise ValueError(f"{name} is missing but its text ids are not empty")
+        return torch.zeros(1, 0, k or 1, dtype=torch.long)
+    value = torch.as_tensor(value)
+    if value.dim() != 3 or value.shape[0] != 1 or value.is_floating_point():
+        raise ValueError(f"{name} must be integer codes of shape (1, S, K), got {value.dtype} {tuple(value.shape)}")
+    if value.shape[1] != n:
+        raise ValueError(f"{name} has {value.shape[1]} rows but its text ids have {n}: they must align one row per token")
+    return value.long()
+
+
+def _check_word_rows(processor, text_ids: torch.Tensor, taste_ids: torch.Tensor, name: str) -> None:
+    """Codes must sit exactly on the word-start tokens (IGNORE rows elsewhere)."""
+    if text_ids.shape[1] == 0:
+        return
+    starts = torch.zeros(text_ids.shape[1], dtype=torch.bool)
+    position = 0
+    for group in processor.words_from_llm_ids(text_ids):
+        starts[position] = True
+        position += len(group)
+    has_code = taste_ids[0, :, 0] != IGNORE
+    if not torch.equal(has_code, starts):
+        raise ValueError(
+            f"{name}: TASTE codes must be on the first token of every word and IGNORE (-1) elsewhere; got codes at "
+            f"rows {has_code.nonzero().view(-1).tolist()} for word starts {starts.nonzero().view(-1).tolist()}"
+        )
+
+
+def _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, prev_speech_ids, prev_audio_ms):
+    """A fresh state primed with the tail of the previous speech tokens (computed, not emitted)."""
+    state = start_speaking(vg, speaker_embeds, policy, out_sampling_rate, generator)
+    n_prev = prev_speech_ids.shape[1]
+    if n_prev == 0 and prev_audio_ms <= 0:
+        return state
+    tail = prev_speech_ids[:, max(0, n_prev - state.policy.context_tokens - state.policy.first_chunk_tokens):]
+    state.tokens_before = n_prev - tail.shape[1]  # the state continues the utterance's frame grid
+    # audio of the previous tokens runs to sample 256 * frames(n_prev); what was played may differ
+    played = round(prev_audio_ms * SOURCE_RATE / 1000)
+    overshoot = played - frames_for_tokens(n_prev) * SAMPLES_PER_FRAME
+    state.skip_until_sample = max(0, state.frames(tail.shape[1]) * SAMPLES_PER_FRAME + overshoot)
+    state.audio_ms_before = prev_audio_ms
+    if tail.shape[1]:
+        speak(vg, state, tail)
+    return state
+
+
+def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.Tensor, prev_audio_ms: float) -> None:
+    if state.finished:
+        raise ValueError("the given state already ended (its last call had final=True); pass final=False on every "
+                         "segment but the last of an utterance, or start without a state")
+    if not torch.allclose(state.speaker_embeds.cpu().float(), speaker_embeds.cpu().float(), atol=1e-5):
+        raise ValueError("speaker_embeds differ from the ones this state was started with: one state per voice")
+    n_prev = prev_speech_ids.shape[1]
+    if n_prev != state.tokens_before + state.n_tokens:
+        raise ValueError(f"prev_speech_ids has {n_prev} tokens but the state covers {state.tokens_before + state.n_tokens}:"
+                         " pass the 'speech_ids' returned by the previous call together with its 'state'")
+    kept = state.tokens[0].cpu()
+    if n_prev and not torch.equal(prev_speech_ids[0, n_prev - kept.shape[0]:].cpu(), kept):
+        raise ValueError("prev_speech_ids do not end with the speech tokens this state synthesised")
+    expected_ms = state.audio_ms_before + state.emitted_ms
+    if abs(prev_audio_ms - expected_ms) > PREV_AUDIO_TOLERANCE_MS:
+        raise ValueError(f"prev_audio_ms={prev_audio_ms:.1f} but the audio returned with this state so far lasts "
+                         f"{expected_ms:.1f} ms; pass the total duration of the utterance's audio played so far")
+
+
+@torch.inference_mode()
+def taste_detokenize_stream(
+    model,
+    processor,
+    speaker_embeds: torch.Tensor,
+    prev_text_ids,
+    prev_taste_ids,
+    prev_speech_ids,
+    prev_audio_ms: float,
+    text_ids,
+    taste_ids,
+    out_sampling_rate: int = 16000,
+    *,
+    voice_generator: Optional[VoiceGenerator] = None,
+    state: Optional[SynthesisState] = None,
+    final: bool = True,
+    policy: EmissionPolicy | str = "low_latency",
+    sampler=None,
+    generator: Optional[torch.Generator] = None,
+) -> Iterator[dict]:
+    """Like :func:`taste_detokenize`, yielding audio chunks while the speech tokens are generated.
+
+    Each item: ``audio_waveform`` (1, n), ``sampling_rate``, ``chunk_duration_ms``, ``speech_ids`` (the new
+    speech tokens generated so far, (1, s)), ``is_final`` (last chunk of this call), ``state``.
+    """
+    from taste_speech.modeling_speech_decoder import TopKSampler
+
+    vg = resolve_voice_generator(processor, voice_generator)
+    speaker_embeds = torch.as_tensor(speaker_embeds).float()
+    text_ids = _as_ids(text_ids, "text_ids", allow_empty=False)
+    taste_ids = _as_codes(taste_ids, text_ids.shape[1], "taste_ids", None)
+    prev_text_ids = _as_ids(prev_text_ids, "prev_text_ids", allow_empty=True)
+    prev_taste_ids = _as_codes(prev_taste_ids, prev_text_ids.shape[1], "prev_taste_ids", taste_ids.shape[2])
+    prev_speech_ids = _as_ids(prev_speech_ids, "prev_speech_ids", allow_empty=True)
+    if prev_taste_ids.shape[1] and prev_taste_ids.shape[2] != taste_ids.shape[2]:
+        raise ValueError(f"prev_taste_ids has K={prev_taste_ids.shape[2]} codes per row, taste_ids K={taste_ids.shape[2]}")
+    if prev_audio_ms is None or prev_audio_ms < 0:
+        raise ValueError(f"prev_audio_ms must be >= 0 (0 for the first segment), got {prev_audio_ms}")
+    decoder = model.speech_decoder
+    if prev_speech_ids.shape[1] and bool(((prev_speech_ids < 0) | (prev_speech_ids >= decoder.speech_token_size)).any()):
+        raise ValueError(f"prev_speech_ids must lie in [0, {decoder.speech_token_size})")
+    if decoder.speech_token_size > vg.flow.vocab_size:
+        raise ValueError(f"the speech decoder emits {decoder.speech_token_size} token ids but the voice generator "
+                         f"knows {vg.flow.vocab_size}: they come from different checkpoints")
+    _check_word_rows(processor, prev_text_ids, prev_taste_ids, "prev_taste_ids")
+    _check_word_rows(processor, text_ids, taste_ids, "taste_ids")
+
+    # 1. words -> ASR tokens and TASTE embeddings (previous segment first)
+    full_text = torch.cat([prev_text_ids, text_ids], dim=1)
+    full_taste = torch.cat([prev_taste_ids, taste_ids], dim=1)
+    aligned = processor.align_llm_ids(full_text)
+    current = processor.align_llm_ids(text_ids)
+    device = decoder.device
+    audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste.to(device), aligned.asr_word_ids.to(device))
+    prefix = decoder.prefix_embeds(speaker_embeds.to(device), audio_embeds, aligned.asr_token_ids.to(device))
+
+    # 2. the speech decoder, continuing the previous segment's speech tokens
+    min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
+    dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len)
+    if prev_speech_ids.shape[1]:
+        dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev_speech_ids.to(device)))
+    sampler = TopKSampler(generator=generator) if sampler is None else sampler
+
+    # 3. the voice generator, fed token by token
+    if state is None:
+        state = _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, prev_speech_ids,
+                                 float(prev_audio_ms))
+    else:
+        _check_state(state, speaker_embeds, prev_speech_ids, float(prev_audio_ms))
+        if state.out_sampling_rate != out_sampling_rate:
+            raise ValueError(f"the state resamples to {state.out_sampling_rate} Hz, not {out_sampling_rate}")
+    new_tokens: list[int] = []
+
+    def item(chunk: SpeechChunk, is_final: bool) -> dict:
+        return {
+            "audio_waveform": chunk.audio,
+            "sampling_rate": chunk.sampling_rate,
+            "chunk_duration_ms": chunk.duration_ms,
+            "speech_ids": torch.tensor([new_tokens], dtype=torch.long).view(1, -1),
+            "is_final": is_final,
+            "state": state,
+        }
+
+    while (token := decoder.step(dec_state, sampler)) is not None:
+        new_tokens.append(token)
+        for chunk in speak(vg, state, torch.tensor([[token]])):
+            yield item(chunk, False)
+    if not new_tokens:
+        raise ValueError("the speech decoder produced no speech tokens for this segment")
+    if final:
+        chunks = speak(vg, state, final=True)
+    else:
+        chunks = []
+    if chunks:
+        for chunk in chunks[:-1]:
+            yield item(chunk, False)
+        yield item(chunks[-1], True)
+    else:
+        empty = torch.zeros(1, 0)
+        yield {"audio_waveform": empty, "sampling_rate": out_sampling_rate, "chunk_duration_ms": 0.0,
+               "speech_ids": torch.tensor([new_tokens], dtype=torch.long), "is_final": True, "state": state}
+
+
+def taste_detokenize(
+    model,
+    processor,
+    speaker_embeds: torch.Tensor,
+    prev_text_ids,
+    prev_taste_ids,
+    prev_speech_ids,
+    prev_audio_ms: float,
+    text_ids,
+    taste_ids,
+    out_sampling_rate: int = 16000,
+    **kwargs,
+) -> dict:
+    """Synthesize one segment of LLM output, continuing the previous segment's speech.
+
+    Args:
+        model: TasteForCausalLM (its speech decoder and the audio tower's RVQ are used).
+        processor: TasteProcessor (LLM-token words -> ASR tokens; ``get_generator()`` if available).
+        speaker_embeds: (1, spk_dim) x-vector (the voice; the same for every segment of a call).
+        prev_text_ids / prev_taste_ids / prev_speech_ids: the previous segment's Llama ids (1, P),
+            TASTE codes (1, P, K) and speech tokens (1, Q); empty tensors (or None) for the first segment.
+        prev_audio_ms: duration of the audio already played for this utterance (0 for the first segment).
+        text_ids / taste_ids: this segment's Llama ids (1, S) and codes (1, S, K) (codes on word starts).
+        out_sampling_rate: 8000, 16000, 22050, 24000 or 48000.
+        keyword-only: voice_generator, state (continuity from the previous call), final (this segment
+            ends the utterance: flush and fade out; default True), policy ('low_latency' | 'quality' |
+            EmissionPolicy), sampler (speech-token sampler; the original's top-25 by default),
+            generator (torch.Generator for sampling and synthesis noise).
+
+    Returns a dict: ``audio_waveform`` (1, T) float32, ``sampling_rate``, ``chunk_duration_ms``,
+    ``speech_ids`` (1, Q + n): previous plus new speech tokens (pass as ``prev_speech_ids`` next time),
+    ``new_speech_ids`` (1, n), ``state`` (pass to the next call for seamless continuation).
+    """
+    pieces, last = [], None
+    for last in taste_detokenize_stream(model, processor, speaker_embeds, prev_text_ids, prev_taste_ids,
+                                        prev_speech_ids, prev_audio_ms, text_ids, taste_ids, out_sampling_rate,
+                                        **kwargs):
+        pieces.append(last["audio_waveform"])
+    audio = torch.cat(pieces, dim=-1)
+    prev = _as_ids(prev_speech_ids, "prev_speech_ids", allow_empty=True)
+    new = last["speech_ids"]
+    return {
+        "audio_waveform": audio,
+        "sampling_rate": out_sampling_rate,
+        "chunk_duration_ms": 1000.0 * audio.shape[-1] / out_sampling_rate,
+        "speech_ids": torch.cat([prev, new.to(prev.device)], dim=1),
+        "new_speech_ids": new,
+        "state": last["state"],
+    }
+
+
+@torch.inference_mode()
+def finish_speaking(voice_generator: VoiceGenerator, state: SynthesisState) -> torch.Tensor:
+    """Flush a state kept with ``final=False``: the held-back audio with the final fade-out, (1, n)."""
+    chunks = speak(voice_generator, state, final=True)
+    if not chunks:
+        return torch.zeros(1, 0)
+    return torch.cat([c.audio for c in chunks], dim=-1)

@@ -1,0 +1,331 @@
+"""Streaming synthesis: speech tokens arriving in pieces -> seamless audio chunks (flow + HiFT).
+
+The voice generator is non-causal end to end (spec §8): its encoder and U-Net attend over the
+whole utterance and HiFT's convolutions look both ways, so a chunk cannot be synthesised alone
+and then glued on. Each step therefore works on a bounded *window* and keeps continuity through
+the explicit :class:`SynthesisState`:
+
+flow step (tokens -> final mel frames [mel_done, E))
+    window = ``context_tokens`` tokens of left context + the chunk + up to ``lookahead_tokens``.
+    Tokens are stretched onto the utterance's global frame grid (441/256 frames per token), the
+    ODE noise of every frame comes from a per-frame noise tape, and the already emitted mel of
+    the left-context frames is given as the CFM's prompt (``cond``; upstream's prompt mechanism),
+    so the new frames continue it. The first frames are cross-faded with the provisional frames
+    the previous window computed for them; the last ``mel_crossfade_frames`` (or the lookahead
+    frames) stay provisional.
+vocoder step (final mel -> final samples [256 voc_done, 256 E_h))
+    HiFT runs on ``vocoder_context_frames`` frames of final mel before the new ones. The harmonic
+    source of the context is the cached source already used for emitted audio, and the new source
+    continues each harmonic's cycle position (no phase reset, unlike calling HiFT per chunk). The
+    last ``vocoder_lookahead_frames`` are held back; the first ``wave_crossfade_samples`` of new
+    audio are overlap-added with the previous step's provisional tail.
+
+Per-step work depends on the window sizes only, not on how long the utterance already is.
+Concatenated chunks have exactly the offline length (256 samples per frame, frames =
+floor(tokens * 441 / 256)); a fade-in starts the audio and a fade-out ends the final chunk, and
+the output is resampled from 22.05 kHz with soxr (streaming, HQ).
+
+Usage::
+
+    state = start_speaking(vg, speaker_embeds, policy="low_latency", out_sampling_rate=16000,
+                           generator=torch.Generator().manual_seed(0))
+    for token_piece in speech_token_stream:            # any sizes, (1, n) int
+        for chunk in speak(vg, state, token_piece):
+            play(chunk.audio)                          # (1, samples) float32 at 16 kHz
+    for chunk in speak(vg, state, final=True):         # flush the held-back audio, fade out
+        play(chunk.audio)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from taste_speech.streaming.synthesis_state import (
+    SAMPLES_PER_FRAME,
+    SOURCE_RATE,
+    SUPPORTED_OUTPUT_RATES,
+    EmissionPolicy,
+    NoiseTape,
+    SynthesisState,
+    frames_for_tokens,
+)
+from taste_speech.voice_generator import SourceDraws, VoiceGenerator
+
+
+@dataclass
+class SpeechChunk:
+    """What one synthesis step produced."""
+
+    audio: torch.Tensor  # (1, n) float32 at sampling_rate (what to play)
+    sampling_rate: int
+    audio_22k: torch.Tensor  # (1, m) float32 at 22050 Hz, before resampling
+    first_sample: int  # 22.05 kHz index of audio_22k[0] in the utterance
+    source_22k: torch.Tensor  # (1, m) the harmonic source (HiFT excitation) under audio_22k
+    mel: torch.Tensor  # (1, 80, f) mel frames finalised by this step
+    first_frame: int  # frame index of mel[..., 0]
+    tokens_committed: int  # chunk boundary: tokens covered once this chunk's audio is complete
+    is_final: bool
+    compute_s: float  # wall time of this step
+
+    @property
+    def duration_ms(self) -> float:
+        return 1000.0 * self.audio.shape[-1] / self.sampling_rate
+
+
+def _ramp(n: int, device=None) -> torch.Tensor:
+    """Raised-cosine weights rising from ~0 to ~1 over n points (the new signal's cross-fade weight)."""
+    k = torch.arange(1, n + 1, dtype=torch.float32, device=device)
+    return 0.5 - 0.5 * torch.cos(math.pi * k / (n + 1))
+
+
+def _check_new_tokens(vg: VoiceGenerator, tokens) -> torch.Tensor:
+    if tokens is None:
+        return torch.zeros(1, 0, dtype=torch.long)
+    tokens = torch.as_tensor(tokens)
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)
+    return vg.flow.check_tokens(tokens).long()
+
+
+@torch.inference_mode()
+def start_speaking(
+    vg: VoiceGenerator,
+    speaker_embeds: torch.Tensor,
+    policy: EmissionPolicy | str = "low_latency",
+    out_sampling_rate: int = 16000,
+    generator: Optional[torch.Generator] = None,
+) -> SynthesisState:
+    """A fresh continuity state for one utterance in the voice of ``speaker_embeds`` (1, spk_dim).
+
+    ``generator`` seeds the noise tapes and the source phases (the global RNG when None).
+    """
+    if out_sampling_rate not in SUPPORTED_OUTPUT_RATES:
+        raise ValueError(f"out_sampling_rate must be one of {SUPPORTED_OUTPUT_RATES}, got {out_sampling_rate}")
+    policy = EmissionPolicy.resolve(policy)
+    device = vg.flow.input_embedding.weight.device
+    speaker_embeds = torch.as_tensor(speaker_embeds).to(device)
+    spks = vg.flow.speaker_projection(speaker_embeds)
+    harmonics = vg.hift.m_source.n_harmonics
+    flow_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    source_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    phase_u01 = torch.rand((1, harmonics, 1), generator=generator).to(device)
+    resampler = None
+    if out_sampling_rate != SOURCE_RATE:
+        import soxr
+
+        resampler = soxr.ResampleStream(SOURCE_RATE, out_sampling_rate, 1, dtype="float32", quality="HQ")
+    return SynthesisState(
+        policy=policy,
+        out_sampling_rate=out_sampling_rate,
+        spks=spks,
+        speaker_embeds=speaker_embeds.detach().clone(),
+        flow_noise=NoiseTape(vg.flow.output_size, flow_seed, block=512, device=device),
+        source_noise=NoiseTape(harmonics, source_seed, block=512 * SAMPLES_PER_FRAME, device=device),
+        phase_u01=phase_u01,
+        resampler=resampler,
+        tokens=torch.zeros(1, 0, dtype=torch.long, device=device),
+    )
+
+
+@torch.inference_mode()
+def speak(vg: VoiceGenerator, state: SynthesisState, speech_tokens=None, final: bool = False) -> list[SpeechChunk]:
+    """Feed new speech tokens (1, n) (any n >= 0) and get the chunks that became ready.
+
+    With ``final=True`` everything left is synthesised, the held-back audio is flushed and the
+    last chunk fades out; the state cannot be fed afterwards.
+    """
+    if state.finished:
+        raise ValueError("this utterance's synthesis already ended (final=True); start a new state with start_speaking")
+    new = _check_new_tokens(vg, speech_tokens).to(state.tokens.device)
+    if new.shape[1]:
+        state.tokens = torch.cat([state.tokens, new], dim=1)
+        state.n_tokens += new.shape[1]
+    chunks = []
+    while (target := _next_boundary(state, final)) is not None:
+        chunks.append(_step(vg, state, target, last=final and target == state.n_tokens))
+    if final and not state.finished:  # nothing was ever fed
+        state.finished = True
+    return chunks
+
+
+def _next_boundary(state: SynthesisState, final: bool) -> Optional[int]:
+    """Token count the next chunk completes, or None when no chunk is due yet."""
+    policy, done, total = state.policy, state.committed_tokens, state.n_tokens
+    if total == 0 or state.finished:
+        return None
+    step = policy.first_chunk_tokens if done == 0 else policy.chunk_tokens
+    target = done + step
+    if final:
+        if done == total:
+            return total  # only the held-back audio is left: flush it
+        # a short remainder joins this chunk rather than making a tiny last one (at most 1.5 chunks)
+        return total if total - target < max(1, step // 2) else target
+    return target if total >= target + policy.lookahead_tokens else None
+
+
+def _step(vg: VoiceGenerator, state: SynthesisState, target: int, last: bool) -> SpeechChunk:
+    started = time.perf_counter()
+    right = state.n_tokens if last else min(state.n_tokens, target + state.policy.lookahead_tokens)
+    mel_start = state.mel_done
+    mel = _flow_step(vg, state, target, right, last)
+    first_sample = state.voc_done * SAMPLES_PER_FRAME
+    wav, source = _vocoder_step(vg, state, mel, last)
+    if state.skip_until_sample > first_sample:  # context re-synthesised only to continue from it
+        cut = min(wav.shape[-1], state.skip_until_sample - first_sample)
+        wav, source, first_sample = wav[:, cut:], source[:, cut:], first_sample + cut
+    wav = _apply_fades(state, wav, last)
+    state.samples_emitted += wav.shape[-1]
+    state.committed_tokens = target
+    audio = _resample(state, wav, last)
+    state.out_samples_emitted += audio.shape[-1]
+    state.chunks_emitted += 1
+    state.finished = last
+    _release_old_context(state)
+    return SpeechChunk(
+        audio=audio, sampling_rate=state.out_sampling_rate, audio_22k=wav, source_22k=source, first_sample=first_sample,
+        mel=mel, first_frame=mel_start, tokens_committed=target, is_final=last,
+        compute_s=time.perf_counter() - started,
+    )
+
+
+def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: int, last: bool) -> torch.Tensor:
+    """Finalise the mel frames of tokens [.., target): returns them (1, 80, E - mel_done)."""
+    policy, flow = state.policy, vg.flow
+    frames_right = state.frames(right)
+    if last:
+        end = frames_right
+    else:
+        end = min(state.frames(target), frames_right - policy.mel_crossfade_frames)
+    if end <= state.mel_done:
+        return torch.zeros(1, flow.output_size, 0, device=state.tokens.device)
+
+    # the window: left context, the chunk, the lookahead
+    first_token = max(state.token_offset, state.token_of(state.mel_done) - policy.context_tokens)
+    first_frame = state.frames(first_token)
+    h = flow.encode_tokens(state.window_tokens(first_token, right))  # (1, n, 80)
+    # nearest-neighbour stretch on the utterance's grid (441/256 frames per token)
+    rows = torch.tensor([state.token_of(f) - first_token for f in range(first_frame, frames_right)], device=h.device)
+    rows = rows.clamp(0, h.shape[1] - 1)
+    mu = flow.length_regulator.model(h[:, rows].transpose(1, 2))
+    n_frames = frames_right - first_frame
+    mask = torch.ones(1, 1, n_frames, device=mu.device, dtype=mu.dtype)
+    cond = torch.zeros(1, flow.output_size, n_frames, device=mu.device, dtype=mu.dtype)
+    n_prompt = state.mel_done - first_frame
+    if policy.prompt_with_emitted_mel and n_prompt > 0:
+        cond[:, :, :n_prompt] = state.mel_history[:, :, -n_prompt:]
+    noise = state.flow_noise.get(first_frame, frames_right)
+    mel_window = flow.decoder(mu, mask, state.spks, cond, noise)
+
+    new = mel_window[:, :, n_prompt:end - first_frame].clone()
+    if state.mel_tail is not None:
+        k = min(state.mel_tail.shape[-1], new.shape[-1])
+        if k:
+            w = _ramp(k, new.device)
+            new[:, :, :k] = (1 - w) * state.mel_tail[:, :, :k] + w * new[:, :, :k]
+    tail_start = end - first_frame
+    state.mel_tail = None if last else mel_window[:, :, tail_start:tail_start + policy.mel_crossfade_frames]
+    keep = frames_for_tokens(policy.context_tokens) + 4
+    history = new if state.mel_history is None else torch.cat([state.mel_history, new], dim=-1)
+    state.mel_history = history[:, :, -keep:]
+    state.mel_done = end
+    return new
+
+
+def _vocoder_step(vg: VoiceGenerator, state: SynthesisState, new_mel: torch.Tensor,
+                  last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append final mel; return the newly final waveform samples (1, n) at 22.05 kHz and their source (1, n)."""
+    policy, hift, spf = state.policy, vg.hift, SAMPLES_PER_FRAME
+    if state.voc_mel is None:
+        state.voc_mel, state.voc_mel_start = new_mel, state.mel_done - new_mel.shape[-1]
+    else:
+        state.voc_mel = torch.cat([state.voc_mel, new_mel], dim=-1)
+    mel_end = state.mel_done
+    end = mel_end if last else mel_end - policy.vocoder_lookahead_frames
+    if end <= state.voc_done:
+        empty = torch.zeros(1, 0, device=new_mel.device)
+        return empty, empty
+
+    start = max(state.voc_mel_start, state.voc_done - policy.vocoder_context_frames)
+    n_context = state.voc_done - start
+    mel = state.voc_mel[:, :, start - state.voc_mel_start:]
+    f0 = hift.f0_predictor(mel)
+    f0_up = hift.upsample_f0(f0[:, n_context:])
+    draws = SourceDraws(state.phase_u01, state.source_noise.get(state.voc_done * spf, mel_end * spf))
+    carried = state.cycle_pos if policy.carry_source_phase else None
+    source_new, cycles = hift.m_source(f0_up, draws, cycle_offset=carried)
+    context_source = state.source_history[:, :, -n_context * spf:] if n_context else source_new[:, :, :0]
+    wav = hift.decode(mel, torch.cat([context_source, source_new], dim=-1))
+    wav = torch.clamp(wav, -hift.audio_limit, hift.audio_limit)
+
+    n_final = (end - state.voc_done) * spf
+    out = wav[:, n_context * spf:n_context * spf + n_final].clone()
+    if state.wave_tail is not None:
+        k = min(state.wave_tail.shape[-1], out.shape[-1])
+        if k:
+            w = _ramp(k, out.device)
+            out[:, :k] = (1 - w) * state.wave_tail[:, :k] + w * out[:, :k]
+    tail_start = n_context * spf + n_final
+    state.wave_tail = None if last else wav[:, tail_start:tail_start + policy.wave_crossfade_samples]
+
+    final_source = source_new[:, :, :n_final]
+    history = final_source if state.source_history is None else torch.cat([state.source_history, final_source], -1)
+    state.source_history = history[:, :, -max(1, policy.vocoder_context_frames) * spf:]
+    state.cycle_pos = cycles[:, :, n_final - 1:n_final]
+    state.voc_done = end
+    return out, final_source[:, 0]
+
+
+def _apply_fades(state: SynthesisState, wav: torch.Tensor, last: bool) -> torch.Tensor:
+    policy = state.policy
+    if state.samples_emitted == 0 and wav.shape[-1] and policy.fade_in_ms > 0:
+        n = min(wav.shape[-1], int(SOURCE_RATE * policy.fade_in_ms / 1000))
+        wav = wav.clone()
+        wav[:, :n] *= _ramp(n, wav.device)
+    if last and wav.shape[-1] and policy.fade_out_ms > 0:
+        n = min(wav.shape[-1], int(SOURCE_RATE * policy.fade_out_ms / 1000))
+        wav = wav.clone()
+        wav[:, -n:] *= _ramp(n, wav.device).flip(0)
+    return wav
+
+
+def _resample(state: SynthesisState, wav: torch.Tensor, last: bool) -> torch.Tensor:
+    if state.resampler is None:
+        return wav.float().cpu()
+    out = state.resampler.resample_chunk(np.ascontiguousarray(wav[0].float().cpu().numpy()), last=last)
+    return torch.from_numpy(np.asarray(out, dtype=np.float32).copy()).unsqueeze(0)
+
+
+def _release_old_context(state: SynthesisState) -> None:
+    """Drop tokens, noise and mel no later step can use (bounded memory on long utterances)."""
+    policy = state.policy
+    keep_from = max(0, state.token_of(state.mel_done) - policy.context_tokens - 1)
+    if keep_from > state.token_offset:
+        state.tokens = state.tokens[:, keep_from - state.token_offset:]
+        state.token_offset = keep_from
+    state.flow_noise.forget_before(state.frames(state.token_offset))
+    state.source_noise.forget_before(state.voc_done * SAMPLES_PER_FRAME)
+    keep_mel_from = max(state.voc_mel_start, state.voc_done - policy.vocoder_context_frames)
+    if state.voc_mel is not None and keep_mel_from > state.voc_mel_start:
+        state.voc_mel = state.voc_mel[:, :, keep_mel_from - state.voc_mel_start:]
+        state.voc_mel_start = keep_mel_from
+
+
+@torch.inference_mode()
+def offline_reference(vg: VoiceGenerator, state: SynthesisState,
+                      tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole-utterance synthesis of ``tokens`` with exactly the noise a state streams with:
+    returns (mel (1, 80, T), waveform (1, 256 T) at 22.05 kHz). For seam-quality measurements."""
+    tokens = _check_new_tokens(vg, tokens)
+    n_frames = frames_for_tokens(tokens.shape[1])
+    noise = state.flow_noise.fresh_copy().get(0, n_frames)
+    speaker = state.speaker_embeds
+    mel = vg.flow.inference(tokens.to(noise.device), speaker, noise=noise)
+    draws = SourceDraws(state.phase_u01, state.source_noise.fresh_copy().get(0, n_frames * SAMPLES_PER_FRAME))
+    wav = vg.hift.inference(mel, draws=draws)
+    return mel, wav

@@ -1,0 +1,253 @@
+"""The flow-matching vector-field estimator: a 1-D U-Net with transformer blocks (spec §7.1).
+
+Module and attribute names follow the published state dict
+(``flow.decoder.estimator.{time_mlp,down_blocks,mid_blocks,up_blocks,final_block,final_proj}``),
+including the nesting ``down_blocks.<i>.{0: resnet, 1: transformer blocks, 2: down/up-sampler}``.
+
+Input channels are ``[x, mu, spks broadcast over time, cond]`` (80 each at full size). The U-Net
+has two levels: level 0 at T frames, then a stride-2 convolution to ceil(T/2) frames for level 1,
+the mid blocks and the first up block; a transposed convolution returns to 2*ceil(T/2) frames,
+cut to T before the skip concatenation.
+
+The original passes a float 0/1 "mask" (mask^T mask) to diffusers' attention, which *adds* it to
+the logits instead of masking (spec §11 item 24). At B = 1 without padding that is a constant +1
+on every logit, a no-op for softmax, so we attend over all frames and do not build it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SinusoidalTimeEmbedding(nn.Module):
+    """sin/cos features of ``scale * t`` over ``dim`` channels (half sines, half cosines)."""
+
+    def __init__(self, dim: int, scale: float = 1000.0):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"the time embedding needs an even width, got {dim}")
+        self.dim, self.scale = dim, scale
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(-1).float()
+        half = self.dim // 2
+        freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
+        angles = (self.scale * t).unsqueeze(1) * freqs.unsqueeze(0)
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class TimestepMLP(nn.Module):
+    def __init__(self, in_channels: int, time_embed_dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, time_embed_dim)
+        self.linear_2 = nn.Linear(time_embed_dim, time_embed_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class Block1D(nn.Module):
+    """Conv1d k3 -> GroupNorm(8) -> Mish, masked before and after."""
+
+    def __init__(self, dim: int, dim_out: int, groups: int = 8):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv1d(dim, dim_out, 3, padding=1), nn.GroupNorm(groups, dim_out), nn.Mish())
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.block(x * mask) * mask
+
+
+class ResnetBlock1D(nn.Module):
+    def __init__(self, dim: int, dim_out: int, time_emb_dim: int, groups: int = 8):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_emb_dim, dim_out))
+        self.block1 = Block1D(dim, dim_out, groups)
+        self.block2 = Block1D(dim_out, dim_out, groups)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.block1(x, mask)
+        h = h + self.mlp(temb).unsqueeze(-1)
+        h = self.block2(h, mask)
+        return h + self.res_conv(x * mask)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with bias-free q/k/v and a biased output projection."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        inner = heads * head_dim
+        self.heads, self.head_dim = heads, head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+
+        def split(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)))
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.to_out[0](out)
+
+
+class GELUProjection(nn.Module):
+    """Linear followed by exact GELU (the first layer of the feed-forward)."""
+
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.net = nn.ModuleList([GELUProjection(dim, dim * mult), nn.Dropout(dropout), nn.Linear(dim * mult, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm self-attention + feed-forward (``norm1``/``attn1``, ``norm3``/``ff``: the names of the
+    diffusers-style block, whose unused cross-attention would have been ``norm2``/``attn2``)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = SelfAttention(dim, heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim, dropout=dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn1(self.norm1(x))
+        return x + self.ff(self.norm3(x))
+
+
+class Downsample1D(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, 3, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class Upsample1D(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(dim, dim, 4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+def _transformer_stack(dim: int, n_blocks: int, heads: int, head_dim: int, dropout: float) -> nn.ModuleList:
+    return nn.ModuleList(TransformerBlock(dim, heads, head_dim, dropout) for _ in range(n_blocks))
+
+
+def _run_transformers(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    x = x.transpose(1, 2)  # (B, C, T) -> (B, T, C)
+    for block in blocks:
+        x = block(x)
+    return x.transpose(1, 2)
+
+
+class ConditionalDecoder(nn.Module):
+    def __init__(
+        self,
+        in_channels: int = 320,
+        out_channels: int = 80,
+        channels: tuple[int, ...] = (256, 256),
+        dropout: float = 0.0,
+        attention_head_dim: int = 64,
+        n_blocks: int = 4,
+        num_mid_blocks: int = 12,
+        num_heads: int = 8,
+        act_fn: str = "gelu",
+    ):
+        super().__init__()
+        if act_fn != "gelu":
+            raise ValueError(f"estimator act_fn {act_fn!r} is not supported (the published model uses 'gelu')")
+        channels = tuple(channels)
+        self.in_channels, self.out_channels = in_channels, out_channels
+        time_dim = channels[0] * 4
+        self.time_embeddings = SinusoidalTimeEmbedding(in_channels)
+        self.time_mlp = TimestepMLP(in_channels, time_dim)
+
+        def stack(dim: int) -> nn.ModuleList:
+            return _transformer_stack(dim, n_blocks, num_heads, attention_head_dim, dropout)
+
+        self.down_blocks = nn.ModuleList()
+        width = in_channels
+        for i, out in enumerate(channels):
+            is_last = i == len(channels) - 1
+            sampler = nn.Conv1d(out, out, 3, padding=1) if is_last else Downsample1D(out)
+            self.down_blocks.append(nn.ModuleList([ResnetBlock1D(width, out, time_dim), stack(out), sampler]))
+            width = out
+
+        self.mid_blocks = nn.ModuleList(
+            nn.ModuleList([ResnetBlock1D(width, width, time_dim), stack(width)]) for _ in range(num_mid_blocks)
+        )
+
+        up_channels = channels[::-1] + (channels[0],)
+        self.up_blocks = nn.ModuleList()
+        for i in range(len(up_channels) - 1):
+            out = up_channels[i + 1]
+            is_last = i == len(up_channels) - 2
+            sampler = nn.Conv1d(out, out, 3, padding=1) if is_last else Upsample1D(out)
+            self.up_blocks.append(
+                nn.ModuleList([ResnetBlock1D(up_channels[i] * 2, out, time_dim), stack(out), sampler])
+            )
+        self.final_block = Block1D(up_channels[-1], up_channels[-1])
+        self.final_proj = nn.Conv1d(up_channels[-1], out_channels, 1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        mu: torch.Tensor,
+        t: torch.Tensor,
+        spks: torch.Tensor,
+        cond: torch.Tensor,
+    ) -> torch.Tensor:
+        """x, mu, cond: (B, 80, T); mask: (B, 1, T); t: scalar or (B,); spks: (B, 80) -> (B, 80, T)."""
+        temb = self.time_mlp(self.time_embeddings(t))
+        if temb.shape[0] != x.shape[0]:
+            temb = temb.expand(x.shape[0], -1)
+        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1)
+
+        skips, masks = [], [mask]
+        for resnet, transformers, sampler in self.down_blocks:
+            level_mask = masks[-1]
+            h = _run_transformers(transformers, resnet(h, level_mask, temb))
+            skips.append(h)
+            h = sampler(h * level_mask)
+            masks.append(level_mask[:, :, ::2])  # stride-2 conv (k3, p1): ceil(T/2) frames
+
+        mid_mask = masks[-2]  # the last down block keeps its resolution
+        for resnet, transformers in self.mid_blocks:
+            h = _run_transformers(transformers, resnet(h, mid_mask, temb))
+
+        up_masks = masks[:-1]
+        for resnet, transformers, sampler in self.up_blocks:
+            level_mask, skip = up_masks.pop(), skips.pop()
+            # the transposed conv yields 2*ceil(T/2) frames: cut to the skip's length (odd T)
+            h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)
+            h = _run_transformers(transformers, resnet(h, level_mask, temb))
+            h = sampler(h * level_mask)
+        h = self.final_block(h, level_mask)
+        return self.final_proj(h * level_mask) * mask

@@ -1,0 +1,301 @@
+"""Streaming speech synthesis (speech tokens -> audio chunks) and taste_detokenize."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import soxr
+import torch
+
+from taste_speech.streaming.detokenize import finish_speaking, taste_detokenize, taste_detokenize_stream
+from taste_speech.streaming.seams import measure_seams
+from taste_speech.streaming.synthesis import offline_reference, speak, start_speaking
+from taste_speech.streaming.synthesis_state import EmissionPolicy, NoiseTape, frames_for_tokens
+from taste_speech.voice_generator import SourceDraws, VoiceGenerator
+from taste_speech.voice_generator.tiny import make_tiny_voice_generator
+
+REGIMES = ["low_latency", "quality"]
+
+
+@pytest.fixture(scope="module")
+def vg() -> VoiceGenerator:
+    return make_tiny_voice_generator(0)
+
+
+@pytest.fixture(scope="module")
+def utterance():
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(0, 4096, (1, 90), generator=g), torch.randn(1, 192, generator=g)
+
+
+def stream(vg, tokens, speaker, policy, sizes=None, rate=22050, seed=0):
+    state = start_speaking(vg, speaker, policy, out_sampling_rate=rate, generator=torch.Generator().manual_seed(seed))
+    chunks, position, sizes = [], 0, iter(sizes or [])
+    while position < tokens.shape[1]:
+        size = next(sizes, 1)
+        chunks += speak(vg, state, tokens[:, position:position + size])
+        position += size
+    chunks += speak(vg, state, final=True)
+    return state, chunks
+
+
+# -- policy and state pieces ---------------------------------------------------------------------
+def test_regimes():
+    low, quality = EmissionPolicy.resolve("low_latency"), EmissionPolicy.resolve("quality")
+    assert low.first_chunk_tokens <= 15 and quality.first_chunk_tokens <= 15
+    assert low.lookahead_tokens == 0 < quality.lookahead_tokens
+    assert EmissionPolicy.quality(chunk_tokens=30).chunk_tokens == 30
+    with pytest.raises(ValueError, match="unknown emission policy"):
+        EmissionPolicy.resolve("fast")
+    with pytest.raises(ValueError, match="first_chunk_tokens"):
+        EmissionPolicy(first_chunk_tokens=0)
+    with pytest.raises(ValueError, match="vocoder_lookahead_frames"):
+        EmissionPolicy(wave_crossfade_samples=1024, vocoder_lookahead_frames=2)
+    with pytest.raises(ValueError, match="no audio"):
+        EmissionPolicy(first_chunk_tokens=2, mel_crossfade_frames=4)
+
+
+def test_noise_tape_is_independent_of_request_chunking():
+    whole = NoiseTape(5, seed=3, block=16).get(0, 100)
+    tape = NoiseTape(5, seed=3, block=16)
+    pieces = [tape.get(a, b) for a, b in [(0, 7), (7, 40), (40, 41), (41, 100)]]
+    assert torch.equal(torch.cat(pieces, -1), whole)
+    tape.forget_before(50)
+    assert torch.equal(tape.get(48, 60), whole[:, :, 48:60])
+    with pytest.raises(ValueError, match="released"):
+        tape.get(10, 20)
+    assert torch.equal(tape.fresh_copy().get(0, 100), whole)
+
+
+@torch.inference_mode()
+def test_source_phase_carries_across_calls(vg):
+    """Two source calls chained by the carried cycle position equal one call over both."""
+    source = vg.hift.m_source
+    f0 = (120 + 40 * torch.rand(1, 1, 3000, generator=torch.Generator().manual_seed(0))).repeat_interleave(4, -1)
+    draws = SourceDraws(torch.rand(1, 9, 1), torch.randn(1, 9, f0.shape[-1]))
+    whole, _ = source(f0, draws)
+    cut = 5000
+    first, cycles = source(f0[..., :cut], SourceDraws(draws.phase_u01, draws.sine_noise[..., :cut]))
+    second, _ = source(f0[..., cut:], SourceDraws(draws.phase_u01, draws.sine_noise[..., cut:]),
+                       cycle_offset=cycles[..., -1:])
+    torch.testing.assert_close(torch.cat([first, second], -1), whole, atol=2e-3, rtol=0)
+    restarted, _ = source(f0[..., cut:], SourceDraws(draws.phase_u01, draws.sine_noise[..., cut:]))
+    assert float((restarted - whole[..., cut:]).abs().max()) > 0.05  # what a phase reset would do
+
+
+# -- length, determinism, bounded work -------------------------------------------------------------
+@pytest.mark.parametrize("regime", REGIMES)
+def test_streamed_length_equals_offline_and_feeding_pattern_does_not_matter(vg, utterance, regime):
+    tokens, speaker = utterance
+    state, one_by_one = stream(vg, tokens, speaker, regime)
+    _, uneven = stream(vg, tokens, speaker, regime, sizes=[3, 17, 1, 40, 2, 9, 18])
+    _, at_once = stream(vg, tokens, speaker, regime, sizes=[tokens.shape[1]])
+    audio = [torch.cat([c.audio for c in chunks], -1) for chunks in (one_by_one, uneven, at_once)]
+    assert audio[0].shape[-1] == frames_for_tokens(tokens.shape[1]) * 256
+    assert torch.equal(audio[0], audio[1]) and torch.equal(audio[0], audio[2])
+    _, offline_wav = offline_reference(vg, state, tokens)
+    assert audio[0].shape == offline_wav.shape
+    assert one_by_one[-1].is_final and not any(c.is_final for c in one_by_one[:-1])
+    # nothing repeated or dropped: chunk sample ranges tile the utterance
+    position = 0
+    for c in one_by_one:
+        if c.audio_22k.shape[-1]:
+            assert c.first_sample == position
+            position += c.audio_22k.shape[-1]
+    assert position == offline_wav.shape[-1]
+
+
+def test_first_chunk_comes_early(vg, utterance):
+    tokens, speaker = utterance
+    for regime in REGIMES:
+        policy = EmissionPolicy.resolve(regime)
+        state = start_speaking(vg, speaker, policy, out_sampling_rate=22050)
+        first = policy.first_chunk_tokens + policy.lookahead_tokens
+        assert speak(vg, state, tokens[:, :first - 1]) == []
+        chunks = speak(vg, state, tokens[:, first - 1:first])
+        assert len(chunks) == 1 and chunks[0].audio.shape[-1] > 0
+
+
+def test_per_chunk_work_is_bounded(vg, monkeypatch):
+    """The flow and HiFT windows stay the same size however long the utterance gets."""
+    policy = EmissionPolicy.low_latency(chunk_tokens=10, context_tokens=8)
+    flow_windows, hift_windows = [], []
+    encode, decode = vg.flow.encode_tokens, vg.hift.decode
+    monkeypatch.setattr(vg.flow, "encode_tokens", lambda t, *a: flow_windows.append(t.shape[1]) or encode(t, *a))
+    monkeypatch.setattr(vg.hift, "decode", lambda m, s, *a: hift_windows.append(m.shape[-1]) or decode(m, s, *a))
+    tokens = torch.randint(0, 4096, (1, 250), generator=torch.Generator().manual_seed(0))
+    state, chunks = stream(vg, tokens, torch.randn(1, 192), policy, sizes=[7] * 36)
+    assert len(chunks) >= 23
+    # left context + chunk + the held-back cross-fade frames (2 tokens) + rounding
+    assert max(flow_windows) <= policy.context_tokens + policy.chunk_tokens + 4
+    assert max(hift_windows) <= policy.vocoder_context_frames + frames_for_tokens(policy.chunk_tokens) + 8
+    assert state.tokens.shape[1] <= policy.context_tokens + policy.chunk_tokens + 4  # old tokens released
+    assert len(state.flow_noise._blocks) <= 2 and len(state.source_noise._blocks) <= 2
+
+
+# -- seams ------------------------------------------------------------------------------------------
+def _junctions_are_not_outliers(report) -> list[str]:
+    problems = []
+    if report.wave_jump_junction_max > report.wave_jump_p999:
+        problems.append(f"junction jump {report.wave_jump_junction_max:.4f} > in-chunk p99.9 {report.wave_jump_p999:.4f}")
+    if report.source_jump_junction_max > report.source_jump_p999:
+        problems.append(f"source jump {report.source_jump_junction_max:.4f} > in-chunk p99.9 {report.source_jump_p999:.4f}")
+    if report.mel_dist_junction > 1.25 * report.mel_dist_elsewhere:
+        problems.append(f"mel distance at junctions {report.mel_dist_junction:.3f} vs {report.mel_dist_elsewhere:.3f}")
+    if report.wave_err_junction > 1.25 * report.wave_err_elsewhere:
+        problems.append(f"waveform error at junctions {report.wave_err_junction:.4f} vs {report.wave_err_elsewhere:.4f}")
+    return problems
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_junctions_are_not_outliers(vg, regime):
+    g = torch.Generator().manual_seed(5)
+    tokens, speaker = torch.randint(0, 4096, (1, 160), generator=g), torch.randn(1, 192, generator=g)
+    report, _ = measure_seams(vg, tokens, speaker, regime, seed=1)
+    assert report.n_junctions >= 4 and report.length_diff_samples == 0
+    assert _junctions_are_not_outliers(report) == []
+
+
+def test_seam_check_catches_a_phase_reset(vg):
+    """Negative control: restarting the harmonic phase per chunk (calling HiFT chunk by chunk) makes
+    the junctions outliers. (With random weights the waveform itself is noise-like: its sample
+    jumps hide such seams, which is why the excitation is measured too.)"""
+    g = torch.Generator().manual_seed(5)
+    tokens, speaker = torch.randint(0, 4096, (1, 160), generator=g), torch.randn(1, 192, generator=g)
+    reset = EmissionPolicy.low_latency(carry_source_phase=False)
+    report, _ = measure_seams(vg, tokens, speaker, reset, seed=1)
+    assert any("source jump" in problem for problem in _junctions_are_not_outliers(report))
+
+
+# -- output rate and fades ------------------------------------------------------------------------
+@pytest.mark.parametrize("rate", [8000, 16000, 24000, 48000])
+def test_output_resampling(vg, utterance, rate):
+    tokens, speaker = utterance
+    state, chunks = stream(vg, tokens[:, :60], speaker, "low_latency", sizes=[60], rate=rate)
+    audio = torch.cat([c.audio for c in chunks], -1)
+    source = torch.cat([c.audio_22k for c in chunks], -1)
+    reference = soxr.resample(source[0].numpy(), 22050, rate, quality="HQ")
+    assert all(c.sampling_rate == rate for c in chunks)
+    assert abs(audio.shape[-1] - reference.shape[0]) <= 2
+    n = min(audio.shape[-1], reference.shape[0])
+    assert np.abs(audio[0, :n].numpy() - reference[:n]).max() < 1e-3
+
+
+def test_unsupported_rate_and_finished_state(vg, utterance):
+    tokens, speaker = utterance
+    with pytest.raises(ValueError, match="out_sampling_rate"):
+        start_speaking(vg, speaker, out_sampling_rate=44100)
+    state = start_speaking(vg, speaker)
+    speak(vg, state, tokens[:, :20], final=True)
+    with pytest.raises(ValueError, match="already ended"):
+        speak(vg, state, tokens[:, 20:30])
+    with pytest.raises(ValueError, match="vocab_size"):
+        speak(vg, start_speaking(vg, speaker), torch.tensor([[5000]]))
+
+
+def test_fade_in_and_fade_out(vg, utterance):
+    tokens, speaker = utterance
+    _, chunks = stream(vg, tokens[:, :80], speaker, "low_latency", sizes=[80])
+    wav = torch.cat([c.audio_22k for c in chunks], -1)[0]
+    assert abs(float(wav[0])) < 1e-3 and abs(float(wav[-1])) < 1e-3
+    # the last 100 samples sit under the end of the 20 ms fade (weights <= 0.13)
+    assert float(wav[-100:].abs().max()) < 0.3 * float(wav[-4000:-1000].abs().max())
+
+
+# -- taste_detokenize on the tiny checkpoint ------------------------------------------------------
+@pytest.fixture(scope="module")
+def speech_setup(tiny_model, tiny_checkpoint):
+    from taste_speech.streaming import taste_tokenize
+
+    model, processor = tiny_model
+    vg = VoiceGenerator.from_pretrained(tiny_checkpoint)
+    t = np.arange(24000) / 16000
+    wav = (0.2 * np.sin(2 * np.pi * 150 * t)).astype(np.float32)
+    text = processor.process_text("hello there how are you doing today my friend")
+    taste = taste_tokenize(model, processor, wav[None], text.llm_token_ids)
+    starts = (taste[0, :, 0] != -1).nonzero().view(-1).tolist()
+    cut = starts[len(starts) // 2]
+    return model, processor, vg, processor.default_speaker_embedding(), text.llm_token_ids, taste, cut
+
+
+def test_detokenize_single_segment(speech_setup):
+    model, processor, vg, speaker, ids, taste, _ = speech_setup
+    out = taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 16000,
+                           voice_generator=vg, generator=torch.Generator().manual_seed(0))
+    assert set(out) >= {"audio_waveform", "sampling_rate", "chunk_duration_ms", "speech_ids", "state"}
+    n = out["speech_ids"].shape[1]
+    assert n > 0 and out["sampling_rate"] == 16000
+    expected = frames_for_tokens(n) * 256 * 16000 / 22050
+    assert abs(out["audio_waveform"].shape[-1] - expected) <= 2
+    assert out["chunk_duration_ms"] == pytest.approx(1000 * out["audio_waveform"].shape[-1] / 16000)
+    assert float(out["audio_waveform"].pow(2).mean().sqrt()) > 0.01  # audible
+
+
+def test_detokenize_two_segments_with_state_is_one_utterance(speech_setup):
+    model, processor, vg, speaker, ids, taste, cut = speech_setup
+    g = torch.Generator().manual_seed(0)
+    first = taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, :cut], taste[:, :cut], 22050,
+                             voice_generator=vg, generator=g, final=False)
+    second = taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"],
+                              first["chunk_duration_ms"], ids[:, cut:], taste[:, cut:], 22050,
+                              voice_generator=vg, generator=g, state=first["state"])
+    assert torch.equal(second["speech_ids"][:, :first["speech_ids"].shape[1]], first["speech_ids"])
+    total = first["audio_waveform"].shape[-1] + second["audio_waveform"].shape[-1]
+    assert total == frames_for_tokens(second["speech_ids"].shape[1]) * 256  # nothing repeated or dropped
+    with pytest.raises(ValueError, match="already ended"):
+        taste_detokenize(model, processor, speaker, ids[:, cut:], taste[:, cut:], second["speech_ids"],
+                         first["chunk_duration_ms"] + second["chunk_duration_ms"], ids[:, :cut], taste[:, :cut],
+                         22050, voice_generator=vg, state=second["state"])
+
+
+def test_detokenize_stateless_continuation_and_stream(speech_setup):
+    model, processor, vg, speaker, ids, taste, cut = speech_setup
+    prev = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    prev_ms = frames_for_tokens(40) * 256 / 22.05
+    items = list(taste_detokenize_stream(model, processor, speaker, ids[:, :cut], taste[:, :cut], prev, prev_ms,
+                                         ids[:, cut:], taste[:, cut:], 22050, voice_generator=vg,
+                                         generator=torch.Generator().manual_seed(2)))
+    assert items[-1]["is_final"] and not any(i["is_final"] for i in items[:-1])
+    new = items[-1]["speech_ids"].shape[1]
+    audio = torch.cat([i["audio_waveform"] for i in items], -1)
+    # only the new tokens' audio: frames(40 + new) - frames(40) frames
+    assert audio.shape[-1] == (frames_for_tokens(40 + new) - frames_for_tokens(40)) * 256
+    # a stateless continuation kept open (final=False) continues with its state
+    first = taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], prev, prev_ms, ids[:, cut:],
+                             taste[:, cut:], 22050, voice_generator=vg, final=False)
+    second = taste_detokenize(model, processor, speaker, ids[:, cut:], taste[:, cut:], first["speech_ids"],
+                              prev_ms + first["chunk_duration_ms"], ids[:, :cut], taste[:, :cut], 22050,
+                              voice_generator=vg, state=first["state"])
+    total = first["audio_waveform"].shape[-1] + second["audio_waveform"].shape[-1]
+    assert total == (frames_for_tokens(second["speech_ids"].shape[1]) - frames_for_tokens(40)) * 256
+    # a state kept with final=False is flushed by finish_speaking
+    kept = taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 22050, voice_generator=vg,
+                            final=False, generator=torch.Generator().manual_seed(3))
+    tail = finish_speaking(vg, kept["state"])
+    assert kept["audio_waveform"].shape[-1] + tail.shape[-1] == frames_for_tokens(kept["speech_ids"].shape[1]) * 256
+
+
+def test_detokenize_rejects_bad_input(speech_setup):
+    model, processor, vg, speaker, ids, taste, cut = speech_setup
+    kw = dict(voice_generator=vg)
+    with pytest.raises(ValueError, match="empty"):
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, :0], taste[:, :0], **kw)
+    with pytest.raises(ValueError, match="align one row per token"):
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste[:, :-1], **kw)
+    shifted = torch.roll(taste, 1, dims=1)
+    with pytest.raises(ValueError, match="first token of every word"):
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, shifted, **kw)
+    with pytest.raises(ValueError, match="prev_audio_ms"):
+        taste_detokenize(model, processor, speaker, None, None, None, -5, ids, taste, **kw)
+    with pytest.raises(ValueError, match="out_sampling_rate"):
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 44100, **kw)
+    with pytest.raises(ValueError, match="voice generator"):
+        taste_detokenize(model, object(), speaker, None, None, None, 0, ids, taste)
+    first = taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, :cut], taste[:, :cut], final=False,
+                             **kw)
+    with pytest.raises(ValueError, match="prev_speech_ids has"):
+        taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"][:, :-1],
+                         first["chunk_duration_ms"], ids[:, cut:], taste[:, cut:], state=first["state"], **kw)
+    with pytest.raises(ValueError, match="prev_audio_ms"):
+        taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"],
+                         first["chunk_duration_ms"] + 500, ids[:, cut:], taste[:, cut:], state=first["state"], **kw)
