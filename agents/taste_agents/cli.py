@@ -1,0 +1,194 @@
+"""``taste-agent``: run the TASTE voice agent.
+
+    taste-agent call --simulate                      # scripted call on the embedded tiny checkpoint
+    taste-agent call --simulate --model DIR_OR_HUB_ID --device cuda --dtype bfloat16
+    taste-agent serve                                # live calls in the browser (see --help)
+
+``call --simulate`` prints the call as it happens and writes ``recording.wav`` (stereo: caller |
+agent), ``report.json`` and ``timeline.png`` into ``--out`` (default ``out/call-<id>``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="checkpoint folder or hub id (default: the embedded tiny checkpoint, built on first use)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0 or auto (default: cpu)")
+    parser.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"],
+                        help="weights of the Whisper tower and the Llama base (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
+                        help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
+                             "fine-tuned checkpoint)")
+    parser.add_argument("--max-reply-tokens", type=int, default=None,
+                        help="longest reply in LLM tokens (default: 6 on the tiny checkpoint, 48 otherwise)")
+    parser.add_argument("--voice", default=None, help="reference WAV for the agent's voice (default: the checkpoint's)")
+    parser.add_argument("--asr-model", default="auto",
+                        help="Whisper folder or hub id for the built-in ASR (live calls need transcripts); 'none' to "
+                             "rely on transcripts sent by the client (default: auto - the tiny checkpoint's random ASR)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="taste-agent", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    call = commands.add_parser("call", help="run a call")
+    call.add_argument("--simulate", action="store_true",
+                      help="a scripted caller talks to the agent in this process (no network)")
+    call.add_argument("--out", default=None, help="output folder (default: out/call-<id>)")
+    call.add_argument("--max-call-seconds", type=float, default=300.0)
+    call.add_argument("--quiet", action="store_true", help="no progress lines")
+    call.add_argument("--webrtc", action="store_true",
+                      help="also run the call over real WebRTC (server here, caller in another process, loopback "
+                           "only) and compare its latency with the in-process call")
+    _add_model_args(call)
+    serve = commands.add_parser("serve", help="serve live calls: a WebRTC page and a phone websocket")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--max-calls", type=int, default=4, help="concurrent calls; more get HTTP 503")
+    serve.add_argument("--ice-server", action="append", default=[], dest="ice_servers",
+                       help="STUN/TURN URL for deployments behind NAT (repeatable); none by default")
+    _add_model_args(serve)
+    return parser
+
+
+def load_engine(args, say):
+    from pipecat_taste.engine import TasteEngine
+
+    started = time.monotonic()
+    label = args.model or "the embedded tiny checkpoint"
+    if args.model is None:
+        from taste_speech.tiny import default_tiny_checkpoint
+
+        say("preparing the embedded tiny checkpoint (built once, then cached) ...")
+        path = default_tiny_checkpoint()
+    else:
+        path = args.model
+    say(f"loading {label} on {args.device} ...")
+    asr = None if args.asr_model == "none" else args.asr_model
+    engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr)
+    say(f"model ready in {time.monotonic() - started:.1f} s")
+    return engine, path
+
+
+def agent_config(args):
+    from taste_agents.phone_agent import PhoneAgentConfig
+
+    max_tokens = args.max_reply_tokens or (6 if args.model is None else 48)
+    return PhoneAgentConfig(prompt_format=args.prompt_format, max_reply_tokens=max_tokens, seed=args.seed,
+                            voice=args.voice)
+
+
+def simulated_call(args, engine=None):
+    """What ``taste-agent call --simulate`` does; returns the SimulatedCall (tests use this)."""
+    from taste_agents.caller import default_script
+    from taste_agents.simulate import simulate_call
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
+    if engine is None:
+        engine, path = load_engine(args, say)
+    else:
+        path = getattr(engine, "checkpoint_dir", "given engine")
+    out = args.out or os.path.join("out", f"call-{uuid.uuid4().hex[:8]}")
+    config = agent_config(args)
+    meta = {"checkpoint": str(path), "device": args.device, "dtype": args.dtype or "default",
+            "prompt_format": config.prompt_format, "max_reply_tokens": config.max_reply_tokens}
+    result = asyncio.run(simulate_call(engine, default_script(), config=config, progress=say, out_dir=out,
+                                       max_call_s=args.max_call_seconds, meta=meta))
+    if not args.quiet:
+        print(_summary(result.report, result.paths), flush=True)
+    return result
+
+
+def run_simulated_call(args) -> int:
+    _quiet_logs()
+    if args.webrtc:
+        return run_webrtc_comparison(args)
+    report = simulated_call(args).report
+    checks = report["checks"]
+    ok = (checks["every_turn_decided"] and checks["released_equals_synthesized"] and checks["written_equals_released"]
+          and not report["timed_out"])
+    return 0 if ok else 1
+
+
+def run_webrtc_comparison(args) -> int:
+    """The same scripted call in process and over WebRTC, side by side (comparison.json)."""
+    from taste_agents.server import ServerConfig
+    from taste_agents.webrtc_sim import compare_with_in_process, webrtc_call
+
+    say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
+    engine, path = load_engine(args, say)
+    out = args.out or os.path.join("out", f"call-{uuid.uuid4().hex[:8]}")
+    args.out = os.path.join(out, "in_process")
+    say("-- in-process call --")
+    local = simulated_call(args, engine=engine)
+    say("-- the same call over WebRTC (caller in another process, loopback) --")
+    remote = asyncio.run(webrtc_call(engine, os.path.join(out, "webrtc"), config=ServerConfig(agent=agent_config(args)),
+                                     max_call_s=args.max_call_seconds, meta={"checkpoint": str(path)}))
+    comparison = compare_with_in_process(remote.report, local.report)
+    comparison["webrtc_connect_s"] = remote.connect_s
+    comparison["webrtc_server_teardown_s"] = remote.report.get("server_teardown_s")
+    with open(os.path.join(out, "comparison.json"), "w") as f:
+        json.dump(comparison, f, indent=1)
+    print(_summary(remote.report, remote.paths), flush=True)
+    print(f"\nfirst-audio latency, median: in process {comparison['median_in_process_ms']} ms, over WebRTC "
+          f"{comparison['median_webrtc_ms']} ms -> WebRTC adds {comparison['webrtc_added_latency_ms']} ms "
+          f"({os.path.join(out, 'comparison.json')})", flush=True)
+    return 0 if remote.report["checks"]["every_turn_decided"] and not remote.timed_out else 1
+
+
+def _summary(report: dict, paths: dict) -> str:
+    lines = ["", f"call {report.get('call_id')}: {report['duration_s']} s, {report['summary']['replies']} replies"]
+    for turn in report["turns"]:
+        line = f"  {turn['utterance']:8s} decision={turn['decision']}"
+        if turn.get("first_audio_latency_ms") is not None:
+            line += f"  first audio {turn['first_audio_latency_ms']:.0f} ms  reply {turn.get('reply_duration_ms', 0):.0f} ms"
+        if "barge_in_stop_ms" in turn:
+            line += f"  barge-in stop {turn['barge_in_stop_ms']:.0f} ms"
+            if turn.get("agent_side_barge_in_stop_ms") is not None:
+                line += f" (agent side {turn['agent_side_barge_in_stop_ms']:.0f} ms)"
+        lines.append(line)
+    c = report["checks"]
+    lines.append(f"  checks: every turn decided={c['every_turn_decided']}, talk-over outside barge-in="
+                 f"{c['talk_over_ms_outside_barge_in']:.0f} ms, audio synthesized==released=="
+                 f"{c.get('released_equals_synthesized', 'n/a')}, released==written=={c.get('written_equals_released', 'n/a')}"
+                 f", barge-in<=100ms={c['barge_in_within_100ms']}")
+    lines.append(f"  underruns: {report['summary']['underruns']}, errors: {report['summary']['errors']}")
+    for name, path in paths.items():
+        lines.append(f"  {name}: {path}")
+    return "\n".join(lines)
+
+
+def _quiet_logs():
+    """Pipecat logs every frame link at DEBUG; keep the console for the call itself."""
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level=os.environ.get("TASTE_AGENT_LOG_LEVEL", "WARNING"))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "call":
+        if not args.simulate:
+            print("taste-agent call needs --simulate (live calls: taste-agent serve)", file=sys.stderr)
+            return 2
+        return run_simulated_call(args)
+    if args.command == "serve":
+        from taste_agents.server import serve
+
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

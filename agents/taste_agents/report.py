@@ -1,0 +1,273 @@
+"""What a simulated call produced: the JSON report (measured on the recording), the stereo WAV
+and the timeline plot.
+
+Every figure that says what the caller experienced is measured on the line's recording (one
+sample clock for both sides), not taken from the agent's own bookkeeping:
+
+* first-audio latency: end of the caller's utterance -> first agent sample after it;
+* reply duration: first to last agent sample of the reply;
+* barge-in stop: barge-in detected (the agent's VAD) -> last agent sample of the cut-off reply, and
+  the same from the onset of the caller's speech;
+* talk-over: time both sides are audible, outside the scripted barge-in windows.
+
+``checks`` also verifies the audio path end to end: per reply, the audio the playout released is
+the synthesizer's audio (bit-exact; after a barge-in a prefix of it plus a fade-out of what came
+next), and the transport wrote exactly the released audio, in order, without overlaps.
+"""
+
+from __future__ import annotations
+
+import json
+import wave
+from pathlib import Path
+
+import numpy as np
+
+ACTIVE_LEVEL = 100  # int16 peak above which a 10 ms frame counts as audible (about -50 dBFS)
+
+
+def _pcm(chunks: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(chunks), dtype="<i2") if chunks else np.zeros(0, dtype="<i2")
+
+
+def _active_frames(channel: np.ndarray, frame: int) -> np.ndarray:
+    n = channel.size // frame
+    return np.abs(channel[: n * frame].reshape(n, frame).astype(np.int32)).max(axis=1) > ACTIVE_LEVEL
+
+
+def _intervals(mask: np.ndarray, frame: int) -> list[tuple[int, int]]:
+    out, start = [], None
+    for i, on in enumerate(mask):
+        if on and start is None:
+            start = i
+        elif not on and start is not None:
+            out.append((start * frame, i * frame))
+            start = None
+    if start is not None:
+        out.append((start * frame, mask.size * frame))
+    return out
+
+
+def _first_active(channel: np.ndarray, start: int, stop: int) -> int | None:
+    idx = np.nonzero(np.abs(channel[start:stop].astype(np.int32)) > ACTIVE_LEVEL)[0]
+    return None if idx.size == 0 else start + int(idx[0])
+
+
+def _last_active(channel: np.ndarray, start: int, stop: int) -> int | None:
+    idx = np.nonzero(np.abs(channel[start:stop].astype(np.int32)) > ACTIVE_LEVEL)[0]
+    return None if idx.size == 0 else start + int(idx[-1]) + 1
+
+
+def audio_path_checks(result, chunk_samples: int, fade_samples: int) -> dict:
+    """Synthesized -> released -> written, per reply (see the module docstring)."""
+    log, line = result.log, result.line
+    per_turn, expected_writes, ok = [], [], True
+    for turn_id in sorted(log.released_audio):
+        synth = _pcm(log.synthesized_audio.get(turn_id, []))
+        released = _pcm(log.released_audio[turn_id])
+        record = log.turns[turn_id]
+        common = int(np.argmin(np.append(synth[: released.size] == released[: synth.size], False)))
+        if record.interrupted and released.size <= synth.size + fade_samples:
+            tail = released[common:]
+            faded = synth[common:common + tail.size]
+            good = tail.size <= fade_samples and bool(np.all(np.abs(tail.astype(np.int32)) <= np.abs(faded.astype(np.int32)) + 1))
+        else:  # played to the end: all of it, then only the zero padding of the last frame
+            good = common == synth.size and bool(np.all(released[synth.size:] == 0)) and \
+                released.size - synth.size < chunk_samples
+        padded = np.concatenate([released, np.zeros((-released.size) % chunk_samples, dtype="<i2")])
+        expected_writes.append(padded)
+        per_turn.append({"turn_id": turn_id, "synthesized_samples": int(synth.size), "released_samples": int(released.size),
+                         "identical_prefix_samples": common, "interrupted": record.interrupted, "ok": good})
+        ok &= good
+    written = np.concatenate([w for _, w in line.writes]) if line.writes else np.zeros(0, dtype="<i2")
+    expected = np.concatenate(expected_writes) if expected_writes else np.zeros(0, dtype="<i2")
+    writes_equal = written.size == expected.size and bool(np.array_equal(written, expected))
+    no_overlap = all(line.writes[i][0] >= line.writes[i - 1][0] + line.writes[i - 1][1].size
+                     for i in range(1, len(line.writes)))
+    return {"per_reply": per_turn, "released_equals_synthesized": bool(ok), "written_equals_released": writes_equal,
+            "writes_never_overlap": bool(no_overlap), "written_samples": int(written.size)}
+
+
+def build_report(result, meta: dict) -> dict:
+    line, caller, log = result.line, result.caller, result.log
+    sr, frame = line.sample_rate, line.sample_rate // 100
+    agent, caller_ch = line.agent, line.caller
+    end_sample = max([line.play_sample, caller.clock] + [s for s, _ in []])
+    agent = agent[:end_sample]
+    texts = {e.name: e.text for e in caller.events if e.kind == "utterance_start"}
+    barge_names = {e.name for e in caller.events if e.kind == "barge_in"}
+    records = sorted(log.turns.values(), key=lambda r: r.turn_id)
+
+    def sec(sample):
+        return None if sample is None else round(sample / sr, 3)
+
+    utterances = []
+    bounds = [s for s, _, _ in caller.speech_intervals] + [end_sample]
+    allowed_overlap: list[tuple[int, int]] = []
+    for i, (start, stop, name) in enumerate(caller.speech_intervals):
+        next_start = bounds[i + 1]
+        matched = [r for r in records if r.speech_start is not None
+                   and start - 0.8 * sr <= line.sample_of(r.speech_start) <= stop]
+        decided = [r for r in matched if r.decision is not None]
+        reply = next((r for r in reversed(decided) if r.decision == "reply"), None)
+        entry = {
+            "utterance": name, "text": texts.get(name, ""), "start_s": sec(start), "end_s": sec(stop),
+            "barge_in": name in barge_names, "agent_turns": [r.turn_id for r in matched],
+            "decision": decided[-1].decision if decided else None,
+            "decisions": {r.turn_id: r.decision for r in matched},
+        }
+        first = _first_active(agent, stop, next_start)
+        if reply is not None and first is not None:
+            last = _last_active(agent, first, next_start)
+            entry.update({
+                "first_audio_latency_ms": round(1000 * (first - stop) / sr, 1),
+                "agent_reported_latency_ms": None if reply.user_to_bot_s is None else round(1000 * reply.user_to_bot_s, 1),
+                "reply_duration_ms": round(1000 * (last - first) / sr, 1),
+                "reply_text": reply.reply_text, "played_text": reply.played_text,
+                "interrupted": reply.interrupted, "underruns": reply.underruns,
+            })
+        elif reply is not None:
+            entry.update({"first_audio_latency_ms": None, "reply_text": reply.reply_text, "interrupted": reply.interrupted})
+        if name in barge_names:
+            cut = next((r for r in records if r.interrupted and r.barge_in_at is not None
+                        and start <= line.sample_of(r.barge_in_at) <= stop), None)
+            if cut is not None:
+                detect = line.sample_of(cut.barge_in_at)
+                last = _last_active(agent, start, stop) or start
+                entry.update({
+                    "cut_off_turn": cut.turn_id,
+                    "barge_in_detected_s": sec(detect),
+                    "barge_in_stop_ms": round(1000 * max(0, last - detect) / sr, 1),
+                    "barge_in_stop_from_speech_onset_ms": round(1000 * max(0, last - start) / sr, 1),
+                    # the agent's own figure: barge-in detected -> last sample handed to its transport
+                    "agent_side_barge_in_stop_ms": None if cut.barge_in_stop_s is None else round(1000 * cut.barge_in_stop_s, 1),
+                    "cut_off_reply_played_text": cut.played_text, "cut_off_reply_text": cut.reply_text,
+                    "cut_off_kept_words": cut.kept_words, "cut_off_total_words": cut.total_words,
+                })
+                allowed_overlap.append((start, max(last, detect)))
+        utterances.append(entry)
+
+    # Talk-over: both audible in the same 10 ms frame, outside the barge-in windows.
+    n = min(agent.size, caller_ch.size) // frame
+    agent_on = _active_frames(agent[: n * frame], frame)
+    caller_on = np.zeros(n, dtype=bool)
+    for start, stop, _ in caller.speech_intervals:
+        caller_on[start // frame: -(-stop // frame)] = True
+    both = agent_on & caller_on[:n]
+    allowed = np.zeros(n, dtype=bool)
+    for start, stop in allowed_overlap:
+        allowed[start // frame: -(-stop // frame) + 1] = True
+    talk_over_ms = 10.0 * float(np.sum(both & ~allowed))
+    path = audio_path_checks(result, line.frame_samples, int(0.02 * sr)) if getattr(line, "writes", None) is not None else {}
+    every_decided = all(u["decision"] is not None for u in utterances) and all(r.decision is not None for r in records)
+    stops = [u["barge_in_stop_ms"] for u in utterances if "barge_in_stop_ms" in u]
+    latencies = [u["first_audio_latency_ms"] for u in utterances if u.get("first_audio_latency_ms") is not None]
+    report = {
+        **meta,
+        "call_id": meta.get("call_id"),
+        "sample_rate": sr,
+        "duration_s": round(result.duration_s, 2),
+        "timed_out": result.timed_out,
+        "turns": utterances,
+        "summary": {
+            "utterances": len(utterances),
+            "agent_turns": len(records),
+            "replies": sum(1 for r in records if r.decision == "reply"),
+            "first_audio_latency_ms": {"per_turn": latencies,
+                                       "median": float(np.median(latencies)) if latencies else None},
+            "barge_in_stop_ms": stops,
+            "underruns": sum(r.underruns for r in records),
+            "errors": len(result.errors),
+        },
+        "checks": {
+            "every_turn_decided": every_decided,
+            "talk_over_ms_outside_barge_in": talk_over_ms,
+            "talk_over_ms_in_barge_in": 10.0 * float(np.sum(both & allowed)),
+            "barge_in_within_100ms": bool(stops) and all(s <= 100.0 for s in stops),
+            **path,
+        },
+        "agent_turns": log.to_dict()["turns"],
+        "metrics": result.metrics,
+        "errors": result.errors,
+        "caller_events": [{"t": sec(e.sample), "kind": e.kind, "name": e.name} for e in caller.events],
+        "agent_speech_s": [(sec(a), sec(b)) for a, b in _intervals(agent_on, frame)],
+    }
+    return report
+
+
+def write_wav(path: Path, stereo: np.ndarray, sample_rate: int) -> None:
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(stereo.shape[1])
+        f.setsampwidth(2)
+        f.setframerate(sample_rate)
+        f.writeframes(np.ascontiguousarray(stereo.astype("<i2")).tobytes())
+
+
+def write_outputs(result, out_dir) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sr = result.line.sample_rate
+    n = int(round(result.report["duration_s"] * sr))
+    stereo = result.recording[:n]
+    paths = {"recording": out / "recording.wav", "report": out / "report.json", "timeline": out / "timeline.png"}
+    write_wav(paths["recording"], stereo, sr)
+    paths["report"].write_text(json.dumps(result.report, indent=1, default=_json_default))
+    plot_timeline(result.report, stereo, sr, paths["timeline"])
+    return {k: str(v) for k, v in paths.items()}
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+def plot_timeline(report: dict, stereo: np.ndarray, sample_rate: int, path: Path) -> None:
+    """Who spoke when (waveform envelopes on two lanes), the agent's turns and decisions, latency
+    arrows from the end of each utterance to the agent's first audio, and barge-in markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hop = sample_rate // 100
+    n = stereo.shape[0] // hop
+    env = np.abs(stereo[: n * hop].astype(np.float32) / 32768.0).reshape(n, hop, 2).max(axis=1)
+    t = np.arange(n) / 100.0
+    fig, ax = plt.subplots(figsize=(max(10.0, t[-1] * 0.45 if n else 10.0), 4.2), dpi=110)
+    lanes = {"caller": 1.0, "agent": 0.0}
+    ax.fill_between(t, lanes["caller"] - 0.4 * env[:, 0] / max(env[:, 0].max(), 1e-6),
+                    lanes["caller"] + 0.4 * env[:, 0] / max(env[:, 0].max(), 1e-6), color="tab:blue", lw=0)
+    ax.fill_between(t, lanes["agent"] - 0.4 * env[:, 1] / max(env[:, 1].max(), 1e-6),
+                    lanes["agent"] + 0.4 * env[:, 1] / max(env[:, 1].max(), 1e-6), color="tab:orange", lw=0)
+    for turn in report["turns"]:
+        ax.text(turn["start_s"], 1.48, turn["utterance"], fontsize=8, color="tab:blue")
+        label = turn.get("decision") or "no decision"
+        ax.text(turn["end_s"], 0.62, label, fontsize=7, color="dimgray")
+        latency = turn.get("first_audio_latency_ms")
+        if latency is not None:
+            x0, x1 = turn["end_s"], turn["end_s"] + latency / 1000.0
+            ax.annotate("", xy=(x1, 0.5), xytext=(x0, 0.5), arrowprops=dict(arrowstyle="->", color="green", lw=1.2))
+            ax.text((x0 + x1) / 2, 0.53, f"{latency:.0f} ms", fontsize=7, color="green", ha="center")
+        if "barge_in_detected_s" in turn:
+            x = turn["barge_in_detected_s"]
+            ax.axvline(x, color="red", lw=1.0, ls="--")
+            ax.text(x, -0.62, f"barge-in: stopped in {turn['barge_in_stop_ms']:.0f} ms", fontsize=7, color="red")
+    for agent_turn in report["agent_turns"]:
+        if agent_turn.get("speech_start") is not None and agent_turn.get("speech_end") is not None:
+            ax.axvspan(agent_turn["speech_start"], agent_turn["speech_end"], ymin=0.78, ymax=0.8, color="tab:blue",
+                       alpha=0.5)
+    ax.set_yticks([0, 1], ["agent", "caller"])
+    ax.set_ylim(-0.8, 1.6)
+    ax.set_xlabel("seconds")
+    s = report.get("summary", {})
+    ax.set_title(f"simulated call {report.get('call_id') or ''}: {s.get('replies', 0)} replies, "
+                 f"median first-audio latency {s.get('first_audio_latency_ms', {}).get('median')} ms", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,399 @@
+"""``taste-agent serve``: live calls with the TASTE agent.
+
+* ``GET /`` - a page: microphone in, agent audio out, live transcript, per-turn latency;
+* ``POST /api/offer`` (``PATCH`` for trickled ICE candidates) - WebRTC offer/answer for Pipecat's
+  ``SmallWebRTCTransport`` (aiortc); one pipeline per connection, torn down when the peer leaves;
+* ``WS /ws/phone`` - a telephony media stream in Twilio's protocol (8 kHz mu-law; ``clear`` on
+  barge-in; no provider REST calls);
+* ``GET /api/status`` - active calls.
+
+Binds 127.0.0.1 unless told otherwise. Signalling is hardened: malformed JSON or SDP get a 4xx
+with a message, request bodies are size-limited, and past ``max_calls`` concurrent calls new ones
+get 503 (websocket: close code 1013). No STUN/TURN server is used unless ``--ice-server`` is given
+(deployments behind NAT need one, see the README).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from fastapi import Request, WebSocket  # module level: FastAPI resolves the handlers' annotations here
+from loguru import logger
+from pipecat.frames.frames import (
+    Frame,
+    OutputTransportMessageUrgentFrame,
+    TranscriptionFrame,
+    TTSTextFrame,
+)
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.serializers.twilio import TwilioFrameSerializer
+from pipecat.transports.base_transport import TransportParams
+from pipecat.utils.time import time_now_iso8601
+from pipecat.workers.runner import WorkerRunner
+
+from pipecat_taste.call import TasteCall
+from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
+from pipecat_taste.playout import PlayoutParams
+
+from taste_agents.phone_agent import PhoneAgentConfig, build_phone_agent
+
+STATIC = Path(__file__).parent / "static"
+PHONE_SAMPLE_RATE = 8000
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 7860
+    max_calls: int = 4
+    max_body_bytes: int = 64 * 1024  # an SDP offer is a few kB
+    max_call_seconds: float = 30 * 60
+    ice_servers: list[str] = field(default_factory=list)
+    webrtc_in_rate: int = 16000
+    webrtc_out_rate: int = 48000  # Opus runs at 48 kHz: no resampling on the way out
+    # aiortc's output track plays 10 ms at a time and inserts silence when its queue is empty:
+    # hand it 10 ms chunks, and keep a little more audio ahead than on a sound card.
+    webrtc_out_10ms_chunks: int = 1
+    webrtc_playout: PlayoutParams = field(default_factory=lambda: PlayoutParams(lead_ms=50.0))
+    accept_client_transcripts: bool = True  # a client may send {"type": "transcript", "text": ...}
+    agent: PhoneAgentConfig = field(default_factory=PhoneAgentConfig)
+
+
+class ClientEvents(FrameProcessor):
+    """Tells the page what to show: the caller's transcript per turn, the agent's words as they
+    are spoken, and per-turn latency. Sits before the output transport; passes everything on."""
+
+    def __init__(self, call: TasteCall, **kwargs):
+        super().__init__(**kwargs)
+        self._call = call
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        message = None
+        if isinstance(frame, TasteTurnDecisionFrame):
+            record = self._call.log.turns.get(frame.turn_id)
+            message = {"type": "turn", "turn_id": frame.turn_id, "decision": frame.decision,
+                       "transcript": record.transcript if record else ""}
+        elif isinstance(frame, TTSTextFrame):
+            message = {"type": "bot_text", "text": frame.text}
+        elif isinstance(frame, TasteTurnMetricsFrame):
+            message = {"type": "metrics", "turn_id": frame.turn_id,
+                       "latency_ms": None if frame.user_to_bot_s is None else round(1000 * frame.user_to_bot_s),
+                       "reply_ms": round(1000 * frame.reply_s), "interrupted": frame.interrupted,
+                       "barge_in_stop_ms": None if frame.barge_in_stop_s is None else round(1000 * frame.barge_in_stop_s)}
+        if message is not None:
+            await self.push_frame(OutputTransportMessageUrgentFrame(message=message))
+
+
+class SafeTwilioSerializer(TwilioFrameSerializer):
+    """Twilio's serializer, made safe for a public endpoint: malformed messages are logged and
+    dropped (the stock one raises, which ends the call), and ``stop`` ends the call."""
+
+    def __init__(self, *args, on_stop=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_stop = on_stop
+
+    async def deserialize(self, data):
+        try:
+            message = json.loads(data)
+        except (TypeError, ValueError):
+            logger.warning(f"phone stream: dropping a message that is not JSON ({str(data)[:60]!r})")
+            return None
+        if not isinstance(message, dict):
+            logger.warning("phone stream: dropping a JSON message that is not an object")
+            return None
+        event = message.get("event")
+        if event == "stop":
+            logger.info("phone stream: stop event, ending the call")
+            if self._on_stop is not None:
+                await self._on_stop()
+            return None
+        if event not in ("media", "dtmf"):
+            logger.debug(f"phone stream: ignoring event {event!r}")
+            return None
+        try:
+            return await super().deserialize(data)
+        except Exception as e:  # bad base64, bad payload: never fatal
+            logger.warning(f"phone stream: dropping a bad {event!r} message: {e}")
+            return None
+
+
+@dataclass
+class ActiveCall:
+    call_id: str
+    kind: str  # webrtc | phone
+    worker: PipelineWorker
+    started: float = field(default_factory=time.monotonic)
+    task: asyncio.Task | None = None
+    pc_id: str | None = None
+    agent: object = None
+
+
+class SignallingError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class TasteServer:
+    def __init__(self, engine, config: ServerConfig | None = None):
+        from pipecat.transports.smallwebrtc.request_handler import ConnectionMode, SmallWebRTCRequestHandler
+
+        self.engine = engine
+        self.config = config or ServerConfig()
+        self.calls: dict[str, ActiveCall] = {}
+        self.finished: list[dict] = []  # summaries of ended calls (newest last, bounded)
+        self.ended: list[ActiveCall] = []  # the last ended calls, with their call logs
+        self._handler = SmallWebRTCRequestHandler(ice_servers=self.config.ice_servers or None,
+                                                  connection_mode=ConnectionMode.MULTIPLE)
+        self.app = self._build_app()
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    def _build_app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import FileResponse, JSONResponse
+
+        app = FastAPI(title="taste-agent", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/")
+        async def page():
+            return FileResponse(STATIC / "index.html", media_type="text/html")
+
+        @app.get("/api/status")
+        async def status():
+            return {"active_calls": len(self.calls), "max_calls": self.config.max_calls,
+                    "calls": [{"call_id": c.call_id, "kind": c.kind, "seconds": round(time.monotonic() - c.started, 1)}
+                              for c in self.calls.values()],
+                    "finished": self.finished[-20:]}
+
+        @app.post("/api/offer")
+        async def offer(request: Request):
+            try:
+                data = await self._read_json(request)
+                return JSONResponse(await self._offer(data))
+            except SignallingError as e:
+                headers = {"Retry-After": "5"} if e.status == 503 else None
+                return JSONResponse({"error": e.message}, status_code=e.status, headers=headers)
+
+        @app.patch("/api/offer")
+        async def candidates(request: Request):
+            try:
+                data = await self._read_json(request)
+                await self._candidates(data)
+                return JSONResponse({"ok": True})
+            except SignallingError as e:
+                return JSONResponse({"error": e.message}, status_code=e.status)
+
+        @app.websocket("/ws/phone")
+        async def phone(websocket: WebSocket):
+            await self._phone_call(websocket)
+
+        return app
+
+    async def _read_json(self, request) -> dict:
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.config.max_body_bytes):
+            raise SignallingError(413, f"request body larger than {self.config.max_body_bytes} bytes")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.config.max_body_bytes:
+                raise SignallingError(413, f"request body larger than {self.config.max_body_bytes} bytes")
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise SignallingError(400, f"malformed JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise SignallingError(400, "the body must be a JSON object")
+        return data
+
+    async def _offer(self, data: dict) -> dict:
+        from pipecat.transports.smallwebrtc.request_handler import SmallWebRTCRequest
+
+        sdp, kind, pc_id = data.get("sdp"), data.get("type"), data.get("pc_id")
+        if not isinstance(sdp, str) or not sdp.startswith("v=0"):
+            raise SignallingError(400, "'sdp' must be an SDP offer (a string starting with 'v=0')")
+        if kind != "offer":
+            raise SignallingError(400, f"'type' must be 'offer', got {kind!r}")
+        if "m=audio " not in sdp:
+            # aiortc answers even an offer without media; such a call could never carry audio.
+            raise SignallingError(400, "the SDP offer has no audio section ('m=audio'): offer a microphone track")
+        if pc_id is not None and not isinstance(pc_id, str):
+            raise SignallingError(400, "'pc_id' must be a string")
+        if pc_id is None and len(self.calls) >= self.config.max_calls:
+            raise SignallingError(503, f"the server is at its limit of {self.config.max_calls} concurrent calls")
+        if pc_id is not None and pc_id not in self._handler._pcs_map:
+            raise SignallingError(404, "unknown pc_id (renegotiation of a call that is not active)")
+        request = SmallWebRTCRequest(sdp=sdp, type="offer", pc_id=pc_id)
+        try:
+            answer = await self._handler.handle_web_request(request, self._start_webrtc_call)
+        except ValueError as e:
+            raise SignallingError(400, f"invalid SDP offer: {e}") from None
+        except Exception as e:
+            raise SignallingError(400, f"the offer could not be answered: {e}") from None
+        if answer is None:
+            raise SignallingError(500, "no answer was produced")
+        return answer
+
+    async def _candidates(self, data: dict) -> None:
+        from pipecat.transports.smallwebrtc.request_handler import IceCandidate, SmallWebRTCPatchRequest
+
+        pc_id, items = data.get("pc_id"), data.get("candidates")
+        if not isinstance(pc_id, str) or not isinstance(items, list):
+            raise SignallingError(400, "expected {'pc_id': str, 'candidates': [...]}")
+        if pc_id not in self._handler._pcs_map:
+            raise SignallingError(404, "unknown pc_id")
+        try:
+            candidates = [IceCandidate(c["candidate"], c.get("sdp_mid", c.get("sdpMid")),
+                                       c.get("sdp_mline_index", c.get("sdpMLineIndex"))) for c in items]
+            await self._handler.handle_patch_request(SmallWebRTCPatchRequest(pc_id, candidates))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SignallingError(400, f"bad ICE candidate: {e}") from None
+
+    # -- calls ------------------------------------------------------------------------------------
+    def _worker(self, pipeline, in_rate: int, out_rate: int) -> PipelineWorker:
+        return PipelineWorker(pipeline, params=PipelineParams(audio_in_sample_rate=in_rate, audio_out_sample_rate=out_rate,
+                                                               enable_metrics=True),
+                              idle_timeout_secs=self.config.max_call_seconds, cancel_on_idle_timeout=True,
+                              enable_rtvi=False)
+
+    async def _start_webrtc_call(self, connection) -> None:
+        from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
+
+        cfg = self.config
+        transport = SmallWebRTCTransport(connection, TransportParams(
+            audio_in_enabled=True, audio_out_enabled=True, audio_out_10ms_chunks=cfg.webrtc_out_10ms_chunks,
+            audio_in_sample_rate=cfg.webrtc_in_rate, audio_out_sample_rate=cfg.webrtc_out_rate))
+        agent = build_phone_agent(self.engine, replace(cfg.agent, playout=cfg.webrtc_playout))
+        pipeline = Pipeline([transport.input(), agent, ClientEvents(agent.call), transport.output()])
+        worker = self._worker(pipeline, cfg.webrtc_in_rate, cfg.webrtc_out_rate)
+        active = ActiveCall(agent.call.call_id, "webrtc", worker, pc_id=connection.pc_id, agent=agent)
+
+        @transport.event_handler("on_client_disconnected")
+        async def _left(_transport, _client):
+            logger.info(f"call {active.call_id}: peer left")
+            await worker.cancel(reason="peer left")
+
+        @transport.event_handler("on_app_message")
+        async def _message(_transport, message, _sender=None):
+            if cfg.accept_client_transcripts and isinstance(message, dict) and message.get("type") == "transcript":
+                text = message.get("text")
+                if isinstance(text, str) and text.strip():
+                    await worker.queue_frame(TranscriptionFrame(text[:2000], "caller", time_now_iso8601(), finalized=True))
+
+        self._launch(active)
+
+    def _launch(self, active: ActiveCall) -> None:
+        self.calls[active.call_id] = active
+        active.task = asyncio.create_task(self._run(active), name=f"call-{active.call_id}")
+
+    async def _run(self, active: ActiveCall) -> None:
+        runner = WorkerRunner(handle_sigint=False, handle_sigterm=False)
+        try:
+            await runner.add_workers(active.worker)
+            await runner.run()
+        except Exception:
+            logger.exception(f"call {active.call_id} failed")
+        finally:
+            self.calls.pop(active.call_id, None)
+            record = {"call_id": active.call_id, "kind": active.kind, "seconds": round(time.monotonic() - active.started, 1)}
+            if active.agent is not None:
+                turns = active.agent.call.log.turns.values()
+                record["turns"] = [{"turn_id": t.turn_id, "decision": t.decision, "transcript": t.transcript,
+                                    "latency_ms": None if t.user_to_bot_s is None else round(1000 * t.user_to_bot_s),
+                                    "interrupted": t.interrupted} for t in turns]
+            self.finished = (self.finished + [record])[-100:]
+            self.ended = (self.ended + [active])[-10:]
+            logger.info(f"call {active.call_id} ended")
+
+    async def _phone_call(self, websocket) -> None:
+        from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams, FastAPIWebsocketTransport
+
+        await websocket.accept()
+        if len(self.calls) >= self.config.max_calls:
+            await websocket.close(code=1013, reason="at the concurrent call limit")
+            return
+        start = await _twilio_start(websocket)
+        if start is None:
+            await websocket.close(code=1008, reason="expected Twilio 'connected'/'start' messages")
+            return
+        stream_sid, call_sid = start
+        holder: dict = {}
+
+        async def on_stop():
+            worker = holder.get("worker")
+            if worker is not None:
+                await worker.cancel(reason="stop event")
+
+        serializer = SafeTwilioSerializer(stream_sid, call_sid, on_stop=on_stop,
+                                          params=TwilioFrameSerializer.InputParams(auto_hang_up=False))
+        transport = FastAPIWebsocketTransport(websocket, FastAPIWebsocketParams(
+            audio_in_enabled=True, audio_out_enabled=True, add_wav_header=False, serializer=serializer,
+            audio_out_10ms_chunks=2, audio_in_sample_rate=PHONE_SAMPLE_RATE, audio_out_sample_rate=PHONE_SAMPLE_RATE))
+        agent = build_phone_agent(self.engine, self.config.agent)
+        pipeline = Pipeline([transport.input(), agent, transport.output()])
+        worker = self._worker(pipeline, PHONE_SAMPLE_RATE, PHONE_SAMPLE_RATE)
+        holder["worker"] = worker
+        active = ActiveCall(agent.call.call_id, "phone", worker, agent=agent)
+
+        @transport.event_handler("on_client_disconnected")
+        async def _left(_transport, _client):
+            await worker.cancel(reason="phone stream closed")
+
+        self._launch(active)
+        await active.task  # the websocket lives as long as this handler
+
+    async def close(self) -> None:
+        for active in list(self.calls.values()):
+            await active.worker.cancel(reason="server shutting down")
+        tasks = [a.task for a in self.calls.values() if a.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
+        await self._handler.close()
+
+
+async def _twilio_start(websocket, timeout: float = 5.0) -> tuple[str, str | None] | None:
+    """Read Twilio's opening messages ('connected', then 'start'); returns (streamSid, callSid)."""
+    try:
+        async with asyncio.timeout(timeout):
+            for _ in range(3):
+                raw = await websocket.receive_text()
+                try:
+                    message = json.loads(raw)
+                except ValueError:
+                    return None
+                if not isinstance(message, dict):
+                    return None
+                if message.get("event") == "start":
+                    start = message.get("start") or {}
+                    sid = start.get("streamSid") or message.get("streamSid")
+                    if not isinstance(sid, str) or not sid:
+                        return None
+                    return sid, start.get("callSid")
+    except (TimeoutError, asyncio.TimeoutError, Exception):
+        return None
+    return None
+
+
+def serve(args) -> int:
+    """Entry point of ``taste-agent serve``."""
+    import uvicorn
+
+    from taste_agents.cli import _quiet_logs, agent_config, load_engine
+
+    _quiet_logs()
+    engine, _ = load_engine(args, print)
+    config = ServerConfig(host=args.host, port=args.port, max_calls=args.max_calls, ice_servers=args.ice_servers,
+                          agent=agent_config(args))
+    server = TasteServer(engine, config)
+    print(f"taste-agent: open http://{config.host}:{config.port}/ (max {config.max_calls} calls)", flush=True)
+    uvicorn.run(server.app, host=config.host, port=config.port, log_level="warning")
+    return 0
+

@@ -1,0 +1,35 @@
+"""A scripted phone call with the TASTE agent, in process, written as a Pipecat user would.
+
+    .venv/bin/python examples/simulated_call.py                 # embedded tiny checkpoint
+    .venv/bin/python examples/simulated_call.py /path/to/Llama-1B-TASTE-V0 cuda
+
+The caller says two things, barges in on the second answer, and hangs up; the call is saved to
+out/example-call/ (recording.wav: caller left, agent right; report.json; timeline.png).
+"""
+
+import asyncio
+import sys
+
+from pipecat_taste import TasteEngine
+from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
+from taste_agents.phone_agent import PhoneAgentConfig
+from taste_agents.simulate import simulate_call
+
+
+async def main(model: str | None, device: str) -> None:
+    engine = TasteEngine.from_pretrained(model, device=device)  # None: the embedded tiny checkpoint
+    config = PhoneAgentConfig(max_reply_tokens=6 if model is None else 48)
+    u = load_utterances()
+    script = [
+        Pause(0.5),
+        Say(u["hello"]), WaitForReply(),
+        Say(u["time"]), BargeIn(u["bargein"], after_agent_ms=600), WaitForReply(),
+    ]
+    result = await simulate_call(engine, script, config=config, progress=print, out_dir="out/example-call")
+    for turn in result.report["turns"]:
+        print(turn["utterance"], turn["decision"], turn.get("first_audio_latency_ms"), turn.get("barge_in_stop_ms"))
+    print(result.paths)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2] if len(sys.argv) > 2 else "cpu"))

@@ -1,0 +1,186 @@
+"""TasteCall: the state one call's processors share, and CallLog: what happened, turn by turn.
+
+A call owns its engine session (Conversation, voice), one worker thread per stage (listening,
+thinking, speech tokens, vocoding: stages of different turns or of one reply run concurrently,
+stages of the same kind run in order), the back-pressure between generation and synthesis, and
+the record of every turn. Nothing here is global: two calls in one process share only the
+engine's weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipecat_taste.engine import GenerationSettings
+
+STAGES = ("listen", "think", "speech_tokens", "vocode")
+
+
+@dataclass
+class TurnRecord:
+    """One user turn and the agent's answer to it. Times are ``time.monotonic()`` seconds."""
+
+    turn_id: int
+    vad_start_at: float | None = None  # VAD confirmed speech
+    vad_stop_at: float | None = None  # VAD confirmed silence
+    speech_start: float | None = None  # estimated start of speech (vad_start_at - start_secs)
+    speech_end: float | None = None  # estimated end of speech (vad_stop_at - stop_secs)
+    speech_seconds: float = 0.0  # speech length measured in the audio (VAD start to stop)
+    audio_seconds: float = 0.0  # captured audio, with pre- and post-roll
+    transcript: str = ""
+    decision: str | None = None  # reply | no_speech | error | ignored
+    reason: str = ""
+    tokenized_at: float | None = None
+    decided_at: float | None = None
+    first_segment_at: float | None = None
+    generation_done_at: float | None = None
+    first_audio_at: float | None = None  # first reply sample handed to the transport
+    audio_end_at: float | None = None  # when the last reply sample finishes playing
+    interrupted: bool = False
+    barge_in_at: float | None = None  # the caller's speech (VAD) that cut this reply off
+    reply_text: str = ""
+    played_text: str = ""
+    total_words: int = 0
+    played_words: int = 0  # words whose audio the caller heard (at least heard_fraction of it)
+    kept_words: int = 0  # words of the reply the conversation kept
+    synthesized_samples: int = 0  # reply audio the synthesizer produced (output rate)
+    played_samples: int = 0  # reply audio handed to the transport (incl. the fade-out)
+    dropped_samples: int = 0  # synthesized but never played (barge-in)
+    underruns: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def user_to_bot_s(self) -> float | None:
+        if self.first_audio_at is None or self.speech_end is None:
+            return None
+        return self.first_audio_at - self.speech_end
+
+    @property
+    def barge_in_stop_s(self) -> float | None:
+        if self.barge_in_at is None or self.audio_end_at is None:
+            return None
+        return max(0.0, self.audio_end_at - self.barge_in_at)
+
+
+class CallLog:
+    """Turn records and a flat event list, written by the processors (event-loop thread only)."""
+
+    def __init__(self, keep_audio: bool = False):
+        self.t0 = time.monotonic()
+        self.turns: dict[int, TurnRecord] = {}
+        self.events: list[dict[str, Any]] = []
+        # With keep_audio, the exact PCM the synthesizer produced and the playout released per
+        # turn (for checks that nothing is lost or duplicated on the way to the caller).
+        self.keep_audio = keep_audio
+        self.synthesized_audio: dict[int, list[bytes]] = {}
+        self.released_audio: dict[int, list[bytes]] = {}
+
+    def turn(self, turn_id: int) -> TurnRecord:
+        if turn_id not in self.turns:
+            self.turns[turn_id] = TurnRecord(turn_id)
+        return self.turns[turn_id]
+
+    def event(self, kind: str, turn_id: int | None = None, **data) -> None:
+        self.events.append({"t": time.monotonic() - self.t0, "kind": kind, "turn_id": turn_id, **data})
+
+    def rel(self, t: float | None) -> float | None:
+        return None if t is None else round(t - self.t0, 4)
+
+    def to_dict(self) -> dict:
+        turns = []
+        for record in sorted(self.turns.values(), key=lambda r: r.turn_id):
+            d = asdict(record)
+            for key, value in list(d.items()):
+                if key.endswith("_at") or key in ("speech_start", "speech_end"):
+                    d[key] = self.rel(value)
+            d["user_to_bot_s"] = record.user_to_bot_s
+            d["barge_in_stop_s"] = record.barge_in_stop_s
+            turns.append(d)
+        return {"turns": turns, "events": self.events}
+
+
+class TasteCall:
+    """Shared by the processors of one call (``TasteSpeechToSpeech`` makes one for you)."""
+
+    def __init__(self, engine, settings: GenerationSettings | None = None, *, voice=None,
+                 max_pending_segments: int = 4, log: CallLog | None = None):
+        if max_pending_segments < 1:
+            raise ValueError("max_pending_segments must be >= 1")
+        self.engine = engine
+        self.settings = settings or GenerationSettings()
+        self.voice = voice
+        self.call_id = uuid.uuid4().hex  # random: ids never collide across processes
+        self.log = log or CallLog()
+        self.session = None
+        self.max_pending_segments = max_pending_segments
+        self._session_lock: asyncio.Lock | None = None
+        self._executors: dict[str, ThreadPoolExecutor] = {}
+        self._next_turn_id = 0
+        self._segment_slots: asyncio.Semaphore | None = None
+        # Who is in the call: the generator waits for the playout's report only if there is one.
+        self.has_playout = False
+        self.has_synthesizer = False
+        # Agent activity, for barge-in: the turn whose reply is being generated or played.
+        self.active_reply_turn: int | None = None
+        self.bot_speaking = False
+        self.closed = False
+
+    # -- session and workers ----------------------------------------------------------------------
+    async def ensure_session(self):
+        """Create the engine session once (it may load a voice: done off the event loop)."""
+        if self.session is not None:
+            return self.session
+        if self._session_lock is None:
+            self._session_lock = asyncio.Lock()
+        async with self._session_lock:
+            if self.session is None:
+                self.session = await self.run("think", self.engine.new_session, self.settings, self.voice)
+        return self.session
+
+    def executor(self, stage: str) -> ThreadPoolExecutor:
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
+        if self.closed:
+            raise RuntimeError("this call has ended")
+        if stage not in self._executors:
+            self._executors[stage] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"taste-{stage}-{self.call_id[:6]}")
+        return self._executors[stage]
+
+    async def run(self, stage: str, fn, *args):
+        """Run a blocking engine call on the stage's worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor(stage), fn, *args)
+
+    def new_turn_id(self) -> int:
+        self._next_turn_id += 1
+        return self._next_turn_id
+
+    # -- back-pressure between generation and synthesis ---------------------------------------------
+    @property
+    def segment_slots(self) -> asyncio.Semaphore:
+        if self._segment_slots is None:
+            self._segment_slots = asyncio.Semaphore(self.max_pending_segments)
+        return self._segment_slots
+
+    def reset_segment_slots(self) -> None:
+        """After a barge-in nothing is pending any more."""
+        self._segment_slots = asyncio.Semaphore(self.max_pending_segments)
+
+    @property
+    def agent_busy(self) -> bool:
+        return self.active_reply_turn is not None or self.bot_speaking
+
+    async def close(self) -> None:
+        """Stop the worker threads (running jobs finish in the background; nothing waits for them)."""
+        self.closed = True
+        executors, self._executors = self._executors, {}
+        for executor in executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def worker_threads(self) -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith(f"taste-") and self.call_id[:6] in t.name]

@@ -1,0 +1,373 @@
+"""TasteTurnCapture: VAD-gated capture of each user turn, its transcript, and its TASTE tokens.
+
+Input audio passes through untouched (recorders and other processors downstream still see it).
+Alongside, the processor keeps a short ring of recent audio; when the VAD confirms speech the turn
+starts with that ring as pre-roll (the VAD needs ``start_secs`` of speech before it is sure, and
+word onsets are quiet), and when the VAD confirms silence the turn ends (keeping ``post_roll_secs``
+after the speech). Then, on a worker thread: the transcript (an upstream ``TranscriptionFrame``
+from any Pipecat STT, or the engine's built-in ASR), ``taste_tokenize``, and a
+``TasteUserTurnFrame`` downstream plus the ``TranscriptionFrame`` upstream.
+
+VAD: give ``vad_analyzer`` (e.g. :class:`~pipecat_taste.vad.WebRTCVADAnalyzer`) and the capture
+runs it and broadcasts ``VADUserStarted/StoppedSpeakingFrame`` and ``UserStarted/Stopped
+SpeakingFrame``; or leave it None and put a ``VADProcessor`` upstream - the capture then follows
+its VAD frames.
+
+Barge-in: when speech starts while the agent is answering (generating or playing), the capture
+broadcasts an ``InterruptionFrame``; the generator, synthesizer and playout stop at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from loguru import logger
+from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADState
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InputAudioRawFrame,
+    StartFrame,
+    TranscriptionFrame,
+    UserStartedSpeakingFrame,
+    UserStoppedSpeakingFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
+from pipecat.utils.errors import ErrorCategory
+from pipecat.utils.time import time_now_iso8601
+
+from pipecat_taste.audio import pcm16_to_float, resample
+from pipecat_taste.call import TasteCall
+from pipecat_taste.frames import TasteTurnDecisionFrame, TasteUserTurnFrame
+
+
+@dataclass
+class TurnCaptureParams:
+    """pre_roll_secs: audio kept before the estimated speech onset. post_roll_secs: audio kept
+    after the estimated speech end. min_speech_secs: shorter turns are ignored (coughs, clicks).
+    transcript_timeout_secs: how long to wait after the turn for an upstream transcript before
+    falling back to the built-in ASR. interrupt_on_speech: barge-in. transcripts: 'auto'
+    (upstream if one arrives, else built-in ASR), 'upstream' or 'asr'."""
+
+    pre_roll_secs: float = 0.3
+    post_roll_secs: float = 0.2
+    min_speech_secs: float = 0.25
+    transcript_timeout_secs: float = 1.5
+    interrupt_on_speech: bool = True
+    transcripts: str = "auto"
+    user_id: str = "user"
+
+    def __post_init__(self):
+        if self.transcripts not in ("auto", "upstream", "asr"):
+            raise ValueError(f"transcripts must be 'auto', 'upstream' or 'asr', got {self.transcripts!r}")
+        for name in ("pre_roll_secs", "post_roll_secs", "min_speech_secs", "transcript_timeout_secs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TurnCaptureParams.{name} must be >= 0")
+
+
+@dataclass
+class _CapturedTurn:
+    turn_id: int
+    audio: np.ndarray  # float32 at the input rate
+    sample_rate: int
+    vad_start_at: float
+    vad_stop_at: float
+    speech_start: float
+    speech_end: float
+    speech_seconds: float
+    transcript_parts: list[str]
+    transcript_ready: asyncio.Event
+
+
+class TasteTurnCapture(FrameProcessor):
+    def __init__(self, call: TasteCall, *, vad_analyzer: VADAnalyzer | None = None,
+                 params: TurnCaptureParams | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self._call = call
+        self._vad = vad_analyzer
+        self._params = params or TurnCaptureParams()
+        self._sample_rate = 16000
+        self._ring: collections.deque[np.ndarray] = collections.deque()
+        self._ring_samples = 0
+        self._vad_state = VADState.QUIET
+        self._capturing = False
+        self._turn_chunks: list[np.ndarray] = []
+        self._turn_samples = 0
+        self._turn_id: int | None = None
+        self._vad_start_at = 0.0
+        self._transcript_parts: list[str] = []
+        self._transcript_event: asyncio.Event | None = None
+        self._early_transcript: tuple[float, str] | None = None
+        self._finish_queue: asyncio.Queue | None = None
+        self._finisher: asyncio.Task | None = None
+        # Sample clock of the input: turn lengths are measured in audio, not in wall-clock time.
+        self._samples_seen = 0
+        self._start_sample = 0
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def setup(self, setup: FrameProcessorSetup):
+        await super().setup(setup)
+        self._sample_rate = setup.audio_in_sample_rate
+        if self._vad is not None:
+            self._vad.set_sample_rate(self._sample_rate)
+        await self._call.ensure_session()
+
+    async def cleanup(self):
+        await super().cleanup()
+        await self._stop_finisher()
+        if self._vad is not None:
+            await self._vad.cleanup()
+
+    async def _stop_finisher(self):
+        if self._finisher is not None:
+            await self.cancel_task(self._finisher)
+            self._finisher = None
+
+    @property
+    def _vad_params(self):
+        return self._vad.params if self._vad is not None else None
+
+    def _start_secs(self) -> float:
+        return self._vad.params.start_secs if self._vad is not None else self._upstream_start_secs
+
+    def _stop_secs(self) -> float:
+        return self._vad.params.stop_secs if self._vad is not None else self._upstream_stop_secs
+
+    _upstream_start_secs = 0.2
+    _upstream_stop_secs = 0.2
+
+    # -- frames -----------------------------------------------------------------------------------
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+
+        if isinstance(frame, StartFrame):
+            await self.push_frame(frame, direction)
+            self._finish_queue = asyncio.Queue()
+            self._finisher = self.create_task(self._finish_turns())
+        elif isinstance(frame, (EndFrame, CancelFrame)):
+            await self._stop_finisher()
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, InputAudioRawFrame):
+            await self.push_frame(frame, direction)
+            await self._handle_audio(frame)
+        elif isinstance(frame, VADUserStartedSpeakingFrame) and self._vad is None:
+            self._upstream_start_secs = frame.start_secs or self._upstream_start_secs
+            await self.push_frame(frame, direction)
+            await self._speech_started(time.monotonic())
+        elif isinstance(frame, VADUserStoppedSpeakingFrame) and self._vad is None:
+            self._upstream_stop_secs = frame.stop_secs or self._upstream_stop_secs
+            await self.push_frame(frame, direction)
+            await self._speech_stopped(time.monotonic())
+        elif isinstance(frame, TranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
+            self._add_transcript(frame.text)  # consumed: the turn's transcript goes upstream later
+        else:
+            await self.push_frame(frame, direction)
+
+    async def _handle_audio(self, frame: InputAudioRawFrame):
+        now = time.monotonic()
+        if frame.num_channels != 1:
+            samples = pcm16_to_float(frame.audio).reshape(-1, frame.num_channels).mean(axis=1)
+        else:
+            samples = pcm16_to_float(frame.audio)
+        if frame.sample_rate != self._sample_rate:
+            samples = resample(samples, frame.sample_rate, self._sample_rate)
+        self._remember(samples)
+        self._samples_seen += samples.size
+        if self._capturing:
+            self._turn_chunks.append(samples)
+            self._turn_samples += samples.size
+            if self._turn_samples / self._sample_rate >= self._max_turn_seconds():
+                # The audio tower has a fixed window: close this turn and go on in a new one.
+                logger.info(f"{self}: turn {self._turn_id} reached {self._max_turn_seconds():.0f} s, splitting it")
+                await self._speech_stopped(now, forced=True)
+                await self._speech_started(now, forced=True)
+        if self._vad is None:
+            return
+        pcm = frame.audio if frame.sample_rate == self._sample_rate and frame.num_channels == 1 else None
+        if pcm is None:
+            from pipecat_taste.audio import float_to_pcm16
+
+            pcm = float_to_pcm16(samples)
+        state = await self._vad.analyze_audio(pcm)
+        previous, self._vad_state = self._vad_state, state
+        if state == VADState.SPEAKING and previous in (VADState.QUIET, VADState.STARTING):
+            await self.broadcast_frame(VADUserStartedSpeakingFrame, start_secs=self._vad.params.start_secs)
+            await self._speech_started(now)
+        elif state == VADState.QUIET and previous in (VADState.SPEAKING, VADState.STOPPING):
+            await self.broadcast_frame(VADUserStoppedSpeakingFrame, stop_secs=self._vad.params.stop_secs)
+            await self._speech_stopped(now)
+
+    def _max_turn_seconds(self) -> float:
+        session = self._call.session
+        limit = getattr(session, "max_turn_seconds", 30.0) if session is not None else 30.0
+        return max(1.0, limit - 0.5)
+
+    def _remember(self, samples: np.ndarray) -> None:
+        """Keep the last start_secs + pre_roll_secs of audio (the turn's pre-roll)."""
+        self._ring.append(samples)
+        self._ring_samples += samples.size
+        keep = int((self._start_secs() + self._params.pre_roll_secs) * self._sample_rate) + samples.size
+        while self._ring and self._ring_samples - self._ring[0].size >= keep:
+            self._ring_samples -= self._ring.popleft().size
+
+    # -- turn boundaries --------------------------------------------------------------------------------
+    async def _speech_started(self, now: float, forced: bool = False):
+        if self._capturing:
+            return
+        self._capturing = True
+        self._turn_id = self._call.new_turn_id()
+        self._vad_start_at = now
+        self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
+        self._transcript_parts = []
+        self._transcript_event = asyncio.Event()
+        if self._early_transcript is not None and now - self._early_transcript[0] < 1.0:
+            self._add_transcript(self._early_transcript[1])
+        self._early_transcript = None
+        if forced:
+            self._turn_chunks, self._turn_samples = [], 0
+        else:
+            self._turn_chunks = list(self._ring)
+            self._turn_samples = sum(c.size for c in self._turn_chunks)
+        record = self._call.log.turn(self._turn_id)
+        record.vad_start_at = now
+        record.speech_start = now - (0.0 if forced else self._start_secs())
+        self._call.log.event("user_speech_started", self._turn_id)
+        if not forced:
+            await self.broadcast_frame(UserStartedSpeakingFrame)
+            if self._params.interrupt_on_speech and self._call.agent_busy:
+                await self._barge_in(now)
+
+    async def _barge_in(self, now: float):
+        active = self._call.active_reply_turn
+        if active is not None:
+            record = self._call.log.turn(active)
+            if record.barge_in_at is None:
+                record.barge_in_at = now
+                record.interrupted = True
+        self._call.log.event("barge_in", active, by_turn=self._turn_id)
+        logger.debug(f"{self}: barge-in on turn {active} by turn {self._turn_id}")
+        await self.broadcast_interruption()
+
+    async def _speech_stopped(self, now: float, forced: bool = False):
+        if not self._capturing:
+            return
+        self._capturing = False
+        stop_secs = 0.0 if forced else self._stop_secs()
+        speech_end = now - stop_secs
+        # Keep post_roll_secs after the estimated end of speech, drop the rest of the silence.
+        audio = np.concatenate(self._turn_chunks) if self._turn_chunks else np.zeros(0, np.float32)
+        trim = int(max(0.0, stop_secs - self._params.post_roll_secs) * self._sample_rate)
+        if trim and audio.size > trim:
+            audio = audio[: audio.size - trim]
+        self._turn_chunks, self._turn_samples = [], 0
+        record = self._call.log.turn(self._turn_id)
+        record.vad_stop_at = now
+        record.speech_end = speech_end
+        record.audio_seconds = audio.size / self._sample_rate
+        end_sample = self._samples_seen - int(stop_secs * self._sample_rate)
+        record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
+        self._call.log.event("user_speech_stopped", self._turn_id)
+        if not forced:
+            await self.broadcast_frame(UserStoppedSpeakingFrame)
+        turn = _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
+                             record.speech_start, speech_end, record.speech_seconds, self._transcript_parts,
+                             self._transcript_event)
+        if self._finish_queue is not None:
+            self._finish_queue.put_nowait(turn)
+
+    def _add_transcript(self, text: str):
+        text = (text or "").strip()
+        if not text:
+            return
+        if self._transcript_event is None or (not self._capturing and self._transcript_event.is_set()):
+            self._early_transcript = (time.monotonic(), text)
+            return
+        self._transcript_parts.append(text)
+        self._transcript_event.set()
+
+    # -- finishing turns (in order, off the input path) ---------------------------------------------
+    async def _finish_turns(self):
+        while True:
+            turn = await self._finish_queue.get()
+            try:
+                await self._finish(turn)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failing turn must not end the call
+                await self._fail(turn.turn_id, f"could not process the user's turn: {e}", e)
+
+    async def _finish(self, turn: _CapturedTurn):
+        record = self._call.log.turn(turn.turn_id)
+        if turn.speech_seconds < self._params.min_speech_secs:
+            await self._decide(turn.turn_id, "ignored", f"speech too short ({turn.speech_seconds:.2f} s)")
+            return
+        transcript = await self._transcript(turn)
+        if transcript is None:
+            return
+        record.transcript = transcript
+        session = await self._call.ensure_session()
+        audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
+        await self.start_processing_metrics()
+        try:
+            user_turn = await self._call.run("listen", session.user_turn, audio16k, transcript)
+        except Exception as e:
+            await self.stop_processing_metrics()
+            await self._fail(turn.turn_id, f"could not tokenize the user's speech ({transcript!r}): {e}", e)
+            return
+        await self.stop_processing_metrics()
+        record.tokenized_at = time.monotonic()
+        self._call.log.event("user_turn_tokenized", turn.turn_id, tokens=user_turn.n_tokens)
+        await self.push_frame(TranscriptionFrame(transcript, self._params.user_id, time_now_iso8601(), finalized=True),
+                              FrameDirection.UPSTREAM)
+        await self.push_frame(TasteUserTurnFrame(turn.turn_id, transcript, user_turn, turn.speech_start, turn.speech_end))
+
+    async def _transcript(self, turn: _CapturedTurn) -> str | None:
+        mode = self._params.transcripts
+        if mode in ("auto", "upstream"):
+            if not turn.transcript_parts:
+                try:
+                    await asyncio.wait_for(turn.transcript_ready.wait(), self._params.transcript_timeout_secs)
+                except asyncio.TimeoutError:
+                    pass
+            if turn.transcript_parts:
+                turn.transcript_ready.set()  # later transcripts belong to the next turn
+                return " ".join(turn.transcript_parts)
+            if mode == "upstream":
+                await self._fail(turn.turn_id, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
+                                                "(is an STT service upstream of TasteTurnCapture?)")
+                return None
+        turn.transcript_ready.set()
+        session = await self._call.ensure_session()
+        audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
+        try:
+            text = await self._call.run("listen", session.transcribe, audio16k)
+        except NotImplementedError as e:
+            await self._fail(turn.turn_id, f"no transcript for this turn: {e}", e)
+            return None
+        if not text.strip():
+            await self._decide(turn.turn_id, "ignored", "the ASR heard no words")
+            return None
+        return text.strip()
+
+    async def _decide(self, turn_id: int, decision: str, reason: str):
+        record = self._call.log.turn(turn_id)
+        record.decision, record.reason = decision, reason
+        record.decided_at = time.monotonic()
+        self._call.log.event("decision", turn_id, decision=decision, reason=reason)
+        await self.push_frame(TasteTurnDecisionFrame(turn_id, decision, reason))
+
+    async def _fail(self, turn_id: int, message: str, exception: Exception | None = None):
+        self._call.log.turn(turn_id).errors.append(message)
+        # UNKNOWN, not a permanent category: one bad turn must not take the processor out of the call
+        await self.push_error(f"turn {turn_id}: {message}", exception, category=ErrorCategory.UNKNOWN)
+        await self._decide(turn_id, "error", message)

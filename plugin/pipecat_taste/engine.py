@@ -1,0 +1,318 @@
+"""TasteEngine: the one place where the plugin talks to ``taste_speech``.
+
+The processors never import the model library; they call a per-call :class:`TasteSession`
+(``engine.new_session()``), whose methods are blocking and are run by the processors in worker
+threads, one stage per thread:
+
+    listening   transcribe(audio) -> str                  (built-in ASR, when the engine has one)
+                user_turn(audio, transcript) -> UserTurn  (taste_tokenize)
+    thinking    reply(turn, stop) -> iterator of ReplyEvent  (streaming_generate, one Conversation per call)
+                commit_reply(played_words)                 (keep the words the caller heard)
+    speaking    start_speech(rate) -> SpeechState          (one voice-generator state per reply)
+                speech_tokens(state, segment) -> iterator of token lists   (speech decoder)
+                vocode(state, tokens, final) -> list of float32 chunks      (flow + HiFT)
+                speech_samples(n_tokens, rate) -> output samples covered by n speech tokens
+
+If the library's signatures drift, this file is what changes. ``pipecat_taste.testing`` has a
+model-free engine with the same interface for tests of the processors.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+INPUT_SAMPLE_RATE = 16000
+
+
+@dataclass
+class UserTurn:
+    """A user turn, tokenized for the spoken LM."""
+
+    transcript: str
+    segment: Any  # taste_speech TASTESegment (role user, modality audio)
+    n_tokens: int
+    audio_seconds: float
+
+
+@dataclass
+class ReplyEvent:
+    """What ``TasteSession.reply`` yields, in order: one 'decision' ('reply' or 'no_speech'), then
+    for a reply any number of 'segment' events, then one 'end' (reason 'finished', 'truncated' or
+    'cancelled')."""
+
+    kind: str
+    decision: str | None = None
+    text: str = ""
+    n_words: int = 0
+    segment: Any = None
+    reason: str | None = None
+
+
+@dataclass
+class GenerationSettings:
+    """Sampling of the spoken LM (the contract's defaults) and the prompt format.
+
+    ``prompt_format``: 'instruct' (role labels around each turn; what the published V0 checkpoint
+    can hold a dialogue with: it always answers), 'continuation' (one spoken stream) or
+    'dialogue' (fine-tuned checkpoints: the model decides whether to answer at all).
+    ``max_reply_tokens``: LLM tokens per reply at most. ``words_per_segment``: words released to
+    synthesis at a time."""
+
+    prompt_format: str = "instruct"
+    text_top_p: float = 0.3
+    taste_top_p: float = 0.0
+    text_temperature: float = 0.5
+    repetition_penalty: float = 1.1
+    max_reply_tokens: int = 64
+    words_per_segment: int = 1
+    system_prompt: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class SpeechState:
+    """Per-reply speech continuity. The speech-token stage owns the ``prev_*`` fields, the vocoder
+    stage owns ``synthesis``; the two stages run in different threads and never touch each
+    other's fields."""
+
+    out_sample_rate: int
+    prev_text_ids: Any = None
+    prev_taste_ids: Any = None
+    prev_speech_ids: list[int] = field(default_factory=list)
+    synthesis: Any = None  # taste_speech SynthesisState
+    sampler: Any = None  # speech-token sampler (its own generator: the stages run concurrently)
+    tokens_vocoded: int = 0
+
+
+class TasteEngine:
+    """Model, processor and voice generator, loaded once and shared by every call."""
+
+    def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
+                 asr=None):
+        self.model, self.processor, self.voice_generator = model, processor, voice_generator
+        self.checkpoint_dir = checkpoint_dir
+        self.device = device
+        self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
+        # Calls in one process share the weights; every per-call state (KV caches, synthesis
+        # continuity) lives in the state objects the session passes to the model.
+        self.input_sample_rate = INPUT_SAMPLE_RATE
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
+                        asr="auto") -> "TasteEngine":
+        """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
+        ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
+        come from an upstream STT) or 'auto' (the random tiny ASR for the tiny checkpoint, none
+        otherwise)."""
+        import torch
+
+        from taste_speech.modeling_taste import TasteForCausalLM
+        from taste_speech.processing_taste import TasteProcessor
+        from taste_speech.voice_generator import VoiceGenerator
+
+        if name_or_path is None:
+            from taste_speech.tiny import default_tiny_checkpoint
+
+            name_or_path = default_tiny_checkpoint()
+        torch_dtype = None if dtype in (None, "auto") else dtype
+        model = TasteForCausalLM.from_pretrained(name_or_path, torch_dtype=torch_dtype, device=device).eval()
+        directory = getattr(getattr(model, "loading_info", None), "directory", None) or str(name_or_path)
+        processor = TasteProcessor.from_pretrained(directory)
+        voice_generator = VoiceGenerator.from_pretrained(directory, device=device).eval()
+        torch.set_grad_enabled(False)
+        if asr == "auto":
+            from pipecat_taste.asr import WhisperTranscriber
+
+            is_tiny = model.config.text_config.hidden_size < 256
+            asr = WhisperTranscriber.random_tiny(directory) if is_tiny else None
+        elif isinstance(asr, str):
+            from pipecat_taste.asr import WhisperTranscriber
+
+            asr = WhisperTranscriber.from_pretrained(asr, device=device, dtype=dtype)
+        return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr)
+
+    @property
+    def max_turn_seconds(self) -> float:
+        return float(self.processor.max_seconds)
+
+    def speaker_embedding(self, reference_audio: np.ndarray | None = None, sample_rate: int = INPUT_SAMPLE_RATE):
+        """The call's voice: from reference audio (CAMPPlus) or the checkpoint's default voice."""
+        if reference_audio is not None:
+            return self.processor.speaker_embedding(reference_audio, sample_rate)
+        return self.processor.default_speaker_embedding()
+
+    def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "TasteSession":
+        return TasteSession(self, settings or GenerationSettings(), voice)
+
+
+class TasteSession:
+    """Per-call state: the Conversation (KV cache of the call so far), the voice, random streams."""
+
+    def __init__(self, engine: TasteEngine, settings: GenerationSettings, voice=None):
+        import torch
+
+        from taste_speech.streaming import Conversation, TASTESegment
+
+        self.engine, self.settings = engine, settings
+        self.model, self.processor = engine.model, engine.processor
+        self.input_sample_rate = engine.input_sample_rate
+        self.max_turn_seconds = engine.max_turn_seconds
+        system = None
+        if settings.system_prompt:
+            ids = self.processor.process_text(settings.system_prompt).llm_token_ids
+            system = TASTESegment("system", "text", ids)
+        self.conversation = Conversation(self.model, self.processor, system=system,
+                                         prompt_format=settings.prompt_format)
+        if voice is None:
+            voice = engine.speaker_embedding()
+        self.voice = torch.as_tensor(voice).float().reshape(1, -1)
+        self._lm_generator = torch.Generator().manual_seed(settings.seed)
+        self._speech_generator = torch.Generator().manual_seed(settings.seed + 1)
+        self._synthesis_generator = torch.Generator().manual_seed(settings.seed + 2)
+        self._last_reply_words = 0  # words of the newest assistant turn in the conversation
+
+    # -- listening --------------------------------------------------------------------------------
+    def transcribe(self, audio: np.ndarray) -> str:
+        if self.engine.asr is None:
+            raise NotImplementedError(
+                "this engine has no built-in ASR: put a Pipecat STT service before TasteTurnCapture (it uses the "
+                "TranscriptionFrames) or load one (TasteEngine.from_pretrained(..., asr='openai/whisper-large-v3'))"
+            )
+        return self.engine.asr(audio)
+
+    def user_turn(self, audio: np.ndarray, transcript: str) -> UserTurn:
+        import torch
+
+        from taste_speech.streaming import TASTESegment, taste_tokenize
+
+        words = self.processor.split_words(transcript)
+        if not words:
+            raise ValueError("the transcript is empty: no words to align the user's audio to")
+        text_ids = self.processor.encode_words(words).llm_token_ids
+        taste_ids = taste_tokenize(self.model, self.processor, torch.from_numpy(np.ascontiguousarray(audio)).view(1, -1),
+                                   text_ids, sampling_rate=self.input_sample_rate)
+        segment = TASTESegment("user", "audio", text_ids, taste_ids)
+        return UserTurn(transcript, segment, int(text_ids.shape[1]), len(audio) / self.input_sample_rate)
+
+    # -- thinking ---------------------------------------------------------------------------------
+    def reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
+        from taste_speech.streaming import TASTESegment, every_n_words, streaming_generate
+
+        s = self.settings
+        items = streaming_generate(
+            self.model, self.processor, [turn.segment], text_top_p=s.text_top_p, taste_top_p=s.taste_top_p,
+            text_temperature=s.text_temperature, repetition_penalty=s.repetition_penalty,
+            max_length=s.max_reply_tokens, should_emit_segment=every_n_words(s.words_per_segment),
+            conversation=self.conversation, prompt_format=s.prompt_format, stop=stop, generator=self._lm_generator,
+        )
+        decided = False
+        if not self.conversation.format.decides_turns:  # instruct / continuation: it always answers
+            decided = True
+            yield ReplyEvent("decision", decision="reply")
+        self._last_reply_words = 0
+        for item in items:
+            if item["completion_reason"] == "no_speech":
+                yield ReplyEvent("decision", decision="no_speech")
+                return
+            if not decided:
+                decided = True
+                yield ReplyEvent("decision", decision="reply")
+            segment = item["segment"]
+            if segment is not None:
+                text = self.processor.llm_tokenizer.decode(segment.text_ids[0].tolist())
+                yield ReplyEvent("segment", text=text, n_words=int(segment.word_starts().sum()), segment=segment)
+            if item["is_complete"]:
+                reply = item.get("reply")  # streaming_generate has committed it to the conversation
+                self._last_reply_words = 0 if reply is None else int(reply.word_starts().sum())
+                reason = "cancelled" if item.get("cancelled") else "truncated" if item.get("truncated") else "finished"
+                yield ReplyEvent("end", reason=reason)
+                return
+
+    def commit_reply(self, played_words: int | None) -> int:
+        """After a reply: keep all of it (None) or only its first ``played_words`` words (what the
+        caller heard before a barge-in). Returns the number of words kept. Runs before the next
+        ``reply``, so the history always matches what was heard."""
+        total, self._last_reply_words = self._last_reply_words, 0
+        if total == 0 or played_words is None or played_words >= total:
+            return total
+        kept = self.conversation.truncate_last_assistant(max(0, int(played_words)))
+        return 0 if kept is None else int(kept.word_starts().sum())
+
+    # -- speaking ---------------------------------------------------------------------------------
+    def start_speech(self, out_sample_rate: int) -> SpeechState:
+        from taste_speech.modeling_speech_decoder import TopKSampler
+        from taste_speech.streaming.synthesis import start_speaking
+
+        state = SpeechState(out_sample_rate=out_sample_rate)
+        state.sampler = TopKSampler(generator=self._speech_generator)
+        state.synthesis = start_speaking(self.engine.voice_generator, self.voice, "low_latency", out_sample_rate,
+                                         self._synthesis_generator)
+        return state
+
+    def speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:
+        """Speech tokens of one reply segment, continuing the previous segment of the same reply
+        (the speech-decoder half of ``taste_detokenize_stream``; tests check the two agree)."""
+        import torch
+
+        model, processor = self.model, self.processor
+        decoder = model.speech_decoder
+        text_ids, taste_ids = segment.text_ids, segment.taste_ids
+        if state.prev_text_ids is None:
+            prev_text = torch.zeros(1, 0, dtype=torch.long)
+            prev_taste = torch.zeros(1, 0, taste_ids.shape[2], dtype=torch.long)
+        else:
+            prev_text, prev_taste = state.prev_text_ids, state.prev_taste_ids
+        full_text = torch.cat([prev_text, text_ids], dim=1)
+        full_taste = torch.cat([prev_taste, taste_ids], dim=1)
+        aligned = processor.align_llm_ids(full_text)
+        current = processor.align_llm_ids(text_ids)
+        device = decoder.device
+        with torch.inference_mode():
+            audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste.to(device), aligned.asr_word_ids.to(device))
+            prefix = decoder.prefix_embeds(self.voice.to(device), audio_embeds, aligned.asr_token_ids.to(device))
+            min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
+            dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len)
+            if state.prev_speech_ids:
+                prev = torch.tensor([state.prev_speech_ids], dtype=torch.long, device=device)
+                dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev))
+            new: list[int] = []
+            while (token := decoder.step(dec_state, state.sampler)) is not None:
+                new.append(int(token))
+                if len(new) % 5 == 0:  # hand tokens to the vocoder in small groups
+                    yield new[-5:]
+            if len(new) % 5:
+                yield new[-(len(new) % 5):]
+        if not new:
+            raise ValueError("the speech decoder produced no speech tokens for this segment")
+        state.prev_text_ids, state.prev_taste_ids = text_ids, taste_ids
+        state.prev_speech_ids = state.prev_speech_ids + new
+
+    def vocode(self, state: SpeechState, tokens: list[int], final: bool = False) -> list[np.ndarray]:
+        import torch
+
+        from taste_speech.streaming.synthesis import speak
+
+        piece = torch.tensor([tokens], dtype=torch.long) if tokens else None
+        with torch.inference_mode():
+            chunks = speak(self.engine.voice_generator, state.synthesis, piece, final=final)
+        state.tokens_vocoded += len(tokens)
+        return [c.audio.reshape(-1).float().cpu().numpy() for c in chunks]
+
+    def speech_samples(self, n_tokens: int, out_sample_rate: int) -> int:
+        return speech_samples(n_tokens, out_sample_rate)
+
+
+def speech_samples(n_tokens: int, out_sample_rate: int) -> int:
+    """Output samples of the first ``n_tokens`` speech tokens (HiFT: 256 samples per mel frame at
+    22.05 kHz, floor(n * 441 / 256) mel frames for n tokens)."""
+    frames = n_tokens * 441 // 256
+    return int(round(frames * 256 * out_sample_rate / 22050))
+
+
+def checkpoint_label(name_or_path: str | None) -> str:
+    return "embedded tiny checkpoint" if name_or_path is None else os.fspath(name_or_path)

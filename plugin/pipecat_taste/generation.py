@@ -1,0 +1,223 @@
+"""TasteGenerator: decide whether to answer each user turn, and stream the answer word by word.
+
+For every ``TasteUserTurnFrame`` (in order, one at a time) the call's engine session runs
+``streaming_generate`` on the "think" worker thread, one item at a time, so the event loop stays
+free and an ``InterruptionFrame`` stops generation within one model step. The model's first choice
+is the turn decision: 'no_speech' (nothing to say: keep listening) or 'reply'. A reply goes
+downstream as ``LLMFullResponseStartFrame``, then per emitted segment an ``LLMTextFrame`` (the
+bot's transcript) and a ``TasteReplySegmentFrame`` (for the synthesizer), then
+``TasteReplyEndFrame`` and ``LLMFullResponseEndFrame``.
+
+What the conversation keeps: with a ``TastePlayout`` in the call, the reply is committed once the
+playout reports what was actually played (all of it, or, after a barge-in, only the words the
+caller heard); without one, everything generated is kept. Either way the commit happens before
+the next user turn is answered, so history always matches what was heard, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from loguru import logger
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
+    StartFrame,
+)
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
+from pipecat.utils.errors import ErrorCategory
+
+from pipecat_taste.call import TasteCall
+from pipecat_taste.frames import (
+    TastePlaybackFrame,
+    TasteReplyEndFrame,
+    TasteReplySegmentFrame,
+    TasteTurnDecisionFrame,
+    TasteUserTurnFrame,
+)
+
+
+class TasteGenerator(FrameProcessor):
+    def __init__(self, call: TasteCall, *, playback_report_timeout_secs: float = 120.0, **kwargs):
+        super().__init__(**kwargs)
+        self._call = call
+        self._report_timeout = playback_report_timeout_secs
+        self._turns: asyncio.Queue | None = None
+        self._worker: asyncio.Task | None = None
+        self._stop: threading.Event | None = None
+        self._active_turn: int | None = None
+        self._reports: dict[int, asyncio.Future] = {}
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    async def setup(self, setup: FrameProcessorSetup):
+        await super().setup(setup)
+        await self._call.ensure_session()
+
+    async def cleanup(self):
+        await super().cleanup()
+        await self._stop_worker()
+
+    async def _stop_worker(self):
+        if self._stop is not None:
+            self._stop.set()
+        if self._worker is not None:
+            await self.cancel_task(self._worker)
+            self._worker = None
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+
+        if isinstance(frame, StartFrame):
+            await self.push_frame(frame, direction)
+            self._turns = asyncio.Queue()
+            self._worker = self.create_task(self._answer_turns())
+        elif isinstance(frame, (EndFrame, CancelFrame)):
+            await self._stop_worker()
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, TasteUserTurnFrame):
+            self._turns.put_nowait(frame)
+        elif isinstance(frame, InterruptionFrame):
+            self._interrupt()
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, TastePlaybackFrame):
+            future = self._reports.get(frame.turn_id)
+            if future is not None and not future.done():
+                future.set_result(frame)
+            await self.push_frame(frame, direction)
+        else:
+            await self.push_frame(frame, direction)
+
+    def _interrupt(self):
+        """Stop the reply being generated (the worker sees it within one model step)."""
+        if self._stop is not None and self._active_turn is not None:
+            self._stop.set()
+            self._call.reset_segment_slots()
+            self._call.log.event("generation_cancelled", self._active_turn)
+
+    # -- the worker: one turn at a time -------------------------------------------------------------
+    async def _answer_turns(self):
+        while True:
+            frame: TasteUserTurnFrame = await self._turns.get()
+            try:
+                await self._answer(frame)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # never let one turn end the call
+                logger.exception(f"{self}: turn {frame.turn_id} failed")
+                await self.push_error(f"turn {frame.turn_id}: reply failed: {e}", e, category=ErrorCategory.UNKNOWN)
+            finally:
+                if self._call.active_reply_turn == frame.turn_id:
+                    self._call.active_reply_turn = None
+                self._active_turn = None
+
+    async def _answer(self, frame: TasteUserTurnFrame):
+        call, turn_id = self._call, frame.turn_id
+        record = call.log.turn(turn_id)
+        session = await call.ensure_session()
+        stop = threading.Event()
+        self._stop, self._active_turn = stop, turn_id
+        call.active_reply_turn = turn_id  # the agent is busy: speech from now on is a barge-in
+        self._reports[turn_id] = asyncio.get_running_loop().create_future()
+        events = session.reply(frame.turn, stop)
+        await self.start_ttfb_metrics()
+        await self.start_processing_metrics()
+        n_segments, total_words, texts, reason = 0, 0, [], "finished"
+        started_reply = False
+        try:
+            first = await call.run("think", next, events, None)
+            decision = first.decision if first is not None and first.kind == "decision" else "reply"
+            record.decision, record.decided_at = decision, time.monotonic()
+            call.log.event("decision", turn_id, decision=decision)
+            await self.push_frame(TasteTurnDecisionFrame(turn_id, decision))
+            if decision != "reply":
+                await self.stop_ttfb_metrics()
+                await self.stop_processing_metrics()
+                call.active_reply_turn = None
+                await call.run("think", _drain, events)
+                return
+            await self.push_frame(LLMFullResponseStartFrame())
+            started_reply = True
+            while True:
+                # Back-pressure: wait for room before asking for the next segment (when stopped,
+                # no room is needed: the iterator ends within one step).
+                slot = await self._wait_for_slot(stop) if call.has_synthesizer else None
+                event = await call.run("think", next, events, None)
+                if slot is not None and (event is None or event.kind != "segment" or stop.is_set()):
+                    slot.release()  # the slot is only used by a segment sent on
+                if event is None:
+                    break
+                if event.kind == "segment":
+                    if stop.is_set():
+                        continue  # generated after the barge-in: never spoken, never kept
+                    if n_segments == 0:
+                        record.first_segment_at = time.monotonic()
+                        await self.stop_ttfb_metrics()
+                    await self.push_frame(LLMTextFrame(event.text))
+                    await self.push_frame(TasteReplySegmentFrame(turn_id, n_segments, event.text, event.n_words,
+                                                                 event.segment))
+                    n_segments += 1
+                    total_words += event.n_words
+                    texts.append(event.text)
+                elif event.kind == "end":
+                    reason = "cancelled" if stop.is_set() else event.reason or "finished"
+                    break
+        except Exception as e:
+            reason = "error"
+            record.errors.append(f"generation failed: {e}")
+            logger.exception(f"{self}: generation failed on turn {turn_id}")
+            await self.push_error(f"turn {turn_id}: generation failed: {e}", e, category=ErrorCategory.UNKNOWN)
+            if record.decision is None:
+                record.decision = "error"
+        finally:
+            await self.stop_processing_metrics()
+        record.generation_done_at = time.monotonic()
+        record.reply_text = "".join(texts).strip()
+        record.total_words = total_words
+        call.log.event("generation_done", turn_id, reason=reason, segments=n_segments)
+        if started_reply:
+            await self.push_frame(TasteReplyEndFrame(turn_id, reason, n_segments))
+            await self.push_frame(LLMFullResponseEndFrame())
+        await self._commit(turn_id, n_segments, total_words, stop)
+
+    async def _wait_for_slot(self, stop: threading.Event) -> asyncio.Semaphore | None:
+        """Back-pressure: at most ``max_pending_segments`` segments wait for the speech decoder.
+        Returns the semaphore holding the slot (None when stopped first)."""
+        while not stop.is_set():
+            slots = self._call.segment_slots
+            try:
+                await asyncio.wait_for(slots.acquire(), timeout=0.05)
+                return slots
+            except asyncio.TimeoutError:
+                continue
+        return None
+
+    async def _commit(self, turn_id: int, n_segments: int, total_words: int, stop: threading.Event):
+        """Keep what the caller heard (the playout's report), before the next turn is answered."""
+        call, record = self._call, self._call.log.turn(turn_id)
+        played = None
+        if call.has_playout and n_segments:
+            try:
+                report = await asyncio.wait_for(self._reports[turn_id], self._report_timeout)
+                played = report.played_words
+            except asyncio.TimeoutError:
+                logger.warning(f"{self}: no playback report for turn {turn_id}; keeping the whole reply")
+        elif stop.is_set():
+            played = 0 if call.has_playout else None
+        self._reports.pop(turn_id, None)
+        kept = await call.run("think", call.session.commit_reply, played)
+        record.kept_words = kept
+        call.log.event("reply_committed", turn_id, kept_words=kept, total_words=total_words)
+
+
+def _drain(iterator) -> None:
+    for _ in iterator:
+        pass

@@ -1,0 +1,317 @@
+"""TastePlayout: hands reply audio to the output transport in real time, and cuts it off cleanly.
+
+Put it right before ``transport.output()``. It cuts the synthesizer's chunks into frames of
+``frame_ms`` and releases each one only when it is due (at most ``lead_ms`` ahead of the audio
+being heard), so the transport never holds more than a few tens of milliseconds of the reply.
+What it has released is exactly what the caller hears; that makes three things possible:
+
+* barge-in stops the audio within ``lead_ms`` + ``fade_out_ms``: the audio not yet released is
+  dropped and replaced by a ``fade_out_ms`` fade of its first samples, which continues the
+  waveform where the released audio ends (no click). Released frames are marked
+  uninterruptible so that the transport plays them out instead of cutting them mid-waveform;
+* the conversation keeps exactly the words that were played: a segment counts as heard when at
+  least half of its audio was released (``TastePlaybackFrame`` upstream to the generator);
+* per-turn metrics: end of user speech -> first bot audio, barge-in -> last bot audio.
+
+It also paces ``TTSTextFrame`` (one per segment) with the audio, brackets every reply with
+``TTSStartedFrame``/``TTSStoppedFrame`` (one pair per reply, also when it is cut off: the
+transport reports one BotStarted/BotStopped pair), and counts underruns (the synthesizer not
+keeping up with real time) instead of hiding them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InterruptionFrame,
+    MetricsFrame,
+    StartFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+)
+from pipecat.metrics.metrics import TTFBMetricsData
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
+from pipecat.utils.text.base_text_aggregator import TextType
+
+from pipecat_taste.audio import FrameSlicer, fade_out, float_to_pcm16, pcm16_to_float, samples_for_ms
+from pipecat_taste.call import TasteCall
+from pipecat_taste.frames import TastePlaybackFrame, TasteSegmentAudioFrame, TasteTurnMetricsFrame
+from pipecat_taste.synthesis import context_id_for, turn_of_context
+
+
+@dataclass
+class PlayoutParams:
+    frame_ms: float = 10.0  # size of the frames handed to the transport
+    lead_ms: float = 30.0  # how far ahead of the heard audio frames are released
+    fade_out_ms: float = 10.0  # fade on barge-in
+    prebuffer_ms: float = 0.0  # audio to collect before a reply starts (0: play the first chunk at once)
+    heard_fraction: float = 0.5  # a segment counts as heard when this much of its audio played
+
+    def __post_init__(self):
+        if self.frame_ms <= 0 or self.lead_ms < 0 or self.fade_out_ms < 0 or self.prebuffer_ms < 0:
+            raise ValueError("PlayoutParams: frame_ms must be > 0 and lead_ms, fade_out_ms, prebuffer_ms >= 0")
+        if not 0.0 < self.heard_fraction <= 1.0:
+            raise ValueError("PlayoutParams.heard_fraction must be in (0, 1]")
+
+
+@dataclass
+class _Reply:
+    turn_id: int
+    slicer: FrameSlicer
+    origin: float | None = None  # monotonic time at which sample 0 is heard
+    released: int = 0  # samples handed to the transport
+    started: bool = False  # TTSStartedFrame pushed
+    ended: bool = False  # the synthesizer's TTSStoppedFrame has arrived
+    segments: dict[int, TasteSegmentAudioFrame] = field(default_factory=dict)
+    queued_samples: int = 0
+
+
+class TastePlayout(FrameProcessor):
+    def __init__(self, call: TasteCall, *, params: PlayoutParams | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self._call = call
+        self._params = params or PlayoutParams()
+        self._rate = 24000
+        self._queue: collections.deque = collections.deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._replies: dict[int, _Reply] = {}
+        self._playing: _Reply | None = None
+        self._cancelled_upto = 0
+        call.has_playout = True
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    async def setup(self, setup: FrameProcessorSetup):
+        await super().setup(setup)
+        self._rate = setup.audio_out_sample_rate
+
+    async def cleanup(self):
+        await super().cleanup()
+        await self._stop_task()
+        await self._call.close()
+
+    @property
+    def _frame_samples(self) -> int:
+        return samples_for_ms(self._params.frame_ms, self._rate)
+
+    async def _stop_task(self):
+        if self._task is not None:
+            await self.cancel_task(self._task)
+            self._task = None
+
+    def _start_task(self):
+        self._wake = asyncio.Event()
+        self._task = self.create_task(self._release_loop())
+
+    # -- frames in ----------------------------------------------------------------------------------
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+
+        if isinstance(frame, StartFrame):
+            await self.push_frame(frame, direction)
+            self._start_task()
+        elif isinstance(frame, (EndFrame, CancelFrame)):
+            await self._stop_task()
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, InterruptionFrame):
+            await self._interrupt(frame, direction)
+        elif isinstance(frame, BotStartedSpeakingFrame):
+            self._call.bot_speaking = True
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, BotStoppedSpeakingFrame):
+            self._call.bot_speaking = False
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, (TTSStartedFrame, TTSAudioRawFrame, TTSStoppedFrame)) and \
+                turn_of_context(frame.context_id) is not None and direction == FrameDirection.DOWNSTREAM:
+            self._enqueue(frame, turn_of_context(frame.context_id))
+        elif isinstance(frame, TasteSegmentAudioFrame):
+            self._enqueue(frame, frame.turn_id)
+        else:
+            await self.push_frame(frame, direction)
+
+    def _enqueue(self, frame: Frame, turn_id: int):
+        if turn_id <= self._cancelled_upto:
+            return  # left over from a reply that was cut off
+        reply = self._replies.get(turn_id)
+        if reply is None:
+            reply = self._replies[turn_id] = _Reply(turn_id, FrameSlicer(self._frame_samples))
+        if isinstance(frame, TTSStartedFrame):
+            self._queue.append(("start", reply, frame))
+        elif isinstance(frame, TTSAudioRawFrame):
+            samples = pcm16_to_float(frame.audio)
+            for piece in reply.slicer.push(samples):
+                self._queue.append(("audio", reply, piece))
+                reply.queued_samples += piece.size
+        elif isinstance(frame, TasteSegmentAudioFrame):
+            reply.segments[frame.index] = frame
+            self._queue.append(("text", reply, frame))
+        elif isinstance(frame, TTSStoppedFrame):
+            tail = reply.slicer.flush()  # the last partial frame, padded with zeros
+            if tail is not None:
+                self._queue.append(("audio", reply, tail))
+                reply.queued_samples += tail.size
+            reply.ended = True
+            self._queue.append(("end", reply, frame))
+        self._wake.set()
+
+    # -- frames out, in real time ---------------------------------------------------------------------
+    async def _release_loop(self):
+        lead = self._params.lead_ms / 1000.0
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            kind, reply, payload = self._queue[0]
+            now = time.monotonic()
+            if kind == "start":
+                self._queue.popleft()
+                self._playing = reply
+                reply.started = True
+                await self.push_frame(TTSStartedFrame(context_id=payload.context_id))
+            elif kind == "text":
+                due = self._due(reply, payload.start_sample, now)
+                if due > now:
+                    await self._sleep_or_wake(due - now)
+                    continue
+                self._queue.popleft()
+                await self.push_frame(TTSTextFrame(payload.text, text_type=TextType.WORD,
+                                                   context_id=context_id_for(reply.turn_id)))
+            elif kind == "audio":
+                if reply.origin is None:
+                    if not self._prebuffered(reply):
+                        self._wake.clear()
+                        await self._sleep_or_wake(0.02)
+                        continue
+                    reply.origin = now
+                    self._first_audio(reply, now)
+                heard_at = reply.origin + reply.released / self._rate
+                if heard_at - lead > now:
+                    await asyncio.sleep(heard_at - lead - now)
+                    continue
+                if heard_at < now - 0.005 and reply.released:
+                    # The synthesizer fell behind real time: the transport ran dry; restart the clock.
+                    reply.origin = now - reply.released / self._rate
+                    self._call.log.turn(reply.turn_id).underruns += 1
+                self._queue.popleft()
+                await self._release(reply, payload)
+            elif kind == "end":
+                # Wait until the released audio has been heard before reporting the reply done.
+                heard_until = (reply.origin or now) + reply.released / self._rate
+                if heard_until - lead > now:
+                    await asyncio.sleep(heard_until - lead - now)
+                    continue
+                self._queue.popleft()
+                await self.push_frame(TTSStoppedFrame(context_id=payload.context_id))
+                await self._finish(reply, interrupted=False, extra_samples=0)
+
+    def _due(self, reply: _Reply, sample: int, now: float) -> float:
+        if reply.origin is None:
+            return now
+        return reply.origin + sample / self._rate - self._params.lead_ms / 1000.0
+
+    def _prebuffered(self, reply: _Reply) -> bool:
+        need = samples_for_ms(self._params.prebuffer_ms, self._rate)
+        return reply.ended or reply.queued_samples >= need
+
+    async def _sleep_or_wake(self, seconds: float):
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, seconds))
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _release(self, reply: _Reply, samples: np.ndarray):
+        pcm = float_to_pcm16(samples)
+        frame = TTSAudioRawFrame(pcm, self._rate, 1, context_id=context_id_for(reply.turn_id))
+        frame.interruptible = False  # the playout decides what gets dropped, not the transport
+        reply.released += samples.size
+        reply.queued_samples -= samples.size
+        if self._call.log.keep_audio:
+            self._call.log.released_audio.setdefault(reply.turn_id, []).append(pcm)
+        await self.push_frame(frame)
+
+    def _first_audio(self, reply: _Reply, now: float):
+        record = self._call.log.turn(reply.turn_id)
+        record.first_audio_at = now
+        self._call.log.event("bot_audio_started", reply.turn_id)
+
+    # -- barge-in ---------------------------------------------------------------------------------------
+    async def _interrupt(self, frame: InterruptionFrame, direction: FrameDirection):
+        reply = self._playing
+        active = self._call.active_reply_turn
+        await self._stop_task()
+        # The fade continues the waveform from the last released sample: it is made of the first
+        # samples that were about to be released.
+        fade = np.zeros(0, dtype=np.float32)
+        if reply is not None and reply.origin is not None:
+            need = samples_for_ms(self._params.fade_out_ms, self._rate)
+            pieces, have = [], 0
+            for kind, item_reply, payload in self._queue:
+                if kind != "audio" or item_reply is not reply or have >= need:
+                    continue
+                pieces.append(payload[: need - have])
+                have += pieces[-1].size
+            if pieces:
+                fade = fade_out(np.concatenate(pieces), have)
+        cut = max([self._cancelled_upto, active or 0] + list(self._replies))
+        self._cancelled_upto = cut
+        self._queue.clear()
+        await self.push_frame(frame, direction)
+        if reply is not None and reply.started:
+            if fade.size:
+                await self._release(reply, fade)
+            await self.push_frame(TTSStoppedFrame(context_id=context_id_for(reply.turn_id)))
+            await self._finish(reply, interrupted=True, extra_samples=0)
+        elif active is not None:
+            # Nothing of this reply was heard yet: tell the generator so it keeps none of it.
+            await self.push_frame(TastePlaybackFrame(active, 0, 0, 0, True), FrameDirection.UPSTREAM)
+        self._replies = {k: v for k, v in self._replies.items() if k > cut}
+        self._playing = None
+        self._start_task()
+
+    # -- end of a reply ----------------------------------------------------------------------------------
+    async def _finish(self, reply: _Reply, interrupted: bool, extra_samples: int):
+        call, record = self._call, self._call.log.turn(reply.turn_id)
+        played = reply.released + extra_samples
+        words, texts = 0, []
+        for index in sorted(reply.segments):
+            segment = reply.segments[index]
+            heard_from = segment.start_sample + self._params.heard_fraction * (segment.end_sample - segment.start_sample)
+            if index != len(texts) or played < heard_from:
+                break  # only a prefix of the reply can have been heard
+            words += segment.n_words
+            texts.append(segment.text)
+        total = sum(s.n_words for s in reply.segments.values())
+        now = time.monotonic()
+        record.played_samples = played
+        record.played_words = words
+        record.played_text = "".join(texts).strip()
+        record.audio_end_at = (reply.origin + played / self._rate) if reply.origin is not None else now
+        record.dropped_samples = max(0, record.synthesized_samples - played) if interrupted else 0
+        call.log.event("bot_audio_stopped", reply.turn_id, interrupted=interrupted, played_samples=played)
+        self._replies.pop(reply.turn_id, None)
+        if self._playing is reply:
+            self._playing = None
+        await self.push_frame(TastePlaybackFrame(reply.turn_id, words, total, played, interrupted),
+                              FrameDirection.UPSTREAM)
+        latency = record.user_to_bot_s
+        if latency is not None and self.metrics_enabled:
+            await self.push_frame(MetricsFrame(data=[TTFBMetricsData(processor=self.name, model="user_to_bot",
+                                                                     value=latency)]))
+        await self.push_frame(TasteTurnMetricsFrame(reply.turn_id, record.decision or "reply", latency,
+                                                    played / self._rate, interrupted, record.barge_in_stop_s))

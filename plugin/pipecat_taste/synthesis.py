@@ -1,0 +1,253 @@
+"""TasteSynthesizer: reply segments -> speech tokens -> audio, as two concurrent stages.
+
+    TasteReplySegmentFrame --> [speech tokens: speech decoder, "speech_tokens" thread]
+                           --(bounded queue of token groups)-->
+                           [vocoder: flow + HiFT, "vocode" thread] --> TTSAudioRawFrame ...
+
+The speech decoder works on segment k+1 while the vocoder turns segment k's tokens into audio,
+and the generator (another thread) is already producing later words; the first audio is pushed
+as soon as the vocoder's first chunk exists. The queue between the stages is bounded, and the
+generator holds a slot per segment until the speech decoder takes it, so no stage runs far
+ahead of the next.
+
+Each reply is one utterance for the engine (one continuity state: speech tokens continue across
+segments, the vocoder's caches carry over between chunks). Output: ``TTSStartedFrame``, audio
+at the pipeline's output rate with a fade-in at the start of the reply and a fade-out at its end
+(the last ``fade_out_ms`` are held back until the end is known), ``TasteSegmentAudioFrame``
+markers saying which output samples carry which words, and ``TTSStoppedFrame``. The voice is the
+call's (one speaker embedding for the whole call).
+
+On an ``InterruptionFrame`` both stages stop at once; anything still queued for the interrupted
+reply is dropped (a computation already running on a worker thread finishes and is discarded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from loguru import logger
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InterruptionFrame,
+    StartFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+)
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
+from pipecat.utils.errors import ErrorCategory
+
+from pipecat_taste.audio import fade_in, fade_out, float_to_pcm16, samples_for_ms
+from pipecat_taste.call import TasteCall
+from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame, TasteSegmentAudioFrame
+
+
+def context_id_for(turn_id: int) -> str:
+    return f"taste-turn-{turn_id}"
+
+
+def turn_of_context(context_id: str | None) -> int | None:
+    if context_id and context_id.startswith("taste-turn-"):
+        try:
+            return int(context_id.rsplit("-", 1)[1])
+        except ValueError:
+            return None
+    return None
+
+
+@dataclass
+class _Reply:
+    turn_id: int
+    state: object  # engine SpeechState
+    tokens: int = 0  # speech tokens decoded so far
+    failed: bool = False
+
+
+class TasteSynthesizer(FrameProcessor):
+    def __init__(self, call: TasteCall, *, fade_in_ms: float = 5.0, fade_out_ms: float = 10.0,
+                 max_pending_token_groups: int = 8, **kwargs):
+        super().__init__(**kwargs)
+        if max_pending_token_groups < 1:
+            raise ValueError("max_pending_token_groups must be >= 1")
+        self._call = call
+        self._fade_in_ms, self._fade_out_ms = fade_in_ms, fade_out_ms
+        self._max_groups = max_pending_token_groups
+        self._out_rate = 24000
+        self._segments: asyncio.Queue | None = None
+        self._groups: asyncio.Queue | None = None
+        self._decode_task: asyncio.Task | None = None
+        self._vocode_task: asyncio.Task | None = None
+        self._cancelled_upto = 0  # turns up to this id were interrupted
+        self._current_turn: int | None = None
+        call.has_synthesizer = True
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    async def setup(self, setup: FrameProcessorSetup):
+        await super().setup(setup)
+        self._out_rate = setup.audio_out_sample_rate
+        await self._call.ensure_session()
+
+    async def cleanup(self):
+        await super().cleanup()
+        await self._stop_stages()
+
+    # -- stages -------------------------------------------------------------------------------------
+    def _start_stages(self):
+        self._segments = asyncio.Queue()  # bounded by the generator's segment slots
+        self._groups = asyncio.Queue(maxsize=self._max_groups)
+        self._decode_task = self.create_task(self._decode_stage())
+        self._vocode_task = self.create_task(self._vocode_stage())
+
+    async def _stop_stages(self):
+        for task in (self._decode_task, self._vocode_task):
+            if task is not None:
+                await self.cancel_task(task)
+        self._decode_task = self._vocode_task = None
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+
+        if isinstance(frame, StartFrame):
+            await self.push_frame(frame, direction)
+            self._start_stages()
+        elif isinstance(frame, (EndFrame, CancelFrame)):
+            await self._stop_stages()
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, (TasteReplySegmentFrame, TasteReplyEndFrame)):
+            if frame.turn_id > self._cancelled_upto:
+                self._segments.put_nowait(frame)
+        elif isinstance(frame, InterruptionFrame):
+            await self._interrupt()
+            await self.push_frame(frame, direction)
+        else:
+            await self.push_frame(frame, direction)
+
+    async def _interrupt(self):
+        turn = self._current_turn
+        if turn is None and self._segments is not None and self._segments.empty() and self._groups.empty():
+            return
+        self._cancelled_upto = max(self._cancelled_upto, turn or 0, self._call.active_reply_turn or 0)
+        await self._stop_stages()
+        self._current_turn = None
+        await self.stop_all_metrics()
+        self._start_stages()
+        self._call.log.event("synthesis_cancelled", turn)
+
+    # Speech-token stage ----------------------------------------------------------------------------
+    async def _decode_stage(self):
+        call = self._call
+        reply: _Reply | None = None
+        while True:
+            frame = await self._segments.get()
+            if frame.turn_id <= self._cancelled_upto:
+                continue
+            if reply is None or reply.turn_id != frame.turn_id:
+                session = await call.ensure_session()
+                reply = _Reply(frame.turn_id, await call.run("speech_tokens", session.start_speech, self._out_rate))
+                self._current_turn = frame.turn_id
+                await self._groups.put(("start", reply, None))
+            if isinstance(frame, TasteReplyEndFrame):
+                await self._groups.put(("end", reply, frame.reason))
+                reply = None
+                continue
+            call.segment_slots.release()  # the generator may go on: this segment is taken
+            if reply.failed:
+                continue
+            try:
+                await self._decode_segment(reply, frame)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                reply.failed = True
+                await self._fail(reply.turn_id, f"speech decoding failed on {frame.text!r}: {e}", e)
+
+    async def _decode_segment(self, reply: _Reply, frame: TasteReplySegmentFrame):
+        session = self._call.session
+        start_tokens = reply.tokens
+        pieces = session.speech_tokens(reply.state, frame.segment)
+        while True:
+            piece = await self._call.run("speech_tokens", next, pieces, None)
+            if piece is None:
+                break
+            reply.tokens += len(piece)
+            await self._groups.put(("tokens", reply, list(piece)))
+        marker = TasteSegmentAudioFrame(
+            reply.turn_id, frame.index, frame.text, frame.n_words,
+            start_sample=session.speech_samples(start_tokens, self._out_rate),
+            end_sample=session.speech_samples(reply.tokens, self._out_rate),
+        )
+        await self._groups.put(("segment", reply, marker))
+
+    # Vocoder stage ------------------------------------------------------------------------------------
+    async def _vocode_stage(self):
+        hold = np.zeros(0, dtype=np.float32)  # the last fade_out_ms of audio, until the end is known
+        produced = 0
+        first_audio = False
+        while True:
+            kind, reply, payload = await self._groups.get()
+            if reply.turn_id <= self._cancelled_upto:
+                continue
+            turn_id = reply.turn_id
+            record = self._call.log.turn(turn_id)
+            if kind == "start":
+                hold, produced, first_audio = np.zeros(0, dtype=np.float32), 0, False
+                await self.start_ttfb_metrics()
+                await self.start_processing_metrics()
+                await self.push_frame(TTSStartedFrame(context_id=context_id_for(turn_id)))
+                continue
+            if kind == "segment":
+                await self.push_frame(payload)
+                continue
+            final = kind == "end"
+            chunks = []
+            if not reply.failed:
+                try:
+                    tokens = payload if kind == "tokens" else []
+                    chunks = await self._call.run("vocode", self._call.session.vocode, reply.state, tokens, final)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    reply.failed = True
+                    await self._fail(turn_id, f"vocoding failed: {e}", e)
+            audio = np.concatenate([hold, *[np.asarray(c, np.float32).reshape(-1) for c in chunks]])
+            if produced == 0 and audio.size:
+                audio = fade_in(audio, samples_for_ms(self._fade_in_ms, self._out_rate))
+            n_fade = samples_for_ms(self._fade_out_ms, self._out_rate)
+            if final or reply.failed:
+                audio, hold = fade_out(audio, n_fade), np.zeros(0, dtype=np.float32)
+            else:
+                keep = max(0, audio.size - n_fade)
+                audio, hold = audio[:keep], audio[keep:]
+            if audio.size:
+                if not first_audio:
+                    first_audio = True
+                    await self.stop_ttfb_metrics()
+                await self._push_audio(turn_id, audio, produced)
+                produced += audio.size
+                record.synthesized_samples = produced
+            if final:
+                await self.stop_processing_metrics()
+                await self.push_frame(TTSStoppedFrame(context_id=context_id_for(turn_id)))
+                self._call.log.event("synthesis_done", turn_id, samples=produced, reason=payload)
+                if self._current_turn == turn_id:
+                    self._current_turn = None
+
+    async def _push_audio(self, turn_id: int, audio: np.ndarray, offset: int):
+        pcm = float_to_pcm16(audio)
+        frame = TTSAudioRawFrame(pcm, self._out_rate, 1, context_id=context_id_for(turn_id))
+        frame.metadata["taste_offset"] = offset
+        if self._call.log.keep_audio:
+            self._call.log.synthesized_audio.setdefault(turn_id, []).append(pcm)
+        await self.push_frame(frame)
+
+    async def _fail(self, turn_id: int, message: str, exception: Exception):
+        logger.warning(f"{self}: turn {turn_id}: {message}")
+        self._call.log.turn(turn_id).errors.append(message)
+        await self.push_error(f"turn {turn_id}: {message}", exception, category=ErrorCategory.UNKNOWN)

@@ -1,0 +1,152 @@
+"""A model-free engine with TasteEngine's interface, for testing the processors' mechanics.
+
+It behaves like the real one where the processors can tell: it decides per turn (by a rule you
+give), streams a reply word by word with a configurable cost per word, turns each word into
+speech tokens and each token into 20 ms of a phase-continuous tone (so joins between chunks are
+seamless and any click the plugin adds is measurable), and keeps a conversation that records
+exactly what was committed. Failures can be injected by transcript.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from pipecat_taste.engine import INPUT_SAMPLE_RATE, GenerationSettings, ReplyEvent, SpeechState, UserTurn
+
+TOKEN_SECONDS = 0.02
+
+
+@dataclass
+class FakeSegment:
+    words: list[str]
+    n_tokens: int
+
+
+@dataclass
+class FakeEngine:
+    reply_words: tuple[str, ...] = ("sure", "I", "can", "help", "with", "that")
+    decide: Callable[[str], str] | None = None  # transcript -> 'reply' | 'no_speech'
+    tokens_per_word: int = 2  # LLM tokens per word
+    speech_tokens_per_word: int = 10  # 200 ms of audio per word
+    word_delay: float = 0.0  # generation cost per word (s)
+    decode_delay: float = 0.0  # speech-decoder cost per word (s)
+    vocode_delay: float = 0.0  # vocoder cost per call (s)
+    fail_on: tuple[str, ...] = ("explode",)  # a transcript containing one of these fails in user_turn
+    fail_vocode_on: tuple[str, ...] = ()  # reply words whose synthesis fails
+    asr_text: str | None = None  # what transcribe() returns (None: no built-in ASR)
+    max_turn_seconds: float = 30.0
+    amplitude: float = 0.3
+    sessions: list = field(default_factory=list)
+    input_sample_rate: int = INPUT_SAMPLE_RATE
+
+    def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "FakeSession":
+        session = FakeSession(self, settings or GenerationSettings())
+        self.sessions.append(session)
+        return session
+
+    @staticmethod
+    def speech_samples(n_tokens: int, out_sample_rate: int) -> int:
+        return int(round(n_tokens * TOKEN_SECONDS * out_sample_rate))
+
+
+class FakeSession:
+    def __init__(self, engine: FakeEngine, settings: GenerationSettings):
+        self.engine, self.settings = engine, settings
+        self.input_sample_rate = engine.input_sample_rate
+        self.max_turn_seconds = engine.max_turn_seconds
+        self.history: list[tuple[str, str]] = []  # committed (role, text)
+        self._last_reply: list[str] = []
+        self.replies_started = 0
+        self.threads: set[str] = set()
+
+    def transcribe(self, audio: np.ndarray) -> str:
+        if self.engine.asr_text is None:
+            raise NotImplementedError("no built-in ASR in this engine")
+        return self.engine.asr_text
+
+    def user_turn(self, audio: np.ndarray, transcript: str) -> UserTurn:
+        self.threads.add(threading.current_thread().name)
+        if any(bad in transcript for bad in self.engine.fail_on):
+            raise RuntimeError(f"injected tokenizer failure for {transcript!r}")
+        words = transcript.split()
+        if not words:
+            raise ValueError("the transcript is empty")
+        if not np.isfinite(audio).all():
+            raise ValueError("audio contains NaN or inf")
+        return UserTurn(transcript, FakeSegment(words, len(words) * self.engine.tokens_per_word),
+                        len(words) * self.engine.tokens_per_word, len(audio) / self.input_sample_rate)
+
+    def speech_samples(self, n_tokens: int, out_sample_rate: int) -> int:
+        return self.engine.speech_samples(n_tokens, out_sample_rate)
+
+    def reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
+        self.threads.add(threading.current_thread().name)
+        self.history.append(("user", turn.transcript))
+        self.replies_started += 1
+        decision = self.engine.decide(turn.transcript) if self.engine.decide else "reply"
+        yield ReplyEvent("decision", decision=decision)
+        if decision != "reply":
+            return
+        produced: list[str] = []
+        reason = "finished"
+        for word in self.engine.reply_words:
+            if stop.is_set():
+                reason = "cancelled"
+                break
+            time.sleep(self.engine.word_delay)
+            produced.append(word)
+            yield ReplyEvent("segment", text=" " + word, n_words=1,
+                             segment=FakeSegment([word], self.engine.tokens_per_word))
+        # Like streaming_generate, the reply is in the history once generated; commit_reply
+        # cuts it to what was heard.
+        if produced:
+            self.history.append(("assistant", " ".join(produced)))
+        self._last_reply = produced
+        yield ReplyEvent("end", reason=reason)
+
+    def commit_reply(self, played_words: int | None) -> int:
+        words, self._last_reply = self._last_reply, []
+        if not words or played_words is None or played_words >= len(words):
+            return len(words)
+        self.history.pop()
+        if played_words > 0:
+            self.history.append(("assistant", " ".join(words[:played_words])))
+        return max(0, played_words)
+
+    # -- speaking: each speech token is 20 ms of a tone; the phase carries across chunks --------
+    def start_speech(self, out_sample_rate: int) -> SpeechState:
+        state = SpeechState(out_sample_rate=out_sample_rate)
+        state.synthesis = {"phase": 0.0, "tokens": 0}
+        return state
+
+    def speech_tokens(self, state: SpeechState, segment: FakeSegment) -> Iterator[list[int]]:
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.engine.decode_delay)
+        word = segment.words[0] if segment.words else ""
+        if word in self.engine.fail_vocode_on:
+            raise RuntimeError(f"injected synthesis failure on {word!r}")
+        base = 1 + (sum(map(ord, word)) % 7)
+        tokens = [base] * self.engine.speech_tokens_per_word
+        half = len(tokens) // 2
+        yield tokens[:half]
+        yield tokens[half:]
+        state.prev_speech_ids = state.prev_speech_ids + tokens
+
+    def vocode(self, state: SpeechState, tokens: list[int], final: bool = False) -> list[np.ndarray]:
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.engine.vocode_delay)
+        if not tokens:
+            return []
+        rate = state.out_sample_rate
+        n = self.speech_samples(len(tokens), rate)
+        freqs = np.repeat(np.array([110.0 * t for t in tokens]), n // len(tokens) + 1)[:n]
+        phase = state.synthesis["phase"] + np.cumsum(2 * np.pi * freqs / rate)
+        state.synthesis["phase"] = float(phase[-1] % (2 * np.pi))
+        state.synthesis["tokens"] += len(tokens)
+        state.tokens_vocoded += len(tokens)
+        return [(self.engine.amplitude * np.sin(phase)).astype(np.float32)]

@@ -1,0 +1,453 @@
+"""The bad-input matrix (issue 7, item 5): every kind of bad input a caller, an app or a user's
+download can hand us, each with the clear error we promise - or, where the input is legal but
+unusual (stereo, another rate, clipping, silence on the line), proof that it is handled.
+
+All cases go through the real entry points on the embedded tiny checkpoint:
+``TasteProcessor.prepare_audio`` / ``taste_tokenize`` (listen), ``TASTESegment`` /
+``streaming_generate`` / ``taste_detokenize`` (think, speak), ``TasteForCausalLM.from_pretrained``
+/ ``VoiceGenerator.from_pretrained`` / ``TasteEngine.from_pretrained`` (loading) and, for what
+arrives over a call, the plugin's ``TasteTurnCapture`` with the real engine. Several cases are
+also tested next to their code (test_processor, test_streaming_listen, test_checkpoint); this
+file is the one place that lists them all.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from taste_speech.loading import CheckpointError
+from taste_speech.modeling_taste import TasteForCausalLM
+from taste_speech.processing_taste import TasteProcessor
+from taste_speech.streaming import TASTESegment, streaming_generate, taste_tokenize
+from taste_speech.tiny import default_tiny_checkpoint
+from taste_speech.voice_generator import VoiceGenerator
+
+SR = 16000
+
+
+# -- fixtures ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    return Path(default_tiny_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return TasteForCausalLM.from_pretrained(str(checkpoint)).eval()
+
+
+@pytest.fixture(scope="module")
+def processor(checkpoint):
+    return TasteProcessor.from_pretrained(str(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def hello():
+    from taste_agents.caller import load_utterances
+
+    return load_utterances()["hello"]
+
+
+@pytest.fixture(scope="module")
+def hello_ids(processor, hello):
+    return processor.process_text(hello.text).llm_token_ids
+
+
+@pytest.fixture(scope="module")
+def hello_codes(model, processor, hello, hello_ids):
+    return taste_tokenize(model, processor, torch.from_numpy(hello.audio).view(1, -1), hello_ids, sampling_rate=SR)
+
+
+def _codes_are_valid(codes: torch.Tensor, ids: torch.Tensor, model) -> None:
+    """(1, S, K) codes aligned to ids: every row a full code in range, or all -1."""
+    k, size = model.rvq.num_quantizers, model.rvq.codebook_size
+    assert codes.shape == (1, ids.shape[1], k) and codes.dtype == torch.long
+    rows = codes[0]
+    full = (rows >= 0).all(-1)
+    assert bool(full[0]) and bool(((rows == -1).all(-1) | full).all())
+    assert int(rows.max()) < size
+
+
+# -- 1. sample rates ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("rate", [0, -16000, 16000.5, None, "16k", True])
+def test_wrong_sample_rate_is_named(processor, model, hello, hello_ids, rate):
+    with pytest.raises(ValueError, match="sampling_rate"):
+        processor.prepare_audio(hello.audio, rate)
+    with pytest.raises(ValueError, match="sampling_rate"):
+        taste_tokenize(model, processor, hello.audio, hello_ids, sampling_rate=rate)
+
+
+@pytest.mark.parametrize("rate", [8000, 22050, 44100, 48000])
+def test_other_sample_rates_are_resampled_not_refused(processor, model, hello, hello_ids, rate):
+    from taste_speech.audio import resample
+
+    audio = resample(hello.audio, SR, rate)
+    wav = processor.prepare_audio(audio, rate)
+    assert abs(wav.size - hello.audio.size) <= 2  # back at 16 kHz, same duration
+    _codes_are_valid(taste_tokenize(model, processor, audio, hello_ids, sampling_rate=rate), hello_ids, model)
+
+
+async def test_variable_sample_rate_within_a_call_is_resampled_per_frame(engine, hello):
+    """Frames at 8, 16 and 48 kHz interleaved in one turn (a transport switching codecs): the
+    capture resamples each to the pipeline rate and the turn is tokenized normally."""
+    from pipecat_taste.audio import float_to_pcm16, resample
+
+    rates = [8000, 16000, 48000]
+    audio = np.concatenate([np.zeros(int(0.6 * SR), np.float32), hello.audio, np.zeros(int(1.0 * SR), np.float32)])
+    frames, n = [], SR // 50
+    for i, start in enumerate(range(0, audio.size - n + 1, n)):
+        rate = rates[i % len(rates)]
+        piece = resample(audio[start:start + n], SR, rate) if rate != SR else audio[start:start + n]
+        frames.append((float_to_pcm16(piece), rate, 1))
+    turns, call, errors = await _capture(engine, frames, hello.text)
+    assert errors == []
+    assert len(turns) == 1 and turns[0].turn.segment.role == "user"
+    assert turns[0].turn.n_tokens == turns[0].turn.segment.length
+    assert abs(turns[0].turn.audio_seconds - hello.seconds) < 0.8
+
+
+# -- 2. channels -------------------------------------------------------------------------------------
+def test_stereo_is_mixed_down(processor, model, hello, hello_ids, hello_codes):
+    left, right = hello.audio, 0.5 * hello.audio
+    mono = (left + right) / 2
+    for stereo in (np.stack([left, right]), np.stack([left, right], axis=1)):  # (C, T) and (T, C)
+        assert np.allclose(processor.prepare_audio(stereo, SR), processor.prepare_audio(mono, SR), atol=1e-6)
+    # both channels carrying the same signal = the mono signal: the same codes, bit for bit
+    same = np.stack([hello.audio, hello.audio])
+    assert torch.equal(taste_tokenize(model, processor, same, hello_ids, sampling_rate=SR), hello_codes)
+
+
+@pytest.mark.parametrize("shape, match", [((40, 40), "cannot tell channels"), ((2, 3, 16000), "1-D .* or 2-D")])
+def test_ambiguous_or_higher_dimensional_audio_is_refused(processor, shape, match):
+    with pytest.raises(ValueError, match=match):
+        processor.prepare_audio(np.zeros(shape, np.float32) + 0.1, SR)
+
+
+async def test_stereo_frames_in_a_call_are_mixed_down(engine, hello):
+    from pipecat_taste.audio import float_to_pcm16
+
+    audio = np.concatenate([np.zeros(int(0.6 * SR), np.float32), hello.audio, np.zeros(int(1.0 * SR), np.float32)])
+    n = SR // 50
+    frames = []
+    for start in range(0, audio.size - n + 1, n):
+        piece = audio[start:start + n]
+        frames.append((float_to_pcm16(np.stack([piece, piece], axis=1).reshape(-1)), SR, 2))  # interleaved L R
+    turns, _, errors = await _capture(engine, frames, hello.text)
+    assert errors == [] and len(turns) == 1
+    assert abs(turns[0].turn.audio_seconds - hello.seconds) < 0.8
+
+
+# -- 3. empty, silence, NaN / inf ------------------------------------------------------------------------
+@pytest.mark.parametrize("audio", [np.zeros(0, np.float32), torch.zeros(1, 0), []])
+def test_empty_audio(processor, model, hello_ids, audio):
+    with pytest.raises(ValueError, match="empty"):
+        processor.prepare_audio(audio, SR)
+    with pytest.raises(ValueError, match="empty"):
+        taste_tokenize(model, processor, audio, hello_ids, sampling_rate=SR)
+
+
+def test_empty_transcript(engine, processor, model, hello):
+    session = engine.new_session()
+    with pytest.raises(ValueError, match="transcript is empty"):
+        session.user_turn(hello.audio, "   ")
+    with pytest.raises(ValueError, match="text_ids is empty"):
+        taste_tokenize(model, processor, hello.audio, torch.zeros(1, 0, dtype=torch.long), sampling_rate=SR)
+    with pytest.raises(ValueError, match="no words"):
+        processor.process_text("")
+
+
+@pytest.mark.parametrize("audio", [np.zeros(SR, np.float32), np.full(SR, 1e-6, np.float32)])
+def test_silence_only_turn_is_refused_by_the_tokenizer(model, processor, hello_ids, audio):
+    with pytest.raises(ValueError, match="silent"):
+        taste_tokenize(model, processor, audio, hello_ids, sampling_rate=SR)
+
+
+async def test_silence_only_call_makes_no_turn_and_no_error(engine):
+    from pipecat_taste.audio import float_to_pcm16
+
+    n = SR // 50
+    frames = [(float_to_pcm16(np.zeros(n, np.float32)), SR, 1) for _ in range(100)]  # 2 s of line silence
+    turns, call, errors = await _capture(engine, frames, None)
+    assert turns == [] and errors == [] and call.log.turns == {}
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_samples(processor, model, hello, hello_ids, bad):
+    audio = hello.audio.copy()
+    audio[1234] = bad
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        processor.prepare_audio(audio, SR)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        taste_tokenize(model, processor, torch.from_numpy(audio), hello_ids, sampling_rate=SR)
+
+
+# -- 4. too long, clipped ----------------------------------------------------------------------------------
+def test_turn_longer_than_the_window(processor, model, hello, hello_ids):
+    window = processor.max_seconds
+    long = np.tile(hello.audio, int(window // hello.seconds) + 2)
+    assert long.size / SR > window
+    with pytest.raises(ValueError, match=rf"at most {window:g} s per turn: split the turn"):
+        processor.prepare_audio(long, SR)
+    with pytest.raises(ValueError, match="split the turn"):
+        taste_tokenize(model, processor, long, hello_ids, sampling_rate=SR)
+    # exactly the window is still accepted
+    _codes_are_valid(taste_tokenize(model, processor, long[: int(window * SR)], hello_ids, sampling_rate=SR),
+                     hello_ids, model)
+
+
+async def test_a_call_splits_a_turn_longer_than_the_window(engine, hello):
+    """On a call nobody can split the caller's audio beforehand: the capture closes the turn at the
+    window and goes on in a new one; every piece is tokenized (no error, nothing refused)."""
+    from pipecat_taste.audio import float_to_pcm16
+
+    window = engine.max_turn_seconds
+    speech = np.tile(hello.audio, int(window // hello.seconds) + 2)[: int((window + 3) * SR)]
+    audio = np.concatenate([np.zeros(int(0.6 * SR), np.float32), speech, np.zeros(int(1.0 * SR), np.float32)])
+    n = SR // 50
+    frames = [(float_to_pcm16(audio[i:i + n]), SR, 1) for i in range(0, audio.size - n + 1, n)]
+    turns, call, errors = await _capture(engine, frames, hello.text, transcripts=2)
+    assert errors == []
+    assert len(turns) >= 2
+    assert all(t.turn.audio_seconds <= window for t in turns)
+
+
+def test_clipped_audio_is_accepted(processor, model, hello, hello_ids):
+    """Clipping (a hot microphone) is not an error: int16 audio saturated at full scale and float
+    audio beyond [-1, 1] are tokenized like any other speech."""
+    loud = hello.audio / max(1e-9, float(np.abs(hello.audio).max())) * 8.0
+    clipped_int16 = np.clip(loud * 32768, -32768, 32767).astype(np.int16)
+    assert np.mean(np.abs(clipped_int16) == 32767) > 0.05 or np.mean(clipped_int16 == -32768) > 0.05
+    wav = processor.prepare_audio(clipped_int16, SR)
+    assert np.isfinite(wav).all() and float(np.abs(wav).max()) <= 1.0
+    _codes_are_valid(taste_tokenize(model, processor, clipped_int16, hello_ids, sampling_rate=SR), hello_ids, model)
+    over = loud.astype(np.float32)  # float samples up to 8.0, not clipped at all
+    _codes_are_valid(taste_tokenize(model, processor, over, hello_ids, sampling_rate=SR), hello_ids, model)
+
+
+# -- 5. TASTESegment ------------------------------------------------------------------------------------
+def _ids(n=3):
+    return torch.arange(5, 5 + n).view(1, n)
+
+
+def _codes(n=3, k=4):
+    return torch.zeros(1, n, k, dtype=torch.long)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(role="bot", modality="audio", text_ids=_ids(), taste_ids=_codes()), "role must be one of"),
+    (dict(role="user", modality="video", text_ids=_ids(), taste_ids=_codes()), "modality must be one of"),
+    (dict(role="user", modality="text", text_ids=[5, 6, 7]), "must be a torch.Tensor"),
+    (dict(role="user", modality="text", text_ids=torch.arange(3)), r"shape \(1, S\)"),
+    (dict(role="user", modality="text", text_ids=torch.ones(1, 3)), "integer tensor"),
+    (dict(role="user", modality="text", text_ids=torch.zeros(1, 0, dtype=torch.long)), "empty"),
+    (dict(role="user", modality="text", text_ids=-_ids()), "negative ids"),
+    (dict(role="user", modality="text", text_ids=_ids(), taste_ids=_codes()), "must not carry taste_ids"),
+    (dict(role="user", modality="audio", text_ids=_ids()), "needs taste_ids"),
+    (dict(role="user", modality="audio", text_ids=_ids(), taste_ids=torch.zeros(3, 4, dtype=torch.long)),
+     r"shape \(1, S, K\)"),
+    (dict(role="user", modality="audio", text_ids=_ids(), taste_ids=torch.zeros(1, 3, 4)), "integer tensor"),
+    (dict(role="user", modality="audio", text_ids=_ids(), taste_ids=_codes() - 2), "below -1"),
+    (dict(role="user", modality="audio", text_ids=_ids(),
+          taste_ids=torch.tensor([[[1, 2, 3, 4], [5, -1, -1, -1], [-1, -1, -1, -1]]])), "mix codes and -1"),
+    (dict(role="user", modality="audio", text_ids=_ids(), taste_ids=torch.full((1, 3, 4), -1)), "first token"),
+])
+def test_invalid_taste_segment(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TASTESegment(**kwargs)
+
+
+def test_generation_refuses_what_is_not_a_segment(model, processor, hello_ids):
+    with pytest.raises(ValueError, match="must be TASTESegment objects"):
+        next(streaming_generate(model, processor, [{"text_ids": hello_ids}]))
+    with pytest.raises(ValueError, match="no history"):
+        next(streaming_generate(model, processor, []))
+
+
+# -- 6. mismatched text / TASTE lengths -------------------------------------------------------------------
+def test_mismatched_text_and_taste_lengths(model, processor, hello_ids, hello_codes):
+    with pytest.raises(ValueError, match=rf"covers {hello_ids.shape[1] - 1} tokens but text_ids has {hello_ids.shape[1]}"):
+        TASTESegment("user", "audio", hello_ids, hello_codes[:, :-1])
+    with pytest.raises(ValueError, match="give one row per text token"):
+        TASTESegment("user", "audio", hello_ids[:, :-1], hello_codes)
+
+
+def test_detokenize_refuses_misaligned_codes(model, processor, hello_ids, hello_codes):
+    from taste_speech.streaming import taste_detokenize
+
+    vg = VoiceGenerator.from_pretrained(default_tiny_checkpoint())
+    spk = processor.default_speaker_embedding().reshape(1, -1)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match="rows but its text ids have"):
+        taste_detokenize(model, processor, spk, empty, None, empty, 0.0, hello_ids, hello_codes[:, :-1],
+                         voice_generator=vg)
+    shifted = torch.roll(hello_codes, 1, dims=1)  # codes moved off the word starts
+    with pytest.raises(ValueError, match="first token of every word"):
+        taste_detokenize(model, processor, spk, empty, None, empty, 0.0, hello_ids, shifted, voice_generator=vg)
+    with pytest.raises(ValueError, match="K=3 codes per row"):
+        taste_detokenize(model, processor, spk, hello_ids, hello_codes[..., :3], empty, 0.0, hello_ids, hello_codes,
+                         voice_generator=vg)
+
+
+# -- 7. checkpoints: truncated, wrong, unsafe pickles ----------------------------------------------------------
+def _copy(checkpoint: Path, tmp_path: Path, name: str) -> Path:
+    target = tmp_path / name
+    shutil.copytree(checkpoint, target)
+    return target
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 100])
+def test_truncated_model_file(checkpoint, tmp_path, keep):
+    directory = _copy(checkpoint, tmp_path, "truncated")
+    path = directory / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    with pytest.raises(CheckpointError, match="cannot read .*model.safetensors.*download it again"):
+        TasteForCausalLM.from_pretrained(str(directory))
+    from pipecat_taste.engine import TasteEngine
+
+    with pytest.raises(CheckpointError, match="download it again"):  # the plugin reports the same error
+        TasteEngine.from_pretrained(str(directory))
+
+
+def test_truncated_voice_generator(checkpoint, tmp_path):
+    directory = _copy(checkpoint, tmp_path, "truncated_vg")
+    path = directory / "cosyvoice" / "voice_generator.pth"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated .*download it again"):
+        VoiceGenerator.from_pretrained(str(directory))
+
+
+def test_wrong_checkpoint_in_the_model_slot(checkpoint, tmp_path):
+    """The voice generator's weights (another model) saved where the TASTE LM belongs: every
+    missing and unexpected tensor is named, nothing is half-loaded."""
+    directory = _copy(checkpoint, tmp_path, "wrong")
+    other = torch.load(directory / "cosyvoice" / "voice_generator.pth", weights_only=True)
+    save_file({k: v.contiguous() for k, v in other.items()}, str(directory / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        TasteForCausalLM.from_pretrained(str(directory))
+    message = str(err.value)
+    assert "missing tensor(s)" in message and "spoken_lm." in message
+    assert "unexpected" in message and "flow." in message
+
+
+def test_checkpoint_of_another_size(checkpoint, taste_lm_tiny_a, tmp_path):
+    """Weights of one configuration with the config of another: the misshaped tensors are named
+    with both shapes."""
+    directory = _copy(checkpoint, tmp_path, "other_size")
+    shutil.copy(taste_lm_tiny_a / "model.safetensors", directory / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"checkpoint \(\d+(, \d+)*\) != model \(\d+(, \d+)*\)"):
+        TasteForCausalLM.from_pretrained(str(directory))
+
+
+def test_wrong_voice_generator_weights(checkpoint, tmp_path):
+    directory = _copy(checkpoint, tmp_path, "wrong_vg")
+    lm = load_file(str(directory / "model.safetensors"))
+    torch.save({k: v for k, v in list(lm.items())[:20]}, directory / "cosyvoice" / "voice_generator.pth")
+    with pytest.raises(ValueError, match="does not match this VoiceGenerator .*missing"):
+        VoiceGenerator.from_pretrained(str(directory))
+
+
+class _Payload:
+    """Unpickling this would create a file: the proof that no object from a file is executed."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_that_is_not_a_state_dict_for_the_model(checkpoint, tmp_path):
+    directory = _copy(checkpoint, tmp_path, "pickled")
+    state = load_file(str(directory / "model.safetensors"))
+    os.remove(directory / "model.safetensors")
+    marker = tmp_path / "executed"
+    state["evil"] = _Payload(str(marker))
+    torch.save(state, directory / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="not a plain tensor state dict"):
+        TasteForCausalLM.from_pretrained(str(directory))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("content", ["payload", "module", "list", "nested"])
+def test_pickle_that_is_not_a_state_dict_for_the_voice_generator(checkpoint, tmp_path, content):
+    directory = _copy(checkpoint, tmp_path, "pickled_vg")
+    path = directory / "cosyvoice" / "voice_generator.pth"
+    state = torch.load(path, weights_only=True)
+    marker = tmp_path / "executed"
+    obj = {
+        "payload": {**state, "evil": _Payload(str(marker))},
+        "module": torch.nn.Linear(2, 2),  # a whole pickled module, not its state dict
+        "list": list(state.values()),
+        "nested": {"state_dict": state, "epoch": 3},
+    }[content]
+    torch.save(obj, path)
+    match = {"payload": "refuses to load safely", "module": "refuses to load safely", "list": "not a state dict",
+             "nested": "not a flat name -> tensor state dict.*checkpoint\\['state_dict'\\]"}[content]
+    with pytest.raises(ValueError, match=match):
+        VoiceGenerator.from_pretrained(str(directory))
+    assert not marker.exists()
+
+
+def test_a_zip_that_is_not_a_torch_archive(checkpoint, tmp_path):
+    directory = _copy(checkpoint, tmp_path, "zip")
+    path = directory / "cosyvoice" / "voice_generator.pth"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("readme.txt", "not weights")
+    with pytest.raises(ValueError, match="not a torch.save archive|truncated"):
+        VoiceGenerator.from_pretrained(str(directory))
+    plain = tmp_path / "plain.pkl"
+    plain.write_bytes(pickle.dumps({"w": [1.0, 2.0]}))  # a plain pickle, not torch.save
+    with pytest.raises(ValueError, match="refuses to load safely|not a flat name -> tensor"):
+        VoiceGenerator.from_pretrained(str(plain))
+
+
+# -- helpers: the plugin's capture with the real engine, driven without real time -------------------------
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    from pipecat_taste.engine import TasteEngine
+
+    return TasteEngine.from_pretrained(str(checkpoint))
+
+
+async def _capture(engine, frames, text, transcripts: int = 1):
+    """Run ``TasteTurnCapture`` (WebRTC VAD, real engine) over ``frames`` = (pcm, rate, channels);
+    the transcript ``text`` arrives from 'upstream STT' after each detected end of speech.
+    Returns (TasteUserTurnFrames, the call, ErrorFrame messages)."""
+    from pipecat.frames.frames import ErrorFrame, InputAudioRawFrame, TranscriptionFrame
+    from pipecat.pipeline.worker import PipelineParams
+    from pipecat.tests.utils import SleepFrame, run_test
+    from pipecat.utils.time import time_now_iso8601
+
+    from pipecat_taste import TasteCall, TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
+    from pipecat_taste.frames import TasteUserTurnFrame
+
+    call = TasteCall(engine)
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
+                               params=TurnCaptureParams(transcript_timeout_secs=1.0))
+    to_send = [InputAudioRawFrame(pcm, rate, channels) for pcm, rate, channels in frames]
+    if text is not None:
+        # the transcript of every piece lands while its turn is still being captured or just after
+        every = max(1, len(to_send) // (transcripts + 1))
+        out = []
+        for i, frame in enumerate(to_send):
+            out.append(frame)
+            if i and i % every == 0 and transcripts > 1:
+                out += [SleepFrame(0.05), TranscriptionFrame(text, "caller", time_now_iso8601(), finalized=True),
+                        SleepFrame(0.1)]
+        to_send = out + [SleepFrame(0.3), TranscriptionFrame(text, "caller", time_now_iso8601(), finalized=True)]
+    down, up = await run_test(capture, frames_to_send=to_send + [SleepFrame(2.0)],
+                              pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+    turns = [f for f in down if isinstance(f, TasteUserTurnFrame)]
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)] + [f.error for f in down if isinstance(f, ErrorFrame)]
+    return turns, call, errors

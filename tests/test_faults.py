@@ -1,0 +1,410 @@
+"""Faults on a live call (issue 7, item 4), each on an in-process simulated call with the real
+tiny TASTE engine: the peer vanishes mid-reply, the model raises mid-turn, an interrupt storm
+(barge-in every 300 ms), a slow consumer.
+
+For each: the call (or, after a vanished peer, the next call on the same engine) keeps working,
+the call's worker threads and asyncio tasks are released (counted before and after), nothing of
+the call stays alive (weak references), and the recording keeps everything already spoken: the
+agent audio on the line is, reply by reply, exactly the audio the synthesizer produced (a
+bit-exact prefix of it for a reply that was cut, followed by at most a short fade-out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import wave
+import weakref
+
+import numpy as np
+import pytest
+from pipecat.frames.frames import CancelWorkerFrame, Frame, StartFrame, TTSAudioRawFrame
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+
+from pipecat_taste.engine import TasteEngine
+from taste_agents.caller import Pause, Say, WaitForReply, load_utterances
+from taste_agents.phone_agent import PhoneAgentConfig, build_phone_agent
+from taste_agents.simulate import SimulatedLine, simulate_call
+
+SR = 16000
+FADE = int(0.02 * SR)  # the playout's fade-out after a cut is at most this long (10 ms + one frame)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return TasteEngine.from_pretrained(None)  # the embedded tiny checkpoint
+
+
+@pytest.fixture(scope="module")
+def u():
+    return load_utterances()
+
+
+@pytest.fixture(autouse=True)
+def quiet_logs():
+    from loguru import logger
+
+    logger.remove()
+    handler = logger.add(lambda message: None, level="ERROR")
+    yield
+    logger.remove(handler)
+
+
+def config(tokens: int = 3) -> PhoneAgentConfig:
+    return PhoneAgentConfig(max_reply_tokens=tokens)
+
+
+# -- bookkeeping: threads, tasks, liveness, audio ----------------------------------------------------------
+class Resources:
+    """Threads and asyncio tasks before a call; ``released()`` waits until they are back."""
+
+    def __init__(self):
+        self.threads = set(threading.enumerate())
+        self.tasks = set(asyncio.all_tasks())
+        self.objects: list[weakref.ref] = []
+
+    def track(self, obj) -> None:
+        if obj is not None:
+            self.objects.append(weakref.ref(obj))
+
+    async def released(self, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            gc.collect()
+            threads = [t.name for t in threading.enumerate() if t not in self.threads]
+            tasks = [t.get_name() for t in asyncio.all_tasks() if t not in self.tasks and t is not asyncio.current_task()]
+            alive = [type(r()).__name__ for r in self.objects if r() is not None]
+            if (not threads and not tasks and not alive) or time.monotonic() > deadline:
+                return {"threads": threads, "tasks": tasks, "alive": alive}
+            await asyncio.sleep(0.1)
+
+
+def tracking_factory(engine, cfg: PhoneAgentConfig, resources: Resources, wrap=None):
+    """A ``service_factory`` for simulate_call that builds the phone agent, records weak
+    references to it and to its call, and optionally wraps it (``wrap(agent, call) -> processor``)."""
+    holder = {}
+
+    def factory(log):
+        agent = build_phone_agent(engine, cfg, log=log)
+        holder["agent"] = agent
+        resources.track(agent)
+        resources.track(agent.call)
+        processor = wrap(agent, agent.call) if wrap is not None else agent
+        if processor is not agent:
+            resources.track(processor)
+        return processor
+
+    return factory, holder
+
+
+def pcm(chunks) -> np.ndarray:
+    return np.frombuffer(b"".join(chunks), dtype="<i2") if chunks else np.zeros(0, "<i2")
+
+
+def check_reply_audio(log, turn_id: int) -> tuple[str, np.ndarray]:
+    """'complete' (released = synthesized), 'cut' (a bit-exact prefix + at most FADE samples of
+    fade-out, never louder than the audio it fades) or raises AssertionError. Returns the kind
+    and the released audio."""
+    synth, released = pcm(log.synthesized_audio.get(turn_id, [])), pcm(log.released_audio.get(turn_id, []))
+    same = int(np.argmin(np.append(released[: synth.size] == synth[: released.size], False)))
+    if same == synth.size and not released[synth.size:].any():
+        return "complete", released
+    tail = released[same:]
+    assert tail.size <= FADE, f"turn {turn_id}: {tail.size} released samples differ from the synthesized audio"
+    assert np.all(np.abs(tail.astype(np.int32)) <= np.abs(synth[same:same + tail.size].astype(np.int32)) + 1)
+    return "cut", released
+
+
+def check_line(result) -> None:
+    """What the transport wrote is the released audio, reply after reply, in order, without
+    overlaps (each reply padded with zeros to whole 20 ms frames)."""
+    line, log = result.line, result.log
+    expected = []
+    for turn_id in sorted(log.released_audio):
+        released = pcm(log.released_audio[turn_id])
+        expected.append(np.concatenate([released, np.zeros((-released.size) % line.frame_samples, "<i2")]))
+    written = np.concatenate([w for _, w in line.writes]) if line.writes else np.zeros(0, "<i2")
+    assert np.array_equal(written, np.concatenate(expected) if expected else written)
+    for (start, samples), (nxt, _) in zip(line.writes, line.writes[1:]):
+        assert nxt >= start + samples.size
+        assert np.array_equal(line.agent[start:start + samples.size], samples)
+
+
+def replies(log) -> list[int]:
+    return sorted(t for t, r in log.turns.items() if r.decision == "reply")
+
+
+# -- 1. the peer vanishes mid-reply -------------------------------------------------------------------------
+class PeerVanishes(FrameProcessor):
+    """Between the agent and the transport: after ``after_ms`` of the first reply's audio it asks
+    the worker to cancel, as a transport does when its client disconnects."""
+
+    def __init__(self, after_ms: float, **kwargs):
+        super().__init__(**kwargs)
+        self._after = int(after_ms * SR / 1000)
+        self._seen = 0
+        self.vanished_at: float | None = None
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        if isinstance(frame, TTSAudioRawFrame) and self.vanished_at is None:
+            self._seen += len(frame.audio) // 2
+            if self._seen >= self._after:
+                self.vanished_at = time.monotonic()
+                await self.push_frame(CancelWorkerFrame(reason="peer vanished"), FrameDirection.UPSTREAM)
+
+
+async def test_peer_vanishes_mid_reply(engine, u, tmp_path):
+    resources = Resources()
+    vanisher = {}
+
+    def wrap(agent, call):
+        vanisher["p"] = PeerVanishes(after_ms=400)
+        vanisher["call"] = call
+        return Pipeline([agent, vanisher["p"]])
+
+    factory, holder = tracking_factory(engine, config(4), resources, wrap)
+    script = [Pause(0.3), Say(u["hello"]), WaitForReply(20.0, end_silence_s=1.0)]
+    closed_after = {}
+
+    async def watch_close():
+        while "p" not in vanisher or vanisher["p"].vanished_at is None or not vanisher["call"].closed:
+            await asyncio.sleep(0.02)
+        closed_after["s"] = time.monotonic() - vanisher["p"].vanished_at
+
+    watcher = asyncio.create_task(watch_close())
+    result = await simulate_call(engine, script, service_factory=factory, out_dir=tmp_path / "vanished", max_call_s=60)
+    await asyncio.wait_for(watcher, 10)
+    assert vanisher["p"].vanished_at is not None, "the reply never started: nothing to cut"
+    # the call's pipeline let go at once: its worker threads closed within 2 s of the peer leaving
+    assert closed_after["s"] < 2.0
+    print(f"peer vanished: call closed {1000 * closed_after['s']:.0f} ms later")
+
+    # the recording keeps everything already spoken: the start of the reply, bit-exact
+    (turn_id,) = replies(result.log)
+    kind, released = check_reply_audio(result.log, turn_id)
+    written = np.concatenate([w for _, w in result.line.writes])
+    assert 0.3 * SR <= written.size <= released.size + result.line.frame_samples
+    assert np.array_equal(written[: released.size], released[: written.size])
+    with wave.open(result.paths["recording"], "rb") as f:
+        stereo = np.frombuffer(f.readframes(f.getnframes()), "<i2").reshape(-1, 2)
+    for start, samples in result.line.writes:  # every write, where it was heard
+        assert np.array_equal(stereo[start:start + samples.size, 1], samples)
+
+    holder.clear(), vanisher.clear()  # our own references: nothing else may keep the call alive
+    del result
+    leftovers = await resources.released()
+    assert leftovers == {"threads": [], "tasks": [], "alive": []}
+
+    # the server keeps working: the next call on the same engine gets a whole reply
+    after = await simulate_call(engine, [Pause(0.3), Say(u["goodbye"]), WaitForReply(20.0, end_silence_s=1.5)],
+                                config=config(2), max_call_s=60)
+    assert after.errors == [] and not after.timed_out
+    (turn_id,) = replies(after.log)
+    assert check_reply_audio(after.log, turn_id)[0] == "complete"
+    check_line(after)
+
+
+# -- 2. the model raises mid-turn -------------------------------------------------------------------------
+class _FailingSession:
+    """The real session, except that reply 1 raises after its first segment and the vocoder of
+    reply 2 raises after its first chunk."""
+
+    def __init__(self, session):
+        self._session = session
+        self._replies = 0
+        self._vocode_calls: dict[int, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def reply(self, turn, stop):
+        self._replies += 1
+        number = self._replies
+        for i, event in enumerate(self._session.reply(turn, stop)):
+            yield event
+            if number == 1 and event.kind == "segment":
+                raise RuntimeError("injected: the spoken LM failed mid-reply")
+
+    def start_speech(self, rate):
+        state = self._session.start_speech(rate)
+        state.reply_number = self._replies
+        return state
+
+    def vocode(self, state, tokens, final=False):
+        key = id(state)
+        self._vocode_calls[key] = self._vocode_calls.get(key, 0) + 1
+        chunks = self._session.vocode(state, tokens, final)
+        if state.reply_number == 2 and sum(c.size for c in chunks) and self._vocode_calls[key] > 2:
+            raise RuntimeError("injected: the vocoder failed mid-reply")
+        return chunks
+
+
+class _FailingEngine:
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def new_session(self, settings=None, voice=None):
+        return _FailingSession(self._engine.new_session(settings, voice))
+
+
+async def test_model_raises_mid_turn(engine, u):
+    resources = Resources()
+    failing = _FailingEngine(engine)
+    factory, holder = tracking_factory(failing, config(3), resources)
+    script = [Pause(0.3), Say(u["hello"]), WaitForReply(20.0, end_silence_s=1.5),
+              Say(u["time"]), WaitForReply(20.0, end_silence_s=1.5),
+              Say(u["goodbye"]), WaitForReply(20.0, end_silence_s=1.5)]
+    result = await simulate_call(failing, script, service_factory=factory, max_call_s=90)
+    assert not result.timed_out
+    # each failure is reported as an error of its turn, not as the end of the call
+    assert any("spoken LM failed" in e for e in result.errors), result.errors
+    assert any("vocoder failed" in e for e in result.errors), result.errors
+    assert len(result.errors) == 2
+    turns = replies(result.log)
+    assert len(turns) == 3
+    # the words synthesized before each failure were played and recorded, and nothing else
+    for turn_id in turns:
+        kind, released = check_reply_audio(result.log, turn_id)
+        assert kind == "complete" and released.size > 0
+    check_line(result)
+    first, second, third = (result.log.turns[t] for t in turns)
+    assert first.errors and second.errors and not third.errors
+    assert first.total_words == 1  # the reply ended at the failure
+    # the call went on: the last turn is a whole, normal reply
+    assert third.total_words >= 1 and third.played_words == third.total_words
+    session = holder["agent"].call.session
+    assert [t.role for t in session.conversation.turns][-2:] == ["user", "assistant"]
+
+    holder.clear()
+    del result, session
+    assert await resources.released() == {"threads": [], "tasks": [], "alive": []}
+
+
+# -- 3. interrupt storm --------------------------------------------------------------------------------------
+class InterruptStorm(FrameProcessor):
+    """Between the capture and the generator: every ``period`` seconds (from ``start`` to ``stop``
+    seconds after the pipeline started) it broadcasts an interruption, as a barge-in does, and
+    every ``turn_every``-th time it also hands the generator a new user turn (the caller's hello,
+    tokenized once), so that replies are cut at every stage: generating, synthesizing, playing."""
+
+    def __init__(self, call, utterance, start: float, stop: float, period: float = 0.3, turn_every: int = 3,
+                 **kwargs):
+        super().__init__(**kwargs)
+        self._call, self._utterance = call, utterance
+        self._window, self._period, self._turn_every = (start, stop), period, turn_every
+        self.interruptions = 0
+        self.turns: list[int] = []
+        self._task = None
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        if isinstance(frame, StartFrame):
+            self._task = self.create_task(self._storm())
+
+    async def _storm(self):
+        from pipecat_taste.frames import TasteUserTurnFrame
+
+        t0 = time.monotonic()
+        session = await self._call.ensure_session()
+        turn = await self._call.run("listen", session.user_turn, self._utterance.audio, self._utterance.text)
+        await asyncio.sleep(max(0.0, self._window[0] - (time.monotonic() - t0)))
+        while time.monotonic() - t0 < self._window[1]:
+            await self.broadcast_interruption()
+            self.interruptions += 1
+            if self.interruptions % self._turn_every == 1:
+                turn_id = self._call.new_turn_id()
+                now = time.monotonic()
+                record = self._call.log.turn(turn_id)
+                record.speech_start, record.speech_end = now - turn.audio_seconds, now
+                self.turns.append(turn_id)
+                await self.push_frame(TasteUserTurnFrame(turn_id, turn.transcript, turn, now - turn.audio_seconds, now))
+            await asyncio.sleep(self._period)
+
+    async def cleanup(self):
+        await super().cleanup()
+        if self._task is not None:
+            await self.cancel_task(self._task)
+
+
+async def test_interrupt_storm(engine, u):
+    resources = Resources()
+    storm = {}
+
+    def wrap(agent, call):
+        storm["p"] = InterruptStorm(call, u["hello"], start=0.5, stop=9.5, period=0.3, turn_every=3)
+        return Pipeline([agent.capture, storm["p"], agent.generator, agent.synthesizer, agent.playout])
+
+    factory, holder = tracking_factory(engine, config(4), resources, wrap)
+    # the caller speaks inside the storm too, and once more after it
+    script = [Pause(2.0), Say(u["time"]), Pause(6.0), Say(u["goodbye"]), WaitForReply(25.0, end_silence_s=2.0)]
+    result = await simulate_call(engine, script, service_factory=factory, max_call_s=90)
+    assert not result.timed_out and result.errors == []
+    log, p = result.log, storm["p"]
+    assert p.interruptions >= 25 and len(p.turns) >= 8
+    turns = replies(log)
+    kinds = {t: check_reply_audio(log, t)[0] for t in turns}
+    check_line(result)
+    heard = {t: pcm(log.released_audio.get(t, [])).size for t in turns}
+    print(f"storm: {p.interruptions} interruptions, {len(p.turns)} injected turns; "
+          f"replies (kind, samples heard): {[(kinds[t], heard[t]) for t in turns]}")
+    # replies were cut at every stage: before any audio and in the middle of their audio
+    cut = [t for t in turns[:-1] if kinds[t] == "cut"]
+    assert len(cut) >= 2 and any(heard[t] == 0 for t in turns[:-1])
+    # the conversation keeps exactly the words that were heard
+    for t in turns[:-1]:
+        record = log.turns[t]
+        assert record.kept_words == record.played_words <= record.total_words
+    # after the storm the call works normally: the last reply (to goodbye) is whole
+    stopped = {e["turn_id"]: e["interrupted"] for e in log.events if e["kind"] == "bot_audio_stopped"}
+    last = turns[-1]
+    assert log.turns[last].transcript == u["goodbye"].text
+    assert kinds[last] == "complete" and heard[last] > 0 and stopped[last] is False
+    assert log.turns[last].played_words == log.turns[last].total_words >= 1
+
+    holder.clear(), storm.clear()
+    del result, log, p
+    assert await resources.released() == {"threads": [], "tasks": [], "alive": []}
+
+
+# -- 4. slow consumer --------------------------------------------------------------------------------------
+async def test_slow_consumer(engine, u, monkeypatch):
+    """The far end takes audio slower than real time (each 20 ms frame takes 30 ms, and every
+    25th write stalls for 300 ms): nothing is lost, duplicated or reordered, and the call goes on."""
+    play = SimulatedLine.play
+    writes = {"n": 0}
+
+    async def slow_play(self, samples):
+        writes["n"] += 1
+        await play(self, samples)
+        await asyncio.sleep(0.3 if writes["n"] % 25 == 0 else 0.5 * samples.size / self.sample_rate)
+
+    monkeypatch.setattr(SimulatedLine, "play", slow_play)
+    resources = Resources()
+    factory, holder = tracking_factory(engine, config(2), resources)
+    script = [Pause(0.3), Say(u["hello"]), WaitForReply(25.0, end_silence_s=2.0),
+              Say(u["goodbye"]), WaitForReply(25.0, end_silence_s=2.0)]
+    result = await simulate_call(engine, script, service_factory=factory, max_call_s=90)
+    assert not result.timed_out and result.errors == []
+    turns = replies(result.log)
+    assert len(turns) == 2
+    for turn_id in turns:
+        assert check_reply_audio(result.log, turn_id)[0] == "complete"
+    check_line(result)
+    assert writes["n"] > 100
+    # the line took longer than the audio lasts: the consumer really was slow
+    written = sum(w.size for _, w in result.line.writes)
+    span = result.line.writes[-1][0] + result.line.writes[-1][1].size - result.line.writes[0][0]
+    assert span > written
+
+    holder.clear()
+    del result
+    assert await resources.released() == {"threads": [], "tasks": [], "alive": []}

@@ -1,0 +1,131 @@
+"""A real browser calls the agent: headless Debian Chromium loads the served page with a WAV file
+as its microphone, connects over loopback WebRTC, and the page measures the agent audio it
+receives. The test reads the page's figures over the DevTools protocol and saves a screenshot
+(artifacts/browser_call.png, or $TASTE_ARTIFACTS)."""
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from pipecat_taste.engine import TasteEngine
+from taste_agents.caller import load_utterances
+from taste_agents.phone_agent import PhoneAgentConfig
+from taste_agents.report import write_wav
+from taste_agents.server import ServerConfig
+from taste_agents.webrtc_sim import running_server
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(os.environ.get("TASTE_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts"))
+
+
+def chromium_args(user_dir: Path, mic_wav: Path, url: str) -> list[str]:
+    return [
+        CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+        "--disable-default-apps", "--disable-extensions", "--mute-audio", f"--user-data-dir={user_dir}",
+        "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+        f"--use-file-for-fake-audio-capture={mic_wav}%noloop", "--autoplay-policy=no-user-gesture-required",
+        # plain IP host candidates (no mDNS multicast), loopback allowed, no proxy lookups
+        "--disable-features=WebRtcHideLocalIpsWithMdns", "--allow-loopback-in-peer-connection",
+        "--no-proxy-server", "--remote-debugging-port=0", "--window-size=900,700", url,
+    ]
+
+
+class DevTools:
+    """The few DevTools-protocol calls the test needs, on the page's websocket."""
+
+    def __init__(self, ws):
+        self.ws, self.next_id = ws, 0
+
+    async def call(self, method: str, **params):
+        self.next_id += 1
+        await self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(await asyncio.wait_for(self.ws.recv(), 20))
+            if message.get("id") == self.next_id:
+                if "error" in message:
+                    raise RuntimeError(message["error"])
+                return message["result"]
+
+    async def evaluate(self, expression: str):
+        result = await self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        return result["result"].get("value")
+
+
+async def devtools_page(user_dir: Path, timeout: float = 30.0) -> str:
+    port_file = user_dir / "DevToolsActivePort"
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("chromium did not open its DevTools port")
+        await asyncio.sleep(0.1)
+    port = port_file.read_text().split()[0]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        while True:
+            async with http.get(f"http://127.0.0.1:{port}/json/list") as res:
+                pages = [p for p in await res.json() if p.get("type") == "page"]
+            if pages:
+                return pages[0]["webSocketDebuggerUrl"]
+            if time.monotonic() > deadline:
+                raise TimeoutError("no page in chromium")
+            await asyncio.sleep(0.2)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian chromium (scripts/setup.sh --test installs it)")
+async def test_browser_calls_the_agent_and_hears_it(tmp_path):
+    import websockets
+
+    u = load_utterances()
+    mic = tmp_path / "mic.wav"
+    audio = np.concatenate([np.zeros(16000, np.float32), u["hello"].audio, np.zeros(16000, np.float32)])
+    write_wav(mic, np.clip(np.rint(audio * 32767), -32768, 32767).astype(np.int16).reshape(-1, 1), 16000)
+    engine = TasteEngine.from_pretrained(None)  # the embedded tiny checkpoint, with its (random) built-in ASR
+    config = ServerConfig(agent=PhoneAgentConfig(max_reply_tokens=6))
+    async with running_server(engine, config) as (server, url):
+        user_dir = tmp_path / "chromium"
+        user_dir.mkdir()
+        browser = subprocess.Popen(chromium_args(user_dir, mic, url + "/?autostart"), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        try:
+            async with websockets.connect(await devtools_page(user_dir), max_size=2**24, open_timeout=10) as ws:
+                page = DevTools(ws)
+                stats, deadline = {}, time.monotonic() + 150
+                while time.monotonic() < deadline:
+                    stats = json.loads(await page.evaluate("JSON.stringify(window.tasteStats || {})") or "{}")
+                    if stats.get("audibleMs", 0) >= 1000 and any(t.get("latency_ms") for t in stats.get("turns", [])):
+                        break
+                    if stats.get("error"):
+                        break
+                    await asyncio.sleep(0.5)
+                shot = await page.call("Page.captureScreenshot", format="png")
+                ARTIFACTS.mkdir(parents=True, exist_ok=True)
+                (ARTIFACTS / "browser_call.png").write_bytes(base64.b64decode(shot["data"]))
+                (ARTIFACTS / "browser_call.json").write_text(json.dumps(stats, indent=1))
+                await page.evaluate("document.getElementById('stop').click()")
+        finally:
+            browser.terminate()
+            try:
+                browser.wait(10)
+            except subprocess.TimeoutExpired:
+                browser.kill()
+        closed = time.monotonic()
+        while server.calls and time.monotonic() - closed < 10:
+            await asyncio.sleep(0.1)
+        assert not server.calls  # the call ended when the browser hung up
+    print("page figures:", json.dumps({k: stats.get(k) for k in ("state", "receivedMs", "audibleMs", "maxRms", "turns")}))
+    assert stats.get("error") is None, stats
+    assert stats["audibleMs"] >= 1000 and stats["maxRms"] > 0.01  # the page heard the agent speak
+    assert stats["turns"] and stats["turns"][0]["decision"] == "reply"
+    assert stats["turns"][0]["latency_ms"] is not None
+    assert (ARTIFACTS / "browser_call.png").stat().st_size > 1000

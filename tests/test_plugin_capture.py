@@ -1,0 +1,143 @@
+"""TasteTurnCapture with a model-free engine: VAD-gated turns with pre-roll, transcripts from
+upstream STT or the built-in ASR, failing turns -> ErrorFrame while the call goes on."""
+
+import numpy as np
+import pytest
+from pipecat.frames.frames import (
+    ErrorFrame,
+    InputAudioRawFrame,
+    TranscriptionFrame,
+    UserStartedSpeakingFrame,
+    UserStoppedSpeakingFrame,
+    VADUserStartedSpeakingFrame,
+    VADUserStoppedSpeakingFrame,
+)
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.tests.utils import SleepFrame, run_test
+from pipecat.utils.time import time_now_iso8601
+
+from pipecat_taste import TasteCall, TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
+from pipecat_taste.audio import float_to_pcm16, resample
+from pipecat_taste.frames import TasteTurnDecisionFrame, TasteUserTurnFrame
+from pipecat_taste.testing import FakeEngine
+from taste_agents.caller import load_utterances
+
+SR = 16000
+
+
+@pytest.fixture(scope="module")
+def utterances():
+    return load_utterances()
+
+
+def audio_frames(audio, rate=SR, ms=20):
+    audio = resample(audio, SR, rate)
+    n = rate * ms // 1000
+    audio = np.concatenate([audio, np.zeros((-audio.size) % n, np.float32)])
+    return [InputAudioRawFrame(float_to_pcm16(audio[i:i + n]), rate, 1) for i in range(0, audio.size, n)]
+
+
+def silence(seconds):
+    return np.zeros(int(seconds * SR), np.float32)
+
+
+def transcript(text):
+    # Audio frames are system frames and overtake queued data frames: let the transcript land
+    # before more audio is pushed (in a live call audio arrives in real time).
+    return [SleepFrame(0.2), TranscriptionFrame(text, "caller", time_now_iso8601(), finalized=True), SleepFrame(0.2)]
+
+
+async def run_capture(frames, engine=None, params=None, rate=SR, vad=True):
+    call = TasteCall(engine or FakeEngine())
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer() if vad else None,
+                               params=params or TurnCaptureParams(transcript_timeout_secs=0.3))
+    down, up = await run_test(capture, frames_to_send=frames + [SleepFrame(0.8)],
+                              pipeline_params=PipelineParams(audio_in_sample_rate=rate))
+    return call, down, up
+
+
+def of(frames, cls):
+    return [f for f in frames if isinstance(f, cls)]
+
+
+@pytest.mark.parametrize("rate", [16000, 8000])
+async def test_turn_with_upstream_transcript(utterances, rate):
+    hello = utterances["hello"]
+    frames = audio_frames(np.concatenate([silence(0.6), hello.audio]), rate) + transcript(hello.text) + \
+        audio_frames(silence(1.0), rate)
+    call, down, up = await run_capture(frames, rate=rate)
+    turns = of(down, TasteUserTurnFrame)
+    assert len(turns) == 1
+    turn = turns[0]
+    assert turn.transcript == hello.text and turn.turn.transcript == hello.text
+    # Pre-roll and post-roll: the captured audio covers the whole utterance plus a little.
+    assert hello.seconds + 0.1 <= turn.turn.audio_seconds <= hello.seconds + 0.3 + 0.2 + 0.25
+    assert [t.text for t in of(up, TranscriptionFrame)] == [hello.text]  # the transcript goes upstream
+    for cls in (VADUserStartedSpeakingFrame, VADUserStoppedSpeakingFrame, UserStartedSpeakingFrame,
+                UserStoppedSpeakingFrame):
+        assert len(of(down, cls)) == 1 and len(of(up, cls)) == 1, cls
+    assert len(of(down, InputAudioRawFrame)) == len([f for f in frames if isinstance(f, InputAudioRawFrame)])
+    record = call.log.turns[turn.turn_id]
+    assert record.speech_seconds == pytest.approx(hello.seconds, abs=0.35)
+
+
+async def test_failing_turn_gives_error_frame_and_the_next_turn_still_works(utterances):
+    hello, time_u = utterances["hello"], utterances["time"]
+    frames = audio_frames(np.concatenate([silence(0.5), hello.audio])) + transcript("please explode now") + \
+        audio_frames(silence(1.0)) + audio_frames(time_u.audio) + transcript(time_u.text) + audio_frames(silence(1.0))
+    call, down, up = await run_capture(frames)
+    errors = of(up, ErrorFrame)
+    assert len(errors) == 1 and "explode" in errors[0].error
+    decisions = of(down, TasteTurnDecisionFrame)
+    assert [d.decision for d in decisions] == ["error"]
+    turns = of(down, TasteUserTurnFrame)
+    assert [t.transcript for t in turns] == [time_u.text]
+    assert call.log.turns[decisions[0].turn_id].errors
+
+
+async def test_transcript_from_built_in_asr(utterances):
+    frames = audio_frames(np.concatenate([silence(0.5), utterances["time"].audio, silence(1.0)]))
+    call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="around seven"),
+                                      params=TurnCaptureParams(transcripts="asr"))
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["around seven"]
+
+
+async def test_no_transcript_and_no_asr_is_an_error_not_a_crash(utterances):
+    frames = audio_frames(np.concatenate([silence(0.5), utterances["time"].audio, silence(1.0)]))
+    _, down, up = await run_capture(frames, params=TurnCaptureParams(transcript_timeout_secs=0.2))
+    assert not of(down, TasteUserTurnFrame)
+    assert [d.decision for d in of(down, TasteTurnDecisionFrame)] == ["error"]
+    assert "no built-in ASR" in of(up, ErrorFrame)[0].error
+
+
+async def test_short_speech_is_ignored(utterances):
+    blip = utterances["hello"].audio[: int(0.45 * SR)]
+    frames = audio_frames(np.concatenate([silence(0.5), blip])) + transcript("hel") + audio_frames(silence(1.0))
+    _, down, _ = await run_capture(frames, params=TurnCaptureParams(min_speech_secs=0.8, transcript_timeout_secs=0.2))
+    assert not of(down, TasteUserTurnFrame)
+    assert [d.decision for d in of(down, TasteTurnDecisionFrame)] == ["ignored"]
+
+
+async def test_follows_an_upstream_vad(utterances):
+    """Without its own analyzer the capture uses the VAD frames of a VADProcessor upstream."""
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.audio.vad_processor import VADProcessor
+
+    hello = utterances["hello"]
+    call = TasteCall(FakeEngine())
+    capture = TasteTurnCapture(call, vad_analyzer=None, params=TurnCaptureParams(transcript_timeout_secs=0.3))
+    pipeline = Pipeline([VADProcessor(vad_analyzer=WebRTCVADAnalyzer()), capture])
+    frames = audio_frames(np.concatenate([silence(0.5), hello.audio])) + transcript(hello.text) + \
+        audio_frames(silence(1.0))
+    down, _ = await run_test(pipeline, frames_to_send=frames + [SleepFrame(0.8)])
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [hello.text]
+    assert len(of(down, VADUserStartedSpeakingFrame)) == 1  # the VADProcessor's, not duplicated
+
+
+async def test_quiet_telephone_speech_is_still_a_turn(utterances):
+    """-26 dB below a normal level at 8 kHz is quiet but clear speech (pipecat issue #2893)."""
+    hello = utterances["hello"]
+    frames = audio_frames(np.concatenate([silence(0.5), 0.05 * hello.audio]), 8000) + transcript(hello.text) + \
+        audio_frames(silence(1.0), 8000)
+    _, down, _ = await run_capture(frames, rate=8000)
+    assert len(of(down, TasteUserTurnFrame)) == 1

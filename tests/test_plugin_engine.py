@@ -1,0 +1,119 @@
+"""TasteEngine, the plugin's only door into taste_speech, on the embedded tiny checkpoint.
+
+The adapter splits synthesis into two stages (speech tokens, then vocoding) so they can run on
+different threads; these tests pin it to the library's own ``taste_detokenize_stream`` (same
+tokens, same audio, bit for bit), so a change in the library shows up here first."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from pipecat_taste.engine import GenerationSettings, TasteEngine
+from taste_agents.caller import load_utterances
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return TasteEngine.from_pretrained(None)  # the embedded tiny checkpoint
+
+
+@pytest.fixture(scope="module")
+def hello():
+    return load_utterances()["hello"]
+
+
+def reply_segments(session, turn, n_words=3):
+    events = list(session.reply(turn, threading.Event()))
+    assert events[0].kind == "decision" and events[-1].kind == "end"
+    return [e for e in events if e.kind == "segment"][:n_words], events
+
+
+def test_user_turn_is_tokenized_against_its_transcript(engine, hello):
+    session = engine.new_session(GenerationSettings(max_reply_tokens=4))
+    turn = session.user_turn(hello.audio, hello.text)
+    seg = turn.segment
+    assert seg.role == "user" and seg.modality == "audio"
+    assert seg.taste_ids.shape[:2] == seg.text_ids.shape and seg.taste_ids.dtype == torch.long
+    assert int(seg.word_starts().sum()) == len(hello.text.split())
+    with pytest.raises(ValueError, match="silent"):
+        session.user_turn(np.zeros(16000, np.float32), "hello there")
+    with pytest.raises(ValueError, match="empty"):
+        session.user_turn(hello.audio, "   ")
+
+
+def test_reply_streams_words_and_commit_keeps_what_was_heard(engine, hello):
+    session = engine.new_session(GenerationSettings(max_reply_tokens=6, prompt_format="instruct"))
+    turn = session.user_turn(hello.audio, hello.text)
+    segments, events = reply_segments(session, turn, n_words=99)
+    assert events[0].decision == "reply" and len(segments) >= 2
+    assert all(s.n_words == 1 and s.segment.role == "assistant" for s in segments)
+    total = sum(s.n_words for s in segments)
+    conversation = session.conversation
+    assert [t.role for t in conversation.turns] == ["user", "assistant"]
+    assert session.commit_reply(1) == 1  # barge-in after the first word
+    assert int(conversation.turns[-1].word_starts().sum()) == 1
+    assert torch.equal(conversation.turns[-1].text_ids, segments[0].segment.text_ids)
+    # the next turn continues from the truncated history
+    segments2, _ = reply_segments(session, session.user_turn(hello.audio, hello.text))
+    assert segments2 and session.commit_reply(None) >= 1 and total >= 2
+
+
+def test_dialogue_format_decides_first(engine, hello):
+    session = engine.new_session(GenerationSettings(max_reply_tokens=4, prompt_format="dialogue"))
+    events = list(session.reply(session.user_turn(hello.audio, hello.text), threading.Event()))
+    assert events[0].kind == "decision" and events[0].decision in ("reply", "no_speech")
+    if events[0].decision == "no_speech":
+        assert len(events) == 1
+    else:
+        assert events[-1].kind == "end"
+
+
+def test_cancelled_reply_ends_within_a_step(engine, hello):
+    session = engine.new_session(GenerationSettings(max_reply_tokens=40))
+    stop = threading.Event()
+    events = session.reply(session.user_turn(hello.audio, hello.text), stop)
+    assert next(events).decision == "reply"
+    stop.set()
+    rest = list(events)
+    assert rest[-1].kind == "end" and rest[-1].reason == "cancelled" and len(rest) <= 2
+
+
+def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):
+    """Speech tokens on one thread and vocoding on another give exactly the library's audio."""
+    from taste_speech.modeling_speech_decoder import TopKSampler
+    from taste_speech.streaming import taste_detokenize
+
+    session = engine.new_session(GenerationSettings(max_reply_tokens=6, seed=3))
+    segments, _ = reply_segments(session, session.user_turn(hello.audio, hello.text), n_words=3)
+    assert len(segments) == 3
+
+    state = session.start_speech(16000)
+    ours, tokens = [], []
+    for seg in segments:
+        for piece in session.speech_tokens(state, seg.segment):
+            tokens += piece
+            ours += session.vocode(state, piece)
+    ours += session.vocode(state, [], final=True)
+    ours = np.concatenate(ours)
+
+    # The library's one-call path with the same random streams (sampler and synthesis seeded as
+    # the session seeds them).
+    sampler = TopKSampler(generator=torch.Generator().manual_seed(3 + 1))
+    synth_gen = torch.Generator().manual_seed(3 + 2)
+    lib_state, prev_text, prev_taste, prev_speech, played_ms, theirs = None, None, None, None, 0.0, []
+    for i, seg in enumerate(segments):
+        out = taste_detokenize(engine.model, engine.processor, session.voice, prev_text, prev_taste, prev_speech,
+                               played_ms, seg.segment.text_ids, seg.segment.taste_ids, 16000,
+                               voice_generator=engine.voice_generator, state=lib_state,
+                               final=i == len(segments) - 1, sampler=sampler, generator=synth_gen)
+        theirs.append(out["audio_waveform"].reshape(-1).numpy())
+        lib_state, prev_speech = out["state"], out["speech_ids"]
+        prev_text, prev_taste = seg.segment.text_ids, seg.segment.taste_ids
+        # (summing chunk_duration_ms falls short by the output resampler's delay: ask the state)
+        played_ms = lib_state.audio_ms_before + lib_state.emitted_ms
+    theirs = np.concatenate(theirs)
+    assert prev_speech[0].tolist() == tokens
+    assert ours.shape == theirs.shape and np.array_equal(ours, theirs)
+    assert session.speech_samples(len(tokens), 16000) == pytest.approx(ours.size, abs=16000 * 0.03)

@@ -1,0 +1,236 @@
+"""``taste-agent serve`` on loopback: signalling hardening and limits, WebRTC calls that let go of
+their resources, and the Twilio-style phone websocket (8 kHz mu-law, ``clear`` on barge-in,
+``stop`` ends the call). Every network wait has a timeout; ICE is restricted to 127.0.0.1 and no
+STUN server is configured."""
+
+import asyncio
+import base64
+import json
+import os
+import threading
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from pipecat_taste.testing import FakeEngine
+from taste_agents.caller import load_utterances
+from taste_agents.phone_agent import PhoneAgentConfig
+from taste_agents.server import ServerConfig
+from taste_agents.webrtc_sim import running_server
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = aiohttp.ClientTimeout(total=20)
+
+
+def config(**kw):
+    agent = kw.pop("agent", PhoneAgentConfig())
+    return ServerConfig(agent=agent, **kw)
+
+
+async def post(url, body, method="POST", headers=None):
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+        async with http.request(method, url, data=body, headers=headers or {"Content-Type": "application/json"}) as res:
+            text = await res.text()
+            return res.status, (json.loads(text) if text.startswith("{") else text), res.headers
+
+
+async def open_peer(url):
+    """An aiortc peer sending silence; returns (pc, answer) once connected."""
+    from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+    from aiortc.mediastreams import AudioStreamTrack
+
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.createDataChannel("messages")
+    pc.addTrack(AudioStreamTrack())
+    connected = asyncio.Event()
+
+    @pc.on("connectionstatechange")
+    async def _state():
+        if pc.connectionState == "connected":
+            connected.set()
+
+    await pc.setLocalDescription(await pc.createOffer())
+    status, answer, _ = await post(url + "/api/offer", json.dumps({"sdp": pc.localDescription.sdp, "type": "offer"}))
+    if status != 200:
+        await pc.close()
+        return None, (status, answer)
+    await pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
+    await asyncio.wait_for(connected.wait(), 15)
+    return pc, answer
+
+
+async def test_signalling_rejects_bad_requests_with_a_message():
+    async with running_server(FakeEngine(), config(max_body_bytes=4096)) as (server, url):
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            async with http.get(url + "/") as res:
+                assert res.status == 200 and "TASTE voice agent" in await res.text()
+        cases = [
+            (b"{not json", 400, "malformed JSON"),
+            (b"[1, 2]", 400, "JSON object"),
+            (json.dumps({"type": "offer"}).encode(), 400, "'sdp'"),
+            (json.dumps({"sdp": "v=0\r\n", "type": "answer"}).encode(), 400, "'type'"),
+            (json.dumps({"sdp": "v=0\r\nthis is not sdp\r\n", "type": "offer"}).encode(), 400, "m=audio"),
+            (json.dumps({"sdp": "v=0\r\nm=audio x y z\r\n", "type": "offer"}).encode(), 400, "offer"),
+            (json.dumps({"sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\n", "type": "offer", "pc_id": "nope"}).encode(),
+             404, "pc_id"),
+            (json.dumps({"sdp": "v=0" + "x" * 5000, "type": "offer"}).encode(), 413, "larger than"),
+        ]
+        for body, status, words in cases:
+            got, answer, _ = await post(url + "/api/offer", body)
+            assert got == status and words in answer["error"], (body[:40], got, answer)
+        got, answer, _ = await post(url + "/api/offer", b'{"pc_id": 1}', method="PATCH")
+        assert got == 400
+        got, answer, _ = await post(url + "/api/offer", json.dumps({"pc_id": "x", "candidates": []}), method="PATCH")
+        assert got == 404
+        assert not server.calls
+
+
+async def test_answers_offer_loopback_only_and_limits_concurrent_calls():
+    async with running_server(FakeEngine(), config(max_calls=1)) as (server, url):
+        pc, answer = await open_peer(url)
+        try:
+            assert pc is not None, answer
+            candidates = [l for l in answer["sdp"].splitlines() if l.startswith("a=candidate")]
+            assert candidates and all(" 127.0.0.1 " in c for c in candidates)  # no other interface, no STUN
+            assert server._handler._ice_servers is None
+            status, body, headers = await post(url + "/api/offer", json.dumps({"sdp": pc.localDescription.sdp,
+                                                                              "type": "offer"}))
+            assert status == 503 and "limit" in body["error"] and headers.get("Retry-After")
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+                async with http.get(url + "/api/status") as res:
+                    assert (await res.json())["active_calls"] == 1
+        finally:
+            if pc is not None:
+                await pc.close()
+
+
+def _resources():
+    import gc
+
+    gc.collect()
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(),
+            "tasks": len(asyncio.all_tasks())}
+
+
+async def test_calls_end_when_the_peer_leaves_and_resources_come_back():
+    async with running_server(FakeEngine(), config()) as (server, url):
+        baseline, ends = None, []
+        for cycle in range(5):
+            pc, answer = await open_peer(url)
+            assert pc is not None, answer
+            await asyncio.sleep(0.5)
+            assert len(server.calls) == 1
+            await pc.close()
+            closed = time.monotonic()
+            while server.calls and time.monotonic() - closed < 10:
+                await asyncio.sleep(0.02)
+            ends.append(time.monotonic() - closed)
+            await asyncio.sleep(0.5)  # let aiortc's transports and the stage threads wind down
+            if cycle == 0:
+                baseline = _resources()  # after one call: lazily created pools exist from here on
+        after = _resources()
+        assert max(ends) < 2.0, ends  # the pipeline ends within 2 s of the peer closing
+        assert after["fds"] <= baseline["fds"] + 2, (baseline, after)
+        assert after["threads"] <= baseline["threads"] + 1, (baseline, after)
+        assert after["tasks"] <= baseline["tasks"] + 2, (baseline, after)
+        assert len(server.ended) == 5 and len({c.call_id for c in server.ended}) == 5
+
+
+# -- phone (Twilio media streams) --------------------------------------------------------------------
+def ulaw_frames(audio16k):
+    """20 ms mu-law frames at 8 kHz, as Twilio sends them."""
+    import audioop
+
+    from pipecat_taste.audio import float_to_pcm16, resample
+
+    pcm = float_to_pcm16(resample(audio16k, 16000, 8000))
+    pcm += bytes((-len(pcm)) % 320)
+    return [audioop.lin2ulaw(pcm[i:i + 320], 2) for i in range(0, len(pcm), 320)]
+
+
+async def phone_call(url, audio, *, extra_messages=(), stop=True, listen_s=6.0):
+    """Stream a call in real time; returns the server's messages (with arrival times)."""
+    import websockets
+
+    ws_url = url.replace("http://", "ws://") + "/ws/phone"
+    got = []
+    async with websockets.connect(ws_url, open_timeout=10) as ws:
+        await ws.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+        await ws.send(json.dumps({"event": "start", "streamSid": "MZtest", "start": {
+            "streamSid": "MZtest", "callSid": "CAtest", "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000}}}))
+
+        async def reader():
+            try:
+                async for message in ws:
+                    got.append((time.monotonic(), json.loads(message)))
+            except Exception:
+                pass
+
+        task = asyncio.create_task(reader())
+        for message in extra_messages:
+            await ws.send(message)
+        t0 = time.monotonic()
+        frames = ulaw_frames(audio)
+        for i, frame in enumerate(frames):
+            await asyncio.sleep(max(0.0, t0 + i * 0.02 - time.monotonic()))
+            await ws.send(json.dumps({"event": "media", "streamSid": "MZtest",
+                                      "media": {"payload": base64.b64encode(frame).decode()}}))
+        silence = ulaw_frames(np.zeros(int(listen_s * 16000), np.float32))
+        t1 = time.monotonic()
+        for i, frame in enumerate(silence):
+            await asyncio.sleep(max(0.0, t1 + i * 0.02 - time.monotonic()))
+            await ws.send(json.dumps({"event": "media", "streamSid": "MZtest",
+                                      "media": {"payload": base64.b64encode(frame).decode()}}))
+        stop_at = time.monotonic()
+        if stop:
+            await ws.send(json.dumps({"event": "stop", "streamSid": "MZtest"}))
+        try:
+            await asyncio.wait_for(task, 5)
+        except asyncio.TimeoutError:
+            task.cancel()
+    return got, stop_at
+
+
+async def test_phone_stream_is_answered_in_whole_20ms_mulaw_frames_and_stop_ends_it():
+    u = load_utterances()
+    engine = FakeEngine(asr_text="hello there")  # a phone stream carries no transcript: built-in ASR
+    async with running_server(engine, config()) as (server, url):
+        audio = np.concatenate([np.zeros(8000, np.float32), u["hello"].audio])
+        junk = ["not json", json.dumps([1]), json.dumps({"event": "dtmf", "dtmf": {"digit": "7"}}),
+                json.dumps({"event": "dtmf", "dtmf": {"digit": "x"}}), json.dumps({"event": "mark", "mark": {}}),
+                json.dumps({"event": "media", "media": {"payload": "%%%"}})]
+        got, stop_at = await phone_call(url, audio, extra_messages=junk)
+        ended = time.monotonic()
+        while server.calls and time.monotonic() - ended < 5:
+            await asyncio.sleep(0.02)
+        assert not server.calls and time.monotonic() - stop_at < 1.5  # 'stop' ends the call within ~1 s
+        media = [m for _, m in got if m.get("event") == "media"]
+        assert media, [m.get("event") for _, m in got][:10]
+        sizes = {len(base64.b64decode(m["media"]["payload"])) for m in media}
+        assert sizes == {160}  # whole 20 ms frames of 8 kHz mu-law
+        assert all(m["streamSid"] == "MZtest" for m in media)
+        call = server.ended[-1]
+        assert [t.decision for t in call.agent.call.log.turns.values()] == ["reply"]
+        assert call.agent.call.log.turns[1].transcript == "hello there"
+
+
+async def test_phone_barge_in_sends_clear_before_new_media():
+    u = load_utterances()
+    engine = FakeEngine(asr_text="hello there", reply_words=tuple(f"w{i}" for i in range(15)))  # a 3 s reply
+    async with running_server(engine, config()) as (server, url):
+        # speak, wait for the reply to start, then talk over it
+        first = np.concatenate([np.zeros(8000, np.float32), u["time"].audio, np.zeros(int(3.2 * 16000), np.float32)])
+        audio = np.concatenate([first, u["goodbye"].audio])
+        got, _ = await phone_call(url, audio, listen_s=5.0)
+        events = [m.get("event") for _, m in got]
+        assert "clear" in events
+        i = events.index("clear")
+        assert "media" in events[:i] and "media" in events[i + 1:]  # cut off, then answered again
+        deadline = time.monotonic() + 5
+        while not server.ended and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        log = server.ended[-1].agent.call.log
+        assert any(r.interrupted for r in log.turns.values())

@@ -1,0 +1,157 @@
+"""TasteSpeechToSpeech mechanics in short simulated calls with the model-free engine: turn
+decisions, failing replies, stage parallelism, back-pressure, metrics, barge-in bookkeeping and
+clean teardown. (The same harness with the real tiny checkpoint is test_simulated_call.py.)"""
+
+import asyncio
+import threading
+
+import pytest
+from pipecat.frames.frames import (
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    MetricsFrame,
+    TranscriptionFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+)
+from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
+
+from pipecat_taste import TasteSpeechToSpeech
+from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
+from pipecat_taste.testing import FakeEngine
+from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
+from taste_agents.phone_agent import PhoneAgentConfig
+from taste_agents.simulate import simulate_call
+
+
+pytestmark = pytest.mark.slow  # real-time calls
+
+
+@pytest.fixture(scope="module")
+def u():
+    return load_utterances()
+
+
+def config(**kw):
+    return PhoneAgentConfig(**kw)
+
+
+def frames_of(result, cls):
+    return [f for _, f in result.frames if isinstance(f, cls)]
+
+
+async def run(engine, script, **kw):
+    return await simulate_call(engine, script, config=config(), tail_s=1.0, **kw)
+
+
+async def test_no_speech_decision_keeps_listening(u):
+    engine = FakeEngine(decide=lambda text: "no_speech" if text.startswith("Hello") else "reply")
+    script = [Pause(0.3), Say(u["hello"]), WaitForReply(timeout_s=2.5, end_silence_s=0.8),
+              Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8)]
+    result = await run(engine, script)
+    decisions = [(f.turn_id, f.decision) for f in frames_of(result, TasteTurnDecisionFrame)]
+    assert decisions == [(1, "no_speech"), (2, "reply")]
+    assert [e.kind for e in result.caller.events if e.kind in ("no_reply", "reply_heard")] == ["no_reply", "reply_heard"]
+    assert len(frames_of(result, LLMFullResponseStartFrame)) == 1 and len(frames_of(result, TTSStartedFrame)) == 1
+    assert result.log.turns[1].first_audio_at is None
+    # no_speech adds only the user turn; the next turn is answered with both in the history
+    assert [role for role, _ in engine.sessions[0].history] == ["user", "user", "assistant"]
+
+
+async def test_failing_synthesis_gives_an_error_and_the_call_goes_on(u):
+    engine = FakeEngine(fail_vocode_on=("can",))
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8),
+              Say(u["goodbye"]), WaitForReply(timeout_s=4, end_silence_s=0.8)]
+    result = await run(engine, script)
+    assert len(result.errors) == 2 and all("can" in e for e in result.errors)
+    assert [r.decision for r in result.log.turns.values()] == ["reply", "reply"]
+    # each reply was bracketed and stopped after the words before the failure
+    assert len(frames_of(result, TTSStartedFrame)) == len(frames_of(result, TTSStoppedFrame)) == 2
+    for record in result.log.turns.values():
+        assert record.played_text == "sure I" and record.kept_words == 2
+    assert engine.sessions[0].history[-1] == ("assistant", "sure I")
+    assert result.report["checks"]["released_equals_synthesized"]
+
+
+async def test_stages_run_concurrently_and_first_audio_comes_before_the_reply_is_done(u):
+    engine = FakeEngine(word_delay=0.15, decode_delay=0.03, vocode_delay=0.01)
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=5, end_silence_s=0.8)]
+    result = await run(engine, script)
+    record = result.log.turns[1]
+    assert record.first_audio_at < record.generation_done_at - 0.3  # playing while still generating
+    names = {n.split("-")[1] for n in engine.sessions[0].threads}
+    assert {"listen", "think", "speech_tokens", "vocode"} <= names  # one worker thread per stage
+
+
+async def test_generation_waits_for_the_speech_decoder(u):
+    """Bounded hand-over: with a slow speech decoder, generation runs at most
+    max_pending_segments ahead of it instead of racing to the end."""
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=6, end_silence_s=1.0)]
+    slow = await simulate_call(FakeEngine(decode_delay=0.25), script, config=config(max_pending_segments=1), tail_s=0.5)
+    record = slow.log.turns[1]
+    # 6 words, one segment each, 0.25 s of decoding each: with one slot the 6th word is asked for
+    # only after the decoder took the 5th.
+    assert record.generation_done_at - record.decided_at >= 4 * 0.25 * 0.9
+    fast = await simulate_call(FakeEngine(decode_delay=0.25), script, config=config(max_pending_segments=8), tail_s=0.5)
+    record = fast.log.turns[1]
+    assert record.generation_done_at - record.decided_at < 0.5
+
+
+async def test_metrics_transcripts_and_brackets(u):
+    engine = FakeEngine()
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8)]
+    result = await run(engine, script)
+    data = [d for f in frames_of(result, MetricsFrame) for d in f.data]
+    ttfb = {d.processor.split("#")[0] for d in data if isinstance(d, TTFBMetricsData)}
+    processing = {d.processor.split("#")[0] for d in data if isinstance(d, ProcessingMetricsData)}
+    assert {"TasteGenerator", "TasteSynthesizer", "TastePlayout"} <= ttfb
+    assert {"TasteTurnCapture", "TasteGenerator", "TasteSynthesizer"} <= processing
+    user_to_bot = [d.value for d in data if isinstance(d, TTFBMetricsData) and d.model == "user_to_bot"]
+    assert len(user_to_bot) == 1 and 0.0 < user_to_bot[0] < 3.0
+    turn_metrics = frames_of(result, TasteTurnMetricsFrame)
+    assert len(turn_metrics) == 1 and not turn_metrics[0].interrupted
+    assert len(frames_of(result, LLMFullResponseStartFrame)) == len(frames_of(result, LLMFullResponseEndFrame)) == 1
+    words = [f.text for f in frames_of(result, TTSTextFrame)]
+    assert "".join(words).split() == list(engine.reply_words)
+    # the user's transcript goes upstream, before the reply that answers it
+    transcripts = [(t, f) for t, f in result.upstream_frames if isinstance(f, TranscriptionFrame)]
+    assert [f.text for _, f in transcripts] == [u["time"].text]
+    assert transcripts[0][0] < result.log.turns[1].first_audio_at
+
+
+async def test_barge_in_keeps_only_the_words_that_were_heard(u):
+    engine = FakeEngine(reply_words=tuple(f"w{i}" for i in range(12)))  # 2.4 s reply
+    script = [Pause(0.3), Say(u["time"]), BargeIn(u["goodbye"], after_agent_ms=1000, timeout_s=5),
+              WaitForReply(timeout_s=5, end_silence_s=0.8)]
+    result = await run(engine, script)
+    cut = result.log.turns[1]
+    assert cut.interrupted and 0 < cut.played_words < 12
+    heard = cut.played_samples / 16000
+    # a word is kept when at least half of it (200 ms per word) was heard
+    assert cut.played_words == int((heard + 0.1) / 0.2) or cut.played_words == int(heard / 0.2)
+    history = engine.sessions[0].history
+    assert history[1] == ("assistant", " ".join(f"w{i}" for i in range(cut.played_words)))
+    assert history[2][0] == "user" and history[3][0] == "assistant"  # committed before the next reply
+    assert result.report["checks"]["barge_in_within_100ms"]
+    assert result.report["checks"]["talk_over_ms_outside_barge_in"] == 0
+
+
+async def test_calls_release_their_worker_threads(u):
+    script = [Pause(0.2), Say(u["goodbye"]), WaitForReply(timeout_s=4, end_silence_s=0.6)]
+    before = {t.ident for t in threading.enumerate()}
+    for _ in range(2):
+        await run(FakeEngine(), script)
+    for _ in range(50):
+        left = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("taste-")]
+        if not left:
+            break
+        await asyncio.sleep(0.1)
+    assert not left, [t.name for t in left]
+
+
+def test_service_is_a_pipeline_of_the_four_processors():
+    service = TasteSpeechToSpeech(FakeEngine())
+    names = [type(p).__name__ for p in service.processors[1:-1]]
+    assert names == ["TasteTurnCapture", "TasteGenerator", "TasteSynthesizer", "TastePlayout"]
+    assert service.call.call_id != TasteSpeechToSpeech(FakeEngine()).call.call_id

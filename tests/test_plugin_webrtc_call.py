@@ -1,0 +1,44 @@
+"""The simulated-call scenario over real WebRTC: the server in this process, the scripted caller
+as a separate aiortc peer process, loopback only. Measured where the caller is, and compared with
+the same call in process (the latency WebRTC adds)."""
+
+import pytest
+
+from pipecat_taste.testing import FakeEngine
+from taste_agents.caller import default_script
+from taste_agents.phone_agent import PhoneAgentConfig
+from taste_agents.server import ServerConfig
+from taste_agents.simulate import simulate_call
+from taste_agents.webrtc_sim import compare_with_in_process, webrtc_call
+
+pytestmark = pytest.mark.slow
+
+
+def engine():
+    # 12 words = a 2.4 s reply: long enough to be barged into across the network's delay
+    return FakeEngine(reply_words=tuple(f"w{i}" for i in range(12)))
+
+
+async def test_scripted_call_over_webrtc_and_what_webrtc_adds(tmp_path):
+    remote = await webrtc_call(engine(), tmp_path / "webrtc", config=ServerConfig(agent=PhoneAgentConfig()),
+                               reply_timeout_s=8, max_call_s=90, timeout_s=150)
+    report = remote.report
+    assert not remote.timed_out and remote.connect_s < 5
+    assert [t["decision"] for t in report["turns"]] == ["reply"] * 4
+    assert report["checks"]["every_turn_decided"]
+    assert report["checks"]["talk_over_ms_outside_barge_in"] == 0
+    assert report["checks"]["server_call_ended"] and report["server_teardown_s"] < 2.0
+    barge = next(t for t in report["turns"] if t["barge_in"])
+    assert barge["cut_off_turn"] is not None
+    assert barge["agent_side_barge_in_stop_ms"] <= 100  # the agent stopped sending within 100 ms
+    # at the caller the audio already on its way (network, jitter buffer) still plays out
+    assert barge["barge_in_stop_ms"] < 600
+    for turn in report["turns"]:
+        assert turn["first_audio_latency_ms"] is not None and turn["reply_duration_ms"] > 300
+
+    local = await simulate_call(engine(), default_script(reply_timeout_s=8), config=PhoneAgentConfig(),
+                                out_dir=tmp_path / "in_process")
+    comparison = compare_with_in_process(report, local.report)
+    added = comparison["webrtc_added_latency_ms"]
+    assert added is not None and 0 < added < 1000, comparison
+    print("WebRTC vs in process:", comparison)
