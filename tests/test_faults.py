@@ -296,10 +296,10 @@ class InterruptStorm(FrameProcessor):
     tokenized once), so that replies are cut at every stage: generating, synthesizing, playing."""
 
     def __init__(self, call, utterance, start: float, stop: float, period: float = 0.3, turn_every: int = 3,
-                 **kwargs):
+                 count: int = 30, **kwargs):
         super().__init__(**kwargs)
         self._call, self._utterance = call, utterance
-        self._window, self._period, self._turn_every = (start, stop), period, turn_every
+        self._window, self._period, self._turn_every, self._count = (start, stop), period, turn_every, count
         self.interruptions = 0
         self.turns: list[int] = []
         self._task = None
@@ -317,7 +317,8 @@ class InterruptStorm(FrameProcessor):
         session = await self._call.ensure_session()
         turn = await self._call.run("listen", session.user_turn, self._utterance.audio, self._utterance.text)
         await asyncio.sleep(max(0.0, self._window[0] - (time.monotonic() - t0)))
-        while time.monotonic() - t0 < self._window[1]:
+        injected = 0
+        while self.interruptions < self._count and time.monotonic() - t0 < self._window[1]:
             await self.broadcast_interruption()
             self.interruptions += 1
             if self.interruptions % self._turn_every == 1:
@@ -327,7 +328,19 @@ class InterruptStorm(FrameProcessor):
                 record.speech_start, record.speech_end = now - turn.audio_seconds, now
                 self.turns.append(turn_id)
                 await self.push_frame(TasteUserTurnFrame(turn_id, turn.transcript, turn, now - turn.audio_seconds, now))
+                injected += 1
+                if injected in (2, 4):
+                    # two replies are left alone until their audio plays, so that the storm cuts
+                    # replies while they are heard too, however fast this machine makes them
+                    await self._until_bot_speaks(timeout=min(3.0, self._window[1] - (time.monotonic() - t0)))
+                    await asyncio.sleep(0.1)
+                    continue
             await asyncio.sleep(self._period)
+
+    async def _until_bot_speaks(self, timeout: float):
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not self._call.bot_speaking and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def cleanup(self):
         await super().cleanup()
@@ -340,12 +353,12 @@ async def test_interrupt_storm(engine, u):
     storm = {}
 
     def wrap(agent, call):
-        storm["p"] = InterruptStorm(call, u["hello"], start=0.5, stop=9.5, period=0.3, turn_every=3)
+        storm["p"] = InterruptStorm(call, u["hello"], start=0.5, stop=17.0, period=0.3, turn_every=3)
         return Pipeline([agent.capture, storm["p"], agent.generator, agent.synthesizer, agent.playout])
 
     factory, holder = tracking_factory(engine, config(4), resources, wrap)
     # the caller speaks inside the storm too, and once more after it
-    script = [Pause(2.0), Say(u["time"]), Pause(6.0), Say(u["goodbye"]), WaitForReply(25.0, end_silence_s=2.0)]
+    script = [Pause(2.0), Say(u["time"]), Pause(16.0), Say(u["goodbye"]), WaitForReply(25.0, end_silence_s=2.0)]
     result = await simulate_call(engine, script, service_factory=factory, max_call_s=90)
     assert not result.timed_out and result.errors == []
     log, p = result.log, storm["p"]

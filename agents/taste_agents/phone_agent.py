@@ -38,12 +38,15 @@ class PhoneAgentConfig:
     capture: TurnCaptureParams = field(default_factory=TurnCaptureParams)
     playout: PlayoutParams = field(default_factory=PlayoutParams)
     max_pending_segments: int = 4
+    history_max_tokens: int = 4096  # rolling window of the conversation (LM rows)
+    history_max_turns: int = 64
 
     def generation(self) -> GenerationSettings:
         return GenerationSettings(prompt_format=self.prompt_format, max_reply_tokens=self.max_reply_tokens,
                                   words_per_segment=self.words_per_segment,
                                   system_prompt=self.system_prompt if self.prompt_format != "continuation" else None,
-                                  seed=self.seed)
+                                  seed=self.seed, history_max_tokens=self.history_max_tokens,
+                                  history_max_turns=self.history_max_turns)
 
 
 def load_voice(engine, path: str | None):

@@ -37,7 +37,7 @@ from pipecat.transports.base_transport import TransportParams
 from pipecat.utils.time import time_now_iso8601
 from pipecat.workers.runner import WorkerRunner
 
-from pipecat_taste.call import TasteCall
+from pipecat_taste.call import CallLog, TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
 from pipecat_taste.playout import PlayoutParams
 
@@ -62,6 +62,7 @@ class ServerConfig:
     webrtc_out_10ms_chunks: int = 1
     webrtc_playout: PlayoutParams = field(default_factory=lambda: PlayoutParams(lead_ms=50.0))
     accept_client_transcripts: bool = True  # a client may send {"type": "transcript", "text": ...}
+    keep_call_audio: bool = False  # keep each call's synthesized/released PCM in its CallLog (load tests)
     agent: PhoneAgentConfig = field(default_factory=PhoneAgentConfig)
 
 
@@ -151,6 +152,7 @@ class TasteServer:
         self.calls: dict[str, ActiveCall] = {}
         self.finished: list[dict] = []  # summaries of ended calls (newest last, bounded)
         self.ended: list[ActiveCall] = []  # the last ended calls, with their call logs
+        self.ended_count = 0
         self._handler = SmallWebRTCRequestHandler(ice_servers=self.config.ice_servers or None,
                                                   connection_mode=ConnectionMode.MULTIPLE)
         self.app = self._build_app()
@@ -271,7 +273,8 @@ class TasteServer:
         transport = SmallWebRTCTransport(connection, TransportParams(
             audio_in_enabled=True, audio_out_enabled=True, audio_out_10ms_chunks=cfg.webrtc_out_10ms_chunks,
             audio_in_sample_rate=cfg.webrtc_in_rate, audio_out_sample_rate=cfg.webrtc_out_rate))
-        agent = build_phone_agent(self.engine, replace(cfg.agent, playout=cfg.webrtc_playout))
+        agent = build_phone_agent(self.engine, replace(cfg.agent, playout=cfg.webrtc_playout),
+                                  log=CallLog(keep_audio=cfg.keep_call_audio))
         pipeline = Pipeline([transport.input(), agent, ClientEvents(agent.call), transport.output()])
         worker = self._worker(pipeline, cfg.webrtc_in_rate, cfg.webrtc_out_rate)
         active = ActiveCall(agent.call.call_id, "webrtc", worker, pc_id=connection.pc_id, agent=agent)
@@ -310,7 +313,8 @@ class TasteServer:
                                     "latency_ms": None if t.user_to_bot_s is None else round(1000 * t.user_to_bot_s),
                                     "interrupted": t.interrupted} for t in turns]
             self.finished = (self.finished + [record])[-100:]
-            self.ended = (self.ended + [active])[-10:]
+            self.ended = (self.ended + [active])[-16:]
+            self.ended_count += 1
             logger.info(f"call {active.call_id} ended")
 
     async def _phone_call(self, websocket) -> None:
@@ -337,7 +341,7 @@ class TasteServer:
         transport = FastAPIWebsocketTransport(websocket, FastAPIWebsocketParams(
             audio_in_enabled=True, audio_out_enabled=True, add_wav_header=False, serializer=serializer,
             audio_out_10ms_chunks=2, audio_in_sample_rate=PHONE_SAMPLE_RATE, audio_out_sample_rate=PHONE_SAMPLE_RATE))
-        agent = build_phone_agent(self.engine, self.config.agent)
+        agent = build_phone_agent(self.engine, self.config.agent, log=CallLog(keep_audio=self.config.keep_call_audio))
         pipeline = Pipeline([transport.input(), agent, transport.output()])
         worker = self._worker(pipeline, PHONE_SAMPLE_RATE, PHONE_SAMPLE_RATE)
         holder["worker"] = worker

@@ -129,25 +129,31 @@ async def webrtc_call(engine, out_dir, *, config: ServerConfig | None = None, re
             await asyncio.sleep(0.05)
         teardown_s = time.monotonic() - closed_at
         ended = server.ended[-1] if server.ended else None
-    info = json.loads((out / "caller.json").read_text())
-    with wave.open(str(out / "caller_recording.wav"), "rb") as f:
+    result = caller_side_result(out)
+    result.log = ended.agent.call.log if ended is not None else None
+    result.report = build_report(result, {"transport": "webrtc (aiortc caller process, loopback)",
+                                          "call_id": ended.call_id if ended else None,
+                                          "connect_s": result.connect_s, "server_teardown_s": round(teardown_s, 2),
+                                          **(meta or {})})
+    result.report["checks"]["server_call_ended"] = not server.calls
+    paths = {"recording": out / "caller_recording.wav", "report": out / "report.json", "timeline": out / "timeline.png"}
+    paths["report"].write_text(json.dumps(result.report, indent=1, default=str))
+    plot_timeline(result.report, result.recording, SR, paths["timeline"])
+    result.paths = {k: str(v) for k, v in paths.items()}
+    return result
+
+
+def caller_side_result(out: Path) -> WebRTCCall:
+    """What a caller process left in ``out`` (caller.json, caller_recording.wav), shaped for
+    ``report.build_report`` (no server call log: the report is the caller's view)."""
+    info = json.loads((Path(out) / "caller.json").read_text())
+    with wave.open(str(Path(out) / "caller_recording.wav"), "rb") as f:
         stereo = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").reshape(-1, 2)
     caller = _CallerSide([tuple(x) for x in info["speech_intervals"]],
                          [CallerEvent(e["sample"], e["kind"], e["name"], e["text"]) for e in info["events"]],
                          stereo.shape[0])
     line = _Line(stereo[:, 0].copy(), stereo[:, 1].copy(), info["t0"])
-    log = ended.agent.call.log if ended is not None else None
-    result = WebRTCCall(line, caller, log, [], [], info["duration_s"], info["timed_out"], info["connect_s"])
-    result.report = build_report(result, {"transport": "webrtc (aiortc caller process, loopback)",
-                                          "call_id": ended.call_id if ended else None,
-                                          "connect_s": info["connect_s"], "server_teardown_s": round(teardown_s, 2),
-                                          **(meta or {})})
-    result.report["checks"]["server_call_ended"] = not server.calls
-    paths = {"recording": out / "caller_recording.wav", "report": out / "report.json", "timeline": out / "timeline.png"}
-    paths["report"].write_text(json.dumps(result.report, indent=1, default=str))
-    plot_timeline(result.report, stereo, SR, paths["timeline"])
-    result.paths = {k: str(v) for k, v in paths.items()}
-    return result
+    return WebRTCCall(line, caller, None, [], [], info["duration_s"], info["timed_out"], info["connect_s"])
 
 
 def compare_with_in_process(webrtc_report: dict, in_process_report: dict) -> dict:

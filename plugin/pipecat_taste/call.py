@@ -43,6 +43,7 @@ class TurnRecord:
     first_audio_at: float | None = None  # first reply sample handed to the transport
     audio_end_at: float | None = None  # when the last reply sample finishes playing
     interrupted: bool = False
+    ended_by_hangup: bool = False  # the call ended while this reply was still being played
     barge_in_at: float | None = None  # the caller's speech (VAD) that cut this reply off
     reply_text: str = ""
     played_text: str = ""

@@ -72,6 +72,9 @@ class GenerationSettings:
     words_per_segment: int = 1
     system_prompt: str | None = None
     seed: int = 0
+    # Rolling window of the call's history (LM rows / turns kept): bounds memory and per-turn cost.
+    history_max_tokens: int = 4096
+    history_max_turns: int = 64
 
 
 @dataclass
@@ -167,7 +170,8 @@ class TasteSession:
             ids = self.processor.process_text(settings.system_prompt).llm_token_ids
             system = TASTESegment("system", "text", ids)
         self.conversation = Conversation(self.model, self.processor, system=system,
-                                         prompt_format=settings.prompt_format)
+                                         prompt_format=settings.prompt_format,
+                                         max_tokens=settings.history_max_tokens, max_turns=settings.history_max_turns)
         if voice is None:
             voice = engine.speaker_embedding()
         self.voice = torch.as_tensor(voice).float().reshape(1, -1)

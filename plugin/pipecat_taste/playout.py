@@ -53,7 +53,10 @@ from pipecat_taste.synthesis import context_id_for, turn_of_context
 
 @dataclass
 class PlayoutParams:
-    frame_ms: float = 10.0  # size of the frames handed to the transport
+    # Size of the frames handed to the transport: a whole number of the transport's output chunks
+    # (audio_out_10ms_chunks x 10 ms). A partial chunk would wait inside the transport, and the
+    # transport drops it if the reply stalls long enough for it to decide the bot stopped speaking.
+    frame_ms: float = 20.0
     lead_ms: float = 30.0  # how far ahead of the heard audio frames are released
     fade_out_ms: float = 10.0  # fade on barge-in
     prebuffer_ms: float = 0.0  # audio to collect before a reply starts (0: play the first chunk at once)
@@ -126,6 +129,10 @@ class TastePlayout(FrameProcessor):
             self._start_task()
         elif isinstance(frame, (EndFrame, CancelFrame)):
             await self._stop_task()
+            for reply in self._replies.values():  # the call ends before these were played to the end
+                record = self._call.log.turn(reply.turn_id)
+                record.ended_by_hangup = True
+                record.played_samples = reply.released
             await self.push_frame(frame, direction)
         elif isinstance(frame, InterruptionFrame):
             await self._interrupt(frame, direction)

@@ -65,7 +65,8 @@ class _Reply:
     turn_id: int
     state: object  # engine SpeechState
     tokens: int = 0  # speech tokens decoded so far
-    failed: bool = False
+    decode_failed: bool = False  # speech-token stage only: decode no more segments of this reply
+    failed: bool = False  # vocoder stage only: vocode no more of this reply
 
 
 class TasteSynthesizer(FrameProcessor):
@@ -158,14 +159,17 @@ class TasteSynthesizer(FrameProcessor):
                 reply = None
                 continue
             call.segment_slots.release()  # the generator may go on: this segment is taken
-            if reply.failed:
+            if reply.decode_failed:
                 continue
             try:
                 await self._decode_segment(reply, frame)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                reply.failed = True
+                # Tell the vocoder through the queue, behind the tokens already decoded: what was
+                # decoded before the failure is still spoken, and the reply ends there.
+                reply.decode_failed = True
+                await self._groups.put(("decode_failed", reply, None))
                 await self._fail(reply.turn_id, f"speech decoding failed on {frame.text!r}: {e}", e)
 
     async def _decode_segment(self, reply: _Reply, frame: TasteReplySegmentFrame):
@@ -207,7 +211,15 @@ class TasteSynthesizer(FrameProcessor):
                 continue
             final = kind == "end"
             chunks = []
-            if not reply.failed:
+            if kind == "decode_failed" and not reply.failed:  # flush the synthesis, then nothing more
+                try:
+                    chunks = await self._call.run("vocode", self._call.session.vocode, reply.state, [], True)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    await self._fail(turn_id, f"vocoding failed: {e}", e)
+                reply.failed = True
+            elif not reply.failed:
                 try:
                     tokens = payload if kind == "tokens" else []
                     chunks = await self._call.run("vocode", self._call.session.vocode, reply.state, tokens, final)

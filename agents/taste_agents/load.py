@@ -1,0 +1,273 @@
+"""Many calls at once on one engine: the load test, the long call and the concurrency benchmark.
+
+    result = await concurrent_calls(engine, 8, duration_s=300)       # in process, 5 minutes
+    result = await concurrent_webrtc_calls(engine, 8, out_dir, rounds=2)   # caller processes, loopback
+    result.crashes, result.audio_intact, result.peak_rss_mb, result.rss_mb, result.first_audio_ms
+
+Every call is a full simulated call (``taste_agents.simulate``): real-time audio both ways, the
+scripted caller with its barge-in, a report per call. Calls start a little apart so that their
+turns do not all end in the same 20 ms. The process's resident memory is sampled throughout, so
+a leak shows as a slope, not only as a peak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from taste_agents.caller import default_script
+
+
+def rss_mb() -> float:
+    """Resident memory of this process (Linux /proc; 0.0 where it is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class MemorySampler:
+    """Samples this process's RSS every ``interval_s`` on its own thread (the event loop may be busy)."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float]] = []  # (seconds since start, MB)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._t0 = time.monotonic()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.samples.append((round(time.monotonic() - self._t0, 2), round(rss_mb(), 1)))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((round(time.monotonic() - self._t0, 2), round(rss_mb(), 1)))
+
+
+@dataclass
+class LoadResult:
+    n_calls: int
+    transport: str
+    calls: list[dict] = field(default_factory=list)  # the report of every finished call
+    crashes: list[str] = field(default_factory=list)  # calls that raised instead of finishing
+    rss_mb: list[tuple[float, float]] = field(default_factory=list)
+    baseline_rss_mb: float = 0.0  # before the calls (engine loaded, idle)
+    wall_s: float = 0.0
+    threads_before: int = 0
+    threads_after: int = 0
+    new_threads: list[str] = field(default_factory=list)  # names of threads alive after that were not before
+
+    @property
+    def peak_rss_mb(self) -> float:
+        return max((mb for _, mb in self.rss_mb), default=0.0)
+
+    @property
+    def first_audio_ms(self) -> list[float]:
+        return [t["first_audio_latency_ms"] for c in self.calls for t in c["turns"]
+                if t.get("first_audio_latency_ms") is not None]
+
+    @property
+    def audio_intact(self) -> bool:
+        """No agent audio lost or duplicated in any call (synthesized == released == written)."""
+        return all(audio_intact(c) for c in self.calls)
+
+    @property
+    def timed_out(self) -> int:
+        return sum(1 for c in self.calls if c.get("timed_out"))
+
+    def memory_slope_mb_per_min(self, skip_s: float = 30.0) -> float:
+        """Least-squares slope of RSS over time after a warm-up (a leak is a positive slope)."""
+        points = [(t, mb) for t, mb in self.rss_mb if t >= skip_s] or self.rss_mb
+        if len(points) < 3:
+            return 0.0
+        t, mb = np.array(points).T
+        return float(np.polyfit(t / 60.0, mb, 1)[0])
+
+    def summary(self) -> dict:
+        latencies = self.first_audio_ms
+        return {
+            "transport": self.transport, "calls_at_once": self.n_calls, "calls_finished": len(self.calls),
+            "crashes": len(self.crashes), "timed_out": self.timed_out, "audio_intact": self.audio_intact,
+            "wall_s": round(self.wall_s, 1), "baseline_rss_mb": round(self.baseline_rss_mb, 1),
+            "peak_rss_mb": round(self.peak_rss_mb, 1),
+            "memory_per_call_mb": round((self.peak_rss_mb - self.baseline_rss_mb) / max(1, self.n_calls), 1),
+            "memory_slope_mb_per_min": round(self.memory_slope_mb_per_min(), 2),
+            "first_audio_ms_median": float(np.median(latencies)) if latencies else None,
+            "first_audio_ms_p90": float(np.percentile(latencies, 90)) if latencies else None,
+            "threads_before": self.threads_before, "threads_after": self.threads_after, "new_threads": self.new_threads,
+        }
+
+
+def audio_intact(report: dict) -> bool:
+    checks = report["checks"]
+    return bool(checks.get("released_equals_synthesized", True) and checks.get("written_equals_released", True)
+                and checks.get("writes_never_overlap", True))
+
+
+async def concurrent_calls(engine, n_calls: int, *, config=None, duration_s: float | None = None, rounds: int = 1,
+                           script_factory: Callable[[], list] = default_script, stagger_s: float = 0.37,
+                           max_call_s: float = 300.0, sample_interval_s: float = 1.0,
+                           on_call: Callable[[int, dict], None] | None = None) -> LoadResult:
+    """``n_calls`` in-process simulated calls at once. Each of the ``n_calls`` slots runs calls back
+    to back: ``rounds`` of them, or until ``duration_s`` has passed (then the running call
+    finishes). ``on_call(slot, report)`` is told of every finished call."""
+    from taste_agents.simulate import simulate_call
+
+    result = LoadResult(n_calls, "in-process", baseline_rss_mb=rss_mb(), threads_before=threading.active_count())
+    known_threads = {t.ident for t in threading.enumerate()}
+    started = time.monotonic()
+
+    async def slot(index: int):
+        await asyncio.sleep(index * stagger_s)
+        done = 0
+        while True:
+            if duration_s is not None:
+                if time.monotonic() - started >= duration_s:
+                    return
+            elif done >= rounds:
+                return
+            try:
+                call = await simulate_call(engine, script_factory(), config=config, max_call_s=max_call_s)
+                result.calls.append(call.report)
+                if on_call is not None:
+                    on_call(index, call.report)
+            except Exception as exc:  # a crash is what this run is looking for: count it, keep going
+                result.crashes.append(f"slot {index}: {type(exc).__name__}: {exc}")
+            done += 1
+
+    with MemorySampler(sample_interval_s) as memory:
+        await asyncio.gather(*(slot(i) for i in range(n_calls)))
+        await _threads_settle(result.threads_before)
+    result.rss_mb, result.wall_s = memory.samples, time.monotonic() - started
+    result.threads_after = threading.active_count()
+    result.new_threads = sorted(t.name for t in threading.enumerate() if t.ident not in known_threads)
+    return result
+
+
+async def concurrent_webrtc_calls(engine, n_calls: int, out_dir, *, config=None, rounds: int = 1,
+                                  duration_s: float | None = None, reply_timeout_s: float = 20.0,
+                                  max_call_s: float = 240.0, sample_interval_s: float = 1.0,
+                                  on_call: Callable[[int, dict], None] | None = None) -> LoadResult:
+    """``n_calls`` scripted callers at once, each its own aiortc process, against one server on
+    loopback; ``rounds`` rounds (or rounds until ``duration_s``). Each call is checked on both
+    ends: the caller's recording (every turn answered) and the server's call log (the audio the
+    agent released is exactly what it synthesized)."""
+    from taste_agents.server import ServerConfig
+    from taste_agents.webrtc_sim import running_server
+
+    config = replace(config or ServerConfig(), max_calls=max(n_calls, (config or ServerConfig()).max_calls),
+                     keep_call_audio=True)
+    out = Path(out_dir)
+    result = LoadResult(n_calls, "webrtc", baseline_rss_mb=rss_mb(), threads_before=threading.active_count())
+    known_threads = {t.ident for t in threading.enumerate()}
+    started = time.monotonic()
+    with MemorySampler(sample_interval_s) as memory:
+        async with running_server(engine, config) as (server, url):
+            done = 0
+            while (done < rounds) if duration_s is None else (time.monotonic() - started < duration_s):
+                before = server.ended_count
+                outs = [out / f"round{done}" / f"call{i}" for i in range(n_calls)]
+                finished = await asyncio.gather(*(_run_caller(url, o, reply_timeout_s, max_call_s, i * 0.37)
+                                                  for i, o in enumerate(outs)), return_exceptions=True)
+                deadline = time.monotonic() + 15
+                while server.calls and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                ended = server.ended[len(server.ended) - min(len(server.ended), server.ended_count - before):]
+                for i, item in enumerate(finished):
+                    if isinstance(item, BaseException):
+                        result.crashes.append(f"round {done} caller {i}: {type(item).__name__}: {item}")
+                        continue
+                    result.calls.append(item)
+                    if on_call is not None:
+                        on_call(i, item)
+                for active in ended:
+                    if not server_call_audio_intact(active.agent.call.log):
+                        result.crashes.append(f"round {done}: call {active.call_id} lost or duplicated audio")
+                if server.calls:
+                    result.crashes.append(f"round {done}: {len(server.calls)} calls still open after their peers left")
+                done += 1
+        await _threads_settle(result.threads_before)
+    result.rss_mb, result.wall_s = memory.samples, time.monotonic() - started
+    result.threads_after = threading.active_count()
+    result.new_threads = sorted(t.name for t in threading.enumerate() if t.ident not in known_threads)
+    return result
+
+
+async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: float, delay_s: float) -> dict:
+    """One caller process; returns what the caller heard: per utterance, the first-audio latency
+    (agent audio after the utterance's end, before the caller's next utterance)."""
+    from taste_agents.report import first_active
+    from taste_agents.webrtc_sim import caller_side_result
+
+    await asyncio.sleep(delay_s)
+    out.mkdir(parents=True, exist_ok=True)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "taste_agents.webrtc_caller", "--url", url, "--out", str(out), "--loopback",
+        "--reply-timeout", str(reply_timeout_s), "--max-call-seconds", str(max_call_s),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output, _ = await asyncio.wait_for(proc.communicate(), max_call_s + 120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"caller exited with {proc.returncode}: {output.decode()[-1500:]}")
+    call = caller_side_result(out)
+    agent, sr = call.line.agent, call.line.sample_rate
+    intervals = call.caller.speech_intervals
+    bounds = [start for start, _, _ in intervals[1:]] + [agent.size]
+    turns = []
+    for (start, stop, name), next_start in zip(intervals, bounds):
+        first = first_active(agent, stop, next_start)
+        turns.append({"utterance": name, "first_audio_latency_ms": None if first is None else round(1000 * (first - stop) / sr, 1)})
+    return {"transport": "webrtc", "connect_s": call.connect_s, "timed_out": call.timed_out, "turns": turns,
+            "checks": {"every_turn_answered": all(t["first_audio_latency_ms"] is not None for t in turns)}}
+
+
+def server_call_audio_intact(log, fade_ms: float = 20.0) -> bool:
+    """On the server: every reply's released audio is its synthesized audio - all of it, or (after
+    a barge-in) a prefix followed by at most a short fade-out of what came next."""
+    for turn_id, released_chunks in log.released_audio.items():
+        synth = np.frombuffer(b"".join(log.synthesized_audio.get(turn_id, [])), dtype="<i2")
+        released = np.frombuffer(b"".join(released_chunks), dtype="<i2")
+        n = min(synth.size, released.size)
+        common = int(np.argmin(np.append(synth[:n] == released[:n], False)))
+        rate = getattr(log, "sample_rate", None) or 48000
+        if log.turns[turn_id].interrupted:
+            if released.size - common > fade_ms / 1000 * rate:
+                return False
+        elif common != synth.size or np.any(released[synth.size:]):
+            return False
+    return True
+
+
+async def _threads_settle(threads_before: int, timeout_s: float = 10.0) -> None:
+    """Worker threads of ended calls finish their last job in the background: give them a moment."""
+    deadline = time.monotonic() + timeout_s
+    while _call_threads() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+
+
+def _call_threads() -> list[str]:
+    """Worker threads of calls (pipecat_taste.TasteCall names them taste-<stage>-<call id>)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("taste-")]
+
+
+def write_load_report(result: LoadResult, path: str | Path) -> dict:
+    summary = {**result.summary(), "rss_mb_over_time": result.rss_mb, "crash_messages": result.crashes}
+    Path(path).write_text(json.dumps(summary, indent=1))
+    return summary
