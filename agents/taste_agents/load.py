@@ -199,8 +199,8 @@ async def concurrent_webrtc_calls(engine, n_calls: int, out_dir, *, config=None,
                     if on_call is not None:
                         on_call(i, item)
                 for active in ended:
-                    if not server_call_audio_intact(active.agent.call.log):
-                        result.crashes.append(f"round {done}: call {active.call_id} lost or duplicated audio")
+                    for problem in server_call_audio_problems(active.agent.call.log):
+                        result.crashes.append(f"round {done}: call {active.call_id} lost or duplicated audio: {problem}")
                 if server.calls:
                     result.crashes.append(f"round {done}: {len(server.calls)} calls still open after their peers left")
                 done += 1
@@ -238,21 +238,28 @@ async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: f
             "checks": {"every_turn_answered": all(t["first_audio_latency_ms"] is not None for t in turns)}}
 
 
-def server_call_audio_intact(log, fade_ms: float = 20.0) -> bool:
-    """On the server: every reply's released audio is its synthesized audio - all of it, or (after
-    a barge-in) a prefix followed by at most a short fade-out of what came next."""
+def server_call_audio_problems(log, fade_ms: float = 20.0) -> list[str]:
+    """On the server: every reply's released audio is its synthesized audio - all of it, or a prefix
+    when the reply was cut (after a barge-in followed by at most a short fade-out of what came
+    next; at a hang-up where the peer left). Returns what is wrong, per reply (empty: intact)."""
+    problems = []
     for turn_id, released_chunks in log.released_audio.items():
         synth = np.frombuffer(b"".join(log.synthesized_audio.get(turn_id, [])), dtype="<i2")
         released = np.frombuffer(b"".join(released_chunks), dtype="<i2")
         n = min(synth.size, released.size)
         common = int(np.argmin(np.append(synth[:n] == released[:n], False)))
         rate = getattr(log, "sample_rate", None) or 48000
-        if log.turns[turn_id].interrupted:
-            if released.size - common > fade_ms / 1000 * rate:
-                return False
-        elif common != synth.size or np.any(released[synth.size:]):
-            return False
-    return True
+        record = log.turns[turn_id]
+        if record.interrupted:  # a prefix, then at most a short fade-out
+            ok = released.size - common <= fade_ms / 1000 * rate
+        elif record.ended_by_hangup:  # a prefix, cut where the peer left
+            ok = common >= min(released.size, synth.size) and not np.any(released[synth.size:])
+        else:
+            ok = common == synth.size and not np.any(released[synth.size:])
+        if not ok:
+            problems.append(f"turn {turn_id}: synthesized {synth.size}, released {released.size}, identical prefix "
+                            f"{common}, interrupted {record.interrupted}, hang-up {record.ended_by_hangup}")
+    return problems
 
 
 async def _threads_settle(threads_before: int, timeout_s: float = 10.0) -> None:
