@@ -47,11 +47,13 @@ def transcript(text):
     return [SleepFrame(0.2), TranscriptionFrame(text, "caller", time_now_iso8601(), finalized=True), SleepFrame(0.2)]
 
 
-async def run_capture(frames, engine=None, params=None, rate=SR, vad=True):
+async def run_capture(frames, engine=None, params=None, rate=SR, vad=True, tail_secs=0.8):
+    """Runs the frames through a capture; ``tail_secs`` is the time left for the turn to finish
+    after the last frame (transcript timeout + worker threads; a busy CI machine needs more)."""
     call = TasteCall(engine or FakeEngine())
     capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer() if vad else None,
                                params=params or TurnCaptureParams(transcript_timeout_secs=0.3))
-    down, up = await run_test(capture, frames_to_send=frames + [SleepFrame(0.8)],
+    down, up = await run_test(capture, frames_to_send=frames + [SleepFrame(tail_secs)],
                               pipeline_params=PipelineParams(audio_in_sample_rate=rate))
     return call, down, up
 
@@ -104,7 +106,7 @@ async def test_transcript_from_built_in_asr(utterances):
 
 async def test_no_transcript_and_no_asr_is_an_error_not_a_crash(utterances):
     frames = audio_frames(np.concatenate([silence(0.5), utterances["time"].audio, silence(1.0)]))
-    _, down, up = await run_capture(frames, params=TurnCaptureParams(transcript_timeout_secs=0.2))
+    _, down, up = await run_capture(frames, params=TurnCaptureParams(transcript_timeout_secs=0.2), tail_secs=2.0)
     assert not of(down, TasteUserTurnFrame)
     assert [d.decision for d in of(down, TasteTurnDecisionFrame)] == ["error"]
     assert "no built-in ASR" in of(up, ErrorFrame)[0].error

@@ -17,6 +17,13 @@ It also paces ``TTSTextFrame`` (one per segment) with the audio, brackets every 
 ``TTSStartedFrame``/``TTSStoppedFrame`` (one pair per reply, also when it is cut off: the
 transport reports one BotStarted/BotStopped pair), and counts underruns (the synthesizer not
 keeping up with real time) instead of hiding them.
+
+On barge-in the fade and the ``TTSStoppedFrame`` go out first and the ``InterruptionFrame`` is
+passed on once the transport reports the bot stopped (at most ``interruption_hold_secs`` later).
+Passed on at once, it would find the transport's queue empty half of the time (it holds about
+``lead_ms`` of audio), make it report the bot stopped, and the fade would then start a second
+BotStarted/BotStopped pair for the same reply. All the reply's audio is uninterruptible, so the
+transport has nothing of it to drop; what the late interruption still drops is other audio.
 """
 
 from __future__ import annotations
@@ -61,10 +68,12 @@ class PlayoutParams:
     fade_out_ms: float = 10.0  # fade on barge-in
     prebuffer_ms: float = 0.0  # audio to collect before a reply starts (0: play the first chunk at once)
     heard_fraction: float = 0.5  # a segment counts as heard when this much of its audio played
+    interruption_hold_secs: float = 0.5  # longest wait for the transport's BotStopped on barge-in
 
     def __post_init__(self):
-        if self.frame_ms <= 0 or self.lead_ms < 0 or self.fade_out_ms < 0 or self.prebuffer_ms < 0:
-            raise ValueError("PlayoutParams: frame_ms must be > 0 and lead_ms, fade_out_ms, prebuffer_ms >= 0")
+        if self.frame_ms <= 0 or min(self.lead_ms, self.fade_out_ms, self.prebuffer_ms, self.interruption_hold_secs) < 0:
+            raise ValueError("PlayoutParams: frame_ms must be > 0 and lead_ms, fade_out_ms, prebuffer_ms, "
+                             "interruption_hold_secs >= 0")
         if not 0.0 < self.heard_fraction <= 1.0:
             raise ValueError("PlayoutParams.heard_fraction must be in (0, 1]")
 
@@ -93,6 +102,8 @@ class TastePlayout(FrameProcessor):
         self._replies: dict[int, _Reply] = {}
         self._playing: _Reply | None = None
         self._cancelled_upto = 0
+        self._held_interruption: tuple[InterruptionFrame, FrameDirection] | None = None
+        self._hold_task: asyncio.Task | None = None
         call.has_playout = True
 
     def can_generate_metrics(self) -> bool:
@@ -105,6 +116,7 @@ class TastePlayout(FrameProcessor):
     async def cleanup(self):
         await super().cleanup()
         await self._stop_task()
+        await self._pass_held_interruption()
         await self._call.close()
 
     @property
@@ -129,6 +141,7 @@ class TastePlayout(FrameProcessor):
             self._start_task()
         elif isinstance(frame, (EndFrame, CancelFrame)):
             await self._stop_task()
+            await self._pass_held_interruption()
             for reply in self._replies.values():  # the call ends before these were played to the end
                 record = self._call.log.turn(reply.turn_id)
                 record.ended_by_hangup = True
@@ -142,6 +155,7 @@ class TastePlayout(FrameProcessor):
         elif isinstance(frame, BotStoppedSpeakingFrame):
             self._call.bot_speaking = False
             await self.push_frame(frame, direction)
+            await self._pass_held_interruption()
         elif isinstance(frame, (TTSStartedFrame, TTSAudioRawFrame, TTSStoppedFrame)) and \
                 turn_of_context(frame.context_id) is not None and direction == FrameDirection.DOWNSTREAM:
             self._enqueue(frame, turn_of_context(frame.context_id))
@@ -278,11 +292,18 @@ class TastePlayout(FrameProcessor):
         cut = max([self._cancelled_upto, active or 0] + list(self._replies))
         self._cancelled_upto = cut
         self._queue.clear()
-        await self.push_frame(frame, direction)
+        await self._pass_held_interruption()  # an earlier barge-in's
+        transport_speaking = reply is not None and reply.released > 0 and self._call.bot_speaking
         if reply is not None and reply.started:
             if fade.size:
                 await self._release(reply, fade)
             await self.push_frame(TTSStoppedFrame(context_id=context_id_for(reply.turn_id)))
+        if transport_speaking:
+            self._held_interruption = (frame, direction)
+            self._hold_task = self.create_task(self._pass_held_interruption_later())
+        else:
+            await self.push_frame(frame, direction)
+        if reply is not None and reply.started:
             await self._finish(reply, interrupted=True, extra_samples=0)
         elif active is not None:
             # Nothing of this reply was heard yet: tell the generator so it keeps none of it.
@@ -290,6 +311,19 @@ class TastePlayout(FrameProcessor):
         self._replies = {k: v for k, v in self._replies.items() if k > cut}
         self._playing = None
         self._start_task()
+
+    async def _pass_held_interruption_later(self):
+        await asyncio.sleep(self._params.interruption_hold_secs)
+        self._hold_task = None  # this task is the caller: not to be cancelled by itself
+        await self._pass_held_interruption()
+
+    async def _pass_held_interruption(self):
+        held, self._held_interruption = self._held_interruption, None
+        if self._hold_task is not None:
+            await self.cancel_task(self._hold_task)
+            self._hold_task = None
+        if held is not None:
+            await self.push_frame(*held)
 
     # -- end of a reply ----------------------------------------------------------------------------------
     async def _finish(self, reply: _Reply, interrupted: bool, extra_samples: int):
