@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from taste_agents.caller import default_script
+from taste_agents.report import reply_audio_intact
 
 
 def rss_mb() -> float:
@@ -238,24 +239,17 @@ async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: f
             "checks": {"every_turn_answered": all(t["first_audio_latency_ms"] is not None for t in turns)}}
 
 
-def server_call_audio_problems(log, fade_ms: float = 20.0) -> list[str]:
-    """On the server: every reply's released audio is its synthesized audio - all of it, or a prefix
-    when the reply was cut (after a barge-in followed by at most a short fade-out of what came
-    next; at a hang-up where the peer left). Returns what is wrong, per reply (empty: intact)."""
+def server_call_audio_problems(log, frame_ms: float = 20.0, fade_ms: float = 20.0) -> list[str]:
+    """On the server: every reply's released audio is its synthesized audio, by the rule of
+    ``report.reply_audio_intact`` (``frame_ms``: the playout's frames, ``fade_ms``: the longest
+    fade-out after a barge-in). Returns what is wrong, per reply (empty: intact)."""
     problems = []
+    rate = getattr(log, "sample_rate", None) or 48000
     for turn_id, released_chunks in log.released_audio.items():
         synth = np.frombuffer(b"".join(log.synthesized_audio.get(turn_id, [])), dtype="<i2")
         released = np.frombuffer(b"".join(released_chunks), dtype="<i2")
-        n = min(synth.size, released.size)
-        common = int(np.argmin(np.append(synth[:n] == released[:n], False)))
-        rate = getattr(log, "sample_rate", None) or 48000
         record = log.turns[turn_id]
-        if record.interrupted:  # a prefix, then at most a short fade-out
-            ok = released.size - common <= fade_ms / 1000 * rate
-        elif record.ended_by_hangup:  # a prefix, cut where the peer left
-            ok = common >= min(released.size, synth.size) and not np.any(released[synth.size:])
-        else:
-            ok = common == synth.size and not np.any(released[synth.size:])
+        ok, common = reply_audio_intact(synth, released, record, int(frame_ms * rate / 1000), int(fade_ms * rate / 1000))
         if not ok:
             problems.append(f"turn {turn_id}: synthesized {synth.size}, released {released.size}, identical prefix "
                             f"{common}, interrupted {record.interrupted}, hang-up {record.ended_by_hangup}")

@@ -58,6 +58,25 @@ def last_active(channel: np.ndarray, start: int, stop: int) -> int | None:
     return None if idx.size == 0 else start + int(idx[-1]) + 1
 
 
+def reply_audio_intact(synth: np.ndarray, released: np.ndarray, record, chunk_samples: int,
+                       fade_samples: int) -> tuple[bool, int]:
+    """The rule for one reply: the audio the playout released is the synthesizer's audio, bit-exact -
+    all of it, then only the zero padding of the last frame; or a prefix when the reply was cut
+    (barge-in: followed by at most a fade-out of what came next; hang-up: cut where the line went
+    dead). Returns (intact, length of the identical prefix)."""
+    n = min(synth.size, released.size)
+    common = int(np.argmin(np.append(synth[:n] == released[:n], False)))
+    if record.ended_by_hangup and not record.interrupted:
+        good = common == released.size or (common == synth.size and not released[synth.size:].any())
+    elif record.interrupted and released.size <= synth.size + fade_samples:
+        tail = released[common:]
+        faded = synth[common:common + tail.size]
+        good = tail.size <= fade_samples and bool(np.all(np.abs(tail.astype(np.int32)) <= np.abs(faded.astype(np.int32)) + 1))
+    else:
+        good = common == synth.size and not released[synth.size:].any() and released.size - synth.size < chunk_samples
+    return bool(good), common
+
+
 def audio_path_checks(result, chunk_samples: int, fade_samples: int) -> dict:
     """Synthesized -> released -> written, per reply (see the module docstring)."""
     log, line = result.log, result.line
@@ -66,16 +85,7 @@ def audio_path_checks(result, chunk_samples: int, fade_samples: int) -> dict:
         synth = _pcm(log.synthesized_audio.get(turn_id, []))
         released = _pcm(log.released_audio[turn_id])
         record = log.turns[turn_id]
-        common = int(np.argmin(np.append(synth[: released.size] == released[: synth.size], False)))
-        if record.ended_by_hangup and not record.interrupted:  # a prefix, cut where the line went dead
-            good = common == released.size or (common == synth.size and not released[synth.size:].any())
-        elif record.interrupted and released.size <= synth.size + fade_samples:
-            tail = released[common:]
-            faded = synth[common:common + tail.size]
-            good = tail.size <= fade_samples and bool(np.all(np.abs(tail.astype(np.int32)) <= np.abs(faded.astype(np.int32)) + 1))
-        else:  # played to the end: all of it, then only the zero padding of the last frame
-            good = common == synth.size and bool(np.all(released[synth.size:] == 0)) and \
-                released.size - synth.size < chunk_samples
+        good, common = reply_audio_intact(synth, released, record, chunk_samples, fade_samples)
         padded = np.concatenate([released, np.zeros((-released.size) % chunk_samples, dtype="<i2")])
         expected_writes.append(padded)
         per_turn.append({"turn_id": turn_id, "synthesized_samples": int(synth.size), "released_samples": int(released.size),
