@@ -117,22 +117,52 @@ def plot(results: dict, out: Path) -> dict:
     return paths
 
 
-def markdown(results: dict, paths: dict, command: str) -> str:
-    lines = ["# Soak: load and long call", "", f"Command: `{command}`  ", f"Date: {time.strftime('%Y-%m-%d %H:%M')}", ""]
+SECTION = "## 6. Soak: load for minutes, a 100-turn call"
+
+
+def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:
+    """The soak report as a section of BENCHMARKS.md (images linked from the repository root)."""
+    soak_md = Path(results_dir) / "soak.md"
+    if not soak_md.exists():
+        return []
+    body = soak_md.read_text().split("\n", 1)[1]  # without its own title
+    rel = Path(results_dir).resolve().relative_to(ROOT).as_posix() if Path(results_dir).resolve().is_relative_to(ROOT) \
+        else str(results_dir)
+    body = body.replace("](soak_", f"]({rel}/soak_")
+    return [SECTION, "", "Run separately (about 25 minutes): `python -m benchmarks.soak`; the tables below are "
+            f"`{rel}/soak.md`.", body.rstrip()]
+
+
+def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path = RESULTS) -> None:
+    """Put the current soak report into BENCHMARKS.md in place of its soak section (or at its end)."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    head = text.split(SECTION, 1)[0].rstrip()
+    path.write_text(head + "\n\n" + "\n".join(benchmarks_section(results_dir)) + "\n")
+
+
+def markdown(results: dict, paths: dict) -> str:
+    lines = ["# Soak: load and long call", "",
+             "Crashes: exceptions in a call or the server. Timed out: calls past their time limit. Connections "
+             "lost: WebRTC calls whose peer connection failed before the caller's script ended (dropped calls). "
+             "Audio intact: in every finished call the agent audio released and written is exactly the "
+             "synthesized audio.", ""]
     loads = [v for k, v in results.items() if k.startswith("load")]
     if loads:
-        lines += ["| transport | calls at once | minutes | calls finished | crashes | timed out | audio intact | "
-                  "idle RSS MB | peak RSS MB | RSS slope MB/min | first audio median ms | p90 ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| transport | calls at once | minutes | calls finished | crashes | timed out | connections lost | "
+                  "audio intact | idle RSS MB | peak RSS MB | RSS slope MB/min | first audio median ms | p90 ms | command, date |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in loads:
             lines.append(f"| {r['transport']} | {r['calls_at_once']} | {r['minutes']} | {r['calls_finished']} | {r['crashes']} | "
-                         f"{r['timed_out']} | {r['audio_intact']} | {r['baseline_rss_mb']} | {r['peak_rss_mb']} | "
-                         f"{r['memory_slope_mb_per_min']} | {r['first_audio_ms_median']} | {r['first_audio_ms_p90']} |")
+                         f"{r['timed_out']} | {r.get('connections_lost', 0)} | {r['audio_intact']} | {r['baseline_rss_mb']} | "
+                         f"{r['peak_rss_mb']} | {r['memory_slope_mb_per_min']} | {r['first_audio_ms_median']} | "
+                         f"{r['first_audio_ms_p90']} | `{r['command']}`, {r['date']} |")
         if "rss" in paths:
             lines += ["", f"![RSS over time]({paths['rss']})"]
     if "long_call" in results:
         r = results["long_call"]
-        lines += ["", f"Long call: {r['turns']} caller turns, {r['answered']} answered, window {r['window_tokens']} LM rows, "
+        lines += ["", f"Long call (`{r['command']}`, {r['date']}): {r['turns']} caller turns, {r['answered']} answered, window {r['window_tokens']} LM rows, "
                   f"{r['duration_s']} s, timed out {r['timed_out']}, every turn decided {r['every_turn_decided']}, "
                   f"audio intact {r['audio_intact']}, errors {r['errors']}.", "",
                   "| | first third | last third |", "|---|---|---|",
@@ -158,24 +188,35 @@ def main(argv=None) -> int:
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
     from pipecat_taste.engine import TasteEngine
+    from taste_agents.memory import limit_malloc_arenas
+
+    limit_malloc_arenas()  # as taste-agent does
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine = TasteEngine.from_pretrained(None)
+    # Rows of earlier runs in the same --out stay (a part re-run replaces its own row): the
+    # report can hold runs at several call counts. Each row names the command that made it.
+    previous = json.loads((out / "soak.json").read_text()) if (out / "soak.json").exists() else {}
     results: dict = {}
     parts = args.parts.split(",")
+    command = ("python -m benchmarks.soak " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     for transport in ("in-process", "webrtc"):
         if transport in parts:
             print(f"load: {args.calls} calls at once {transport} for {args.minutes} min", flush=True)
-            results[f"load_{transport}"] = asyncio.run(load(engine, transport, args.calls, args.minutes, out))
+            row = asyncio.run(load(engine, transport, args.calls, args.minutes, out))
+            results[f"load_{transport}_{args.calls}"] = {**row, "command": command, "date": time.strftime("%Y-%m-%d %H:%M")}
     if "long-call" in parts:
         print(f"long call: {args.turns} turns", flush=True)
-        results["long_call"] = asyncio.run(long_call(engine, args.turns, args.window_tokens))
-    (out / "soak.json").write_text(json.dumps(results, indent=1))
-    paths = plot(results, out)
-    command = "python -m benchmarks.soak " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "soak.md").write_text(markdown(results, paths, command.strip()))
+        row = asyncio.run(long_call(engine, args.turns, args.window_tokens))
+        results["long_call"] = {**row, "command": command, "date": time.strftime("%Y-%m-%d %H:%M")}
+    merged = {**{k: v for k, v in previous.items() if "command" in v}, **results}
+    (out / "soak.json").write_text(json.dumps(merged, indent=1))
+    paths = plot(merged, out)
+    (out / "soak.md").write_text(markdown(merged, paths))
     print((out / "soak.md").read_text())
+    if out.resolve() == RESULTS.resolve():
+        update_benchmarks_md()
     ok = all(r["crashes"] == 0 and r["audio_intact"] for k, r in results.items() if k.startswith("load"))
     return 0 if ok else 1
 

@@ -28,3 +28,18 @@ def test_quick_lm_section_writes_tables_with_figures(tmp_path):
     link = re.search(r"!\[[^]]*\]\(([^)]+\.png)\)", text).group(1)
     assert (out.parent / link).is_file()
     assert (tmp_path / "results" / "bench.json").is_file()
+
+
+def test_soak_report_goes_into_benchmarks_md_once(tmp_path):
+    from benchmarks import soak
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "soak.md").write_text("# Soak: load and long call\n\n| a |\n|---|\n| 1 |\n\n![RSS over time](soak_rss.png)\n")
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# Benchmarks\n\n## 5. GPU\n\ntext\n")
+    soak.update_benchmarks_md(doc, results)
+    soak.update_benchmarks_md(doc, results)  # replaces its section, never appends a second one
+    text = doc.read_text()
+    assert text.count(soak.SECTION) == 1 and text.startswith("# Benchmarks\n\n## 5. GPU\n\ntext\n\n" + soak.SECTION)
+    assert f"]({results}/soak_rss.png)" in text and "| 1 |" in text

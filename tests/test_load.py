@@ -62,7 +62,7 @@ async def test_calls_at_once_over_webrtc(engine, tmp_path):
     assert result.crashes == [], result.crashes  # includes: every server call ended, its audio intact
     assert len(result.calls) == N_WEBRTC_CALLS
     for report in result.calls:
-        assert not report["timed_out"]
+        assert not report["timed_out"] and not report["connection_lost"]
         assert report["connect_s"] < 30
         # every caller heard the agent answer (first-audio latency measured on its own recording)
         assert any(t["first_audio_latency_ms"] is not None for t in report["turns"]), report["turns"]

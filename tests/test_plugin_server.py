@@ -5,6 +5,7 @@ STUN server is configured."""
 
 import asyncio
 import base64
+import gc
 import json
 import os
 import threading
@@ -14,6 +15,7 @@ import aiohttp
 import numpy as np
 import pytest
 
+from pipecat_taste.call import TasteCall
 from pipecat_taste.testing import FakeEngine
 from taste_agents.caller import load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig
@@ -213,8 +215,11 @@ async def test_phone_stream_is_answered_in_whole_20ms_mulaw_frames_and_stop_ends
         assert sizes == {160}  # whole 20 ms frames of 8 kHz mu-law
         assert all(m["streamSid"] == "MZtest" for m in media)
         call = server.ended[-1]
-        assert [t.decision for t in call.agent.call.log.turns.values()] == ["reply"]
-        assert call.agent.call.log.turns[1].transcript == "hello there"
+        assert [t.decision for t in call.log.turns.values()] == ["reply"]
+        assert call.log.turns[1].transcript == "hello there"
+        # an ended call keeps its log only: its pipeline, agent and conversation are freed
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, TasteCall) and o.call_id == call.call_id]
 
 
 async def test_phone_barge_in_sends_clear_before_new_media():
@@ -232,5 +237,5 @@ async def test_phone_barge_in_sends_clear_before_new_media():
         deadline = time.monotonic() + 5
         while not server.ended and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        log = server.ended[-1].agent.call.log
+        log = server.ended[-1].log
         assert any(r.interrupted for r in log.turns.values())

@@ -18,6 +18,8 @@ import sys
 import time
 import uuid
 
+from taste_agents.memory import limit_malloc_arenas
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
@@ -178,6 +180,7 @@ def _quiet_logs():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    limit_malloc_arenas()  # calls start threads all day: keep the resident size from creeping
     if args.command == "call":
         if not args.simulate:
             print("taste-agent call needs --simulate (live calls: taste-agent serve)", file=sys.stderr)

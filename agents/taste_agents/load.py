@@ -26,6 +26,7 @@ import numpy as np
 
 from taste_agents.caller import default_script
 from taste_agents.report import reply_audio_intact
+from taste_agents.webrtc_caller import EXIT_CONNECTION_LOST, EXIT_TIMED_OUT
 
 
 def rss_mb() -> float:
@@ -94,6 +95,12 @@ class LoadResult:
     def timed_out(self) -> int:
         return sum(1 for c in self.calls if c.get("timed_out"))
 
+    @property
+    def connections_lost(self) -> int:
+        """WebRTC calls whose peer connection failed before the script ended (e.g. a server too
+        busy to answer ICE consent checks): dropped calls, not crashes."""
+        return sum(1 for c in self.calls if c.get("connection_lost"))
+
     def memory_slope_mb_per_min(self, skip_s: float = 30.0) -> float:
         """Least-squares slope of RSS over time after a warm-up (a leak is a positive slope)."""
         points = [(t, mb) for t, mb in self.rss_mb if t >= skip_s] or self.rss_mb
@@ -106,7 +113,8 @@ class LoadResult:
         latencies = self.first_audio_ms
         return {
             "transport": self.transport, "calls_at_once": self.n_calls, "calls_finished": len(self.calls),
-            "crashes": len(self.crashes), "timed_out": self.timed_out, "audio_intact": self.audio_intact,
+            "crashes": len(self.crashes), "timed_out": self.timed_out,
+            "connections_lost": self.connections_lost, "audio_intact": self.audio_intact,
             "wall_s": round(self.wall_s, 1), "baseline_rss_mb": round(self.baseline_rss_mb, 1),
             "peak_rss_mb": round(self.peak_rss_mb, 1),
             "memory_per_call_mb": round((self.peak_rss_mb - self.baseline_rss_mb) / max(1, self.n_calls), 1),
@@ -199,9 +207,9 @@ async def concurrent_webrtc_calls(engine, n_calls: int, out_dir, *, config=None,
                     result.calls.append(item)
                     if on_call is not None:
                         on_call(i, item)
-                for active in ended:
-                    for problem in server_call_audio_problems(active.agent.call.log):
-                        result.crashes.append(f"round {done}: call {active.call_id} lost or duplicated audio: {problem}")
+                for call in ended:
+                    for problem in server_call_audio_problems(call.log) if call.log is not None else []:
+                        result.crashes.append(f"round {done}: call {call.call_id} lost or duplicated audio: {problem}")
                 if server.calls:
                     result.crashes.append(f"round {done}: {len(server.calls)} calls still open after their peers left")
                 done += 1
@@ -225,7 +233,7 @@ async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: f
         "--reply-timeout", str(reply_timeout_s), "--max-call-seconds", str(max_call_s),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     output, _ = await asyncio.wait_for(proc.communicate(), max_call_s + 120)
-    if proc.returncode != 0:
+    if proc.returncode not in (0, EXIT_TIMED_OUT, EXIT_CONNECTION_LOST):
         raise RuntimeError(f"caller exited with {proc.returncode}: {output.decode()[-1500:]}")
     call = caller_side_result(out)
     agent, sr = call.line.agent, call.line.sample_rate
@@ -235,7 +243,8 @@ async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: f
     for (start, stop, name), next_start in zip(intervals, bounds):
         first = first_active(agent, stop, next_start)
         turns.append({"utterance": name, "first_audio_latency_ms": None if first is None else round(1000 * (first - stop) / sr, 1)})
-    return {"transport": "webrtc", "connect_s": call.connect_s, "timed_out": call.timed_out, "turns": turns,
+    return {"transport": "webrtc", "connect_s": call.connect_s, "timed_out": call.timed_out,
+            "connection_lost": proc.returncode == EXIT_CONNECTION_LOST, "turns": turns,
             "checks": {"every_turn_answered": all(t["first_audio_latency_ms"] is not None for t in turns)}}
 
 

@@ -137,6 +137,17 @@ class ActiveCall:
     agent: object = None
 
 
+@dataclass
+class EndedCall:
+    """What the server keeps of an ended call: its id and log, not its pipeline (the pipeline holds
+    the conversation's KV cache and the transport's codecs: kept, they would pile up call by call)."""
+
+    call_id: str
+    kind: str
+    seconds: float
+    log: CallLog | None
+
+
 class SignallingError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -151,7 +162,7 @@ class TasteServer:
         self.config = config or ServerConfig()
         self.calls: dict[str, ActiveCall] = {}
         self.finished: list[dict] = []  # summaries of ended calls (newest last, bounded)
-        self.ended: list[ActiveCall] = []  # the last ended calls, with their call logs
+        self.ended: list[EndedCall] = []  # the last ended calls, with their call logs
         self.ended_count = 0
         self._handler = SmallWebRTCRequestHandler(ice_servers=self.config.ice_servers or None,
                                                   connection_mode=ConnectionMode.MULTIPLE)
@@ -313,7 +324,8 @@ class TasteServer:
                                     "latency_ms": None if t.user_to_bot_s is None else round(1000 * t.user_to_bot_s),
                                     "interrupted": t.interrupted} for t in turns]
             self.finished = (self.finished + [record])[-100:]
-            self.ended = (self.ended + [active])[-16:]
+            log = active.agent.call.log if active.agent is not None else None
+            self.ended = (self.ended + [EndedCall(active.call_id, active.kind, record["seconds"], log)])[-16:]
             self.ended_count += 1
             logger.info(f"call {active.call_id} ended")
 

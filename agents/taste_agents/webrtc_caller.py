@@ -9,7 +9,9 @@ received, on the caller's sample clock) and ``caller.json`` (its events and spee
 Transcripts of its own utterances go to the agent as data-channel messages (an oracle STT).
 
 ``--loopback`` restricts ICE to 127.0.0.1 (tests: aioice otherwise offers every other interface,
-and without STUN nothing else is needed).
+and without STUN nothing else is needed). Exit status: 0 the script ran to its end,
+``EXIT_TIMED_OUT`` it ran past ``--max-call-seconds``, ``EXIT_CONNECTION_LOST`` the peer
+connection failed or closed before the script ended, anything else: an error.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 
 SR = 16000
 FRAME = SR // 50  # 20 ms
+EXIT_TIMED_OUT, EXIT_CONNECTION_LOST = 3, 4
 
 
 def use_loopback_only() -> None:
@@ -129,10 +132,14 @@ async def run_call(url: str, script: list, out_dir: str | Path, *, stt_delay_s: 
     pc.addTrack(_caller_track(line, on_event))
     connected = asyncio.Event()
 
+    lost = asyncio.Event()
+
     @pc.on("connectionstatechange")
     async def _state():
         if pc.connectionState == "connected":
             connected.set()
+        elif pc.connectionState in ("failed", "closed"):
+            lost.set()  # e.g. ICE consent checks unanswered: the call is over, say so at once
 
     @pc.on("track")
     def _track(track):
@@ -174,9 +181,12 @@ async def run_call(url: str, script: list, out_dir: str | Path, *, stt_delay_s: 
     started = time.monotonic()
     await asyncio.wait_for(connected.wait(), connect_timeout_s)
     connect_s = time.monotonic() - started
-    timed_out = False
+    timed_out = connection_lost = False
     while not caller.done:
         await asyncio.sleep(0.05)
+        if lost.is_set():
+            connection_lost = True
+            break
         if line.now_sample() / SR > max_call_s:
             timed_out = True
             break
@@ -187,6 +197,7 @@ async def run_call(url: str, script: list, out_dir: str | Path, *, stt_delay_s: 
         task.cancel()
     result = {
         "sample_rate": SR, "duration_s": end / SR, "connect_s": round(connect_s, 3), "timed_out": timed_out,
+        "connection_lost": connection_lost,
         "pc_id": answer.get("pc_id"), "received_frames": received["frames"], "t0": line.t0,
         "speech_intervals": caller.speech_intervals,
         "events": [{"sample": e.sample, "kind": e.kind, "name": e.name, "text": e.text} for e in caller.events],
@@ -212,8 +223,10 @@ def main(argv=None) -> int:
         use_loopback_only()
     result = asyncio.run(run_call(args.url, default_script(reply_timeout_s=args.reply_timeout), args.out,
                                   max_call_s=args.max_call_seconds))
-    print(json.dumps({k: result[k] for k in ("duration_s", "connect_s", "timed_out", "received_frames")}))
-    return 1 if result["timed_out"] else 0
+    print(json.dumps({k: result[k] for k in ("duration_s", "connect_s", "timed_out", "connection_lost", "received_frames")}))
+    if result["connection_lost"]:
+        return EXIT_CONNECTION_LOST
+    return EXIT_TIMED_OUT if result["timed_out"] else 0
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ async def webrtc_call(engine, out_dir, *, config: ServerConfig | None = None, re
         teardown_s = time.monotonic() - closed_at
         ended = server.ended[-1] if server.ended else None
     result = caller_side_result(out)
-    result.log = ended.agent.call.log if ended is not None else None
+    result.log = ended.log if ended is not None else None
     result.report = build_report(result, {"transport": "webrtc (aiortc caller process, loopback)",
                                           "call_id": ended.call_id if ended else None,
                                           "connect_s": result.connect_s, "server_teardown_s": round(teardown_s, 2),
