@@ -11,7 +11,10 @@
 * long call: one real-time simulated call of 100 caller turns with a rolling history window;
   per-turn first-audio latency and RSS over the call, first third vs last third.
 
-Writes benchmarks/results/soak.md (+ soak.json, soak_rss.png, soak_long_call.png).
+Writes benchmarks/results/soak.md (+ soak.json, soak_rss.png, soak_long_call.png) and its section
+of BENCHMARKS.md. A run replaces only the rows it measured (one per transport and call count), so
+``--parts webrtc --calls 4`` adds a 4-call row next to the 8-call ones. A WebRTC call whose peer
+connection fails before the caller's script ends counts as a lost connection (a dropped call).
 """
 
 from __future__ import annotations
