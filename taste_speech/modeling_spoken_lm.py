@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.utils import ModelOutput
 
 from taste_speech.configuration_taste import TasteConfig
+from taste_speech.lm_cache import CACHE_KINDS, DynamicLMCache, StaticLMCache
 from taste_speech.modeling_rvq import ResidualVQ
 from taste_speech.sampler import Action, Decision, TasteAction, TasteSampler
 
@@ -35,6 +36,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 IGNORE = -1
 TASTE_LOGIT_SCALE = 1000.0  # the head's "logits" are one-hot x 1000
 MODES = ("audio", "text", "zero", "instruct")
+DEFAULT_STATIC_ROWS = 1024  # a static cache's first capacity (it grows when a decode needs more)
 
 
 class WeightedSumFusion(nn.Module):
@@ -117,7 +119,7 @@ class StepHeads:
 class LMDecodeState:
     """Explicit state of one KV-cached decode."""
 
-    cache: DynamicCache
+    cache: DynamicLMCache | StaticLMCache
     input_ids: list[int]  # every id so far, for the repetition penalty
     audio_vec: torch.Tensor  # (dim,) audio side of the next fused row
     pending_audio: torch.Tensor | None = None  # 'audio' mode: the prompt's withheld last-word code
@@ -126,18 +128,14 @@ class LMDecodeState:
 
     @property
     def length(self) -> int:
-        return self.cache.get_seq_length()
+        return self.cache.length
 
     def inputs_embeds(self) -> torch.Tensor:
         return torch.cat(self.rows, dim=1)
 
     def crop(self, length: int) -> None:
         """Forget every row after the first ``length`` (cache and row record)."""
-        drop = self.length - length
-        if drop < 0:
-            raise ValueError(f"cannot crop a decode state of {self.length} rows to {length}")
-        if drop:
-            self.cache.crop(-drop)  # transformers >= 5 takes the number of rows to remove
+        self.cache.crop(length)
         kept, total = [], 0
         for block in self.rows:
             if total + block.shape[1] <= length:
@@ -387,9 +385,25 @@ class TasteSpokenLM(nn.Module):
         )
 
     # -- KV-cached decoding -----------------------------------------------------------------------
-    def new_decode_state(self, input_ids=None, pending_audio: torch.Tensor | None = None) -> LMDecodeState:
-        return LMDecodeState(cache=DynamicCache(), input_ids=list(input_ids or []), audio_vec=self.pad_audio(),
-                             pending_audio=pending_audio)
+    def new_cache(self, kind: str = "auto", capacity: int | None = None, graph_mode: str = "auto"):
+        """A KV cache for one decode: 'static' (preallocated ``capacity`` rows, decode steps replayed
+        as CUDA graphs on CUDA - see ``lm_cache``), 'dynamic' (grows by concatenation), or 'auto':
+        static on CUDA, dynamic elsewhere (on CPU the growing cache is faster: it attends to the
+        rows fed so far only)."""
+        if kind == "auto":
+            kind = "static" if self.embed_tokens.weight.device.type == "cuda" else "dynamic"
+        if kind == "dynamic":
+            return DynamicLMCache()
+        if kind == "static":
+            return StaticLMCache(self.causal_lm.config, capacity or DEFAULT_STATIC_ROWS,
+                                 device=self.embed_tokens.weight.device, dtype=self.lm_dtype, graph_mode=graph_mode)
+        raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
+
+    def new_decode_state(self, input_ids=None, pending_audio: torch.Tensor | None = None,
+                         cache=None) -> LMDecodeState:
+        """``cache``: from ``new_cache`` (default: ``new_cache('auto')``)."""
+        return LMDecodeState(cache=self.new_cache() if cache is None else cache, input_ids=list(input_ids or []),
+                             audio_vec=self.pad_audio(), pending_audio=pending_audio)
 
     def feed(self, state: LMDecodeState, rows: torch.Tensor) -> torch.Tensor:
         """Append rows (1, T, H) to the cache (positions continue after the cached ones); returns
@@ -397,8 +411,7 @@ class TasteSpokenLM(nn.Module):
         if rows.dim() != 3 or rows.shape[0] != 1 or rows.shape[1] == 0:
             raise ValueError(f"rows must have shape (1, T>0, H), got {tuple(rows.shape)}")
         rows = rows.to(self.lm_dtype)
-        out = self.backbone(inputs_embeds=rows, past_key_values=state.cache, use_cache=True)
-        state.last_hidden = out.last_hidden_state[:, -1]
+        state.last_hidden = state.cache.feed(self.backbone, rows)
         state.rows.append(rows)
         return state.last_hidden
 
@@ -475,16 +488,17 @@ class TasteSpokenLM(nn.Module):
                  llm_indices=None, llm_word_ids=None, instruct_prefix_ids=None, instruct_suffix_ids=None,
                  stop_id=None, extra_words: int | None = None, max_steps: int | None = 4096,
                  use_cache: bool = True, generator: torch.Generator | None = None,
-                 context: InitialContext | None = None) -> GenerationOutput:
+                 context: InitialContext | None = None, cache_kind: str = "auto") -> GenerationOutput:
         """The original generate loop (§5.2) with a KV cache, or (``use_cache=False``) recomputing
         the whole sequence and both heads on every position at each step like the original.
         ``context`` replaces the mode's initial rows (any prompt layout); ``stop_id`` may be one id
         or several. ``max_steps`` guards models that never reach the end rules (the original has
-        no limit)."""
+        no limit). ``cache_kind``: see ``new_cache``."""
         if context is None:
             context = self.initial_context(mode, rvq, llm_token_ids, llm_indices, llm_word_ids,
                                            instruct_prefix_ids, instruct_suffix_ids)
-        state = self.new_decode_state(context.input_ids, context.pending_audio)
+        cache = self.new_cache(cache_kind, capacity=context.rows.shape[1] + 256) if use_cache else None
+        state = self.new_decode_state(context.input_ids, context.pending_audio, cache=cache)
         sstate = sampler.reset(has_prefix=context.has_prefix, stop_id=stop_id, extra_words=extra_words)
         trace = GenerationTrace()
         gen_ids: list[int] = []

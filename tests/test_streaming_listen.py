@@ -29,6 +29,7 @@ from taste_speech.verify import Golden
 from taste_speech.verify.points_spoken_lm import PieceTokenizer, load_golden_spoken_lm
 
 FORMATS = [CONTINUATION, INSTRUCT, DIALOGUE]
+CACHE_KINDS = ["dynamic", "static"]  # the growing LM cache (CPU default) and the preallocated one (CUDA default)
 
 
 def voiced(seconds=1.5, rate=16000, seed=0):
@@ -229,12 +230,13 @@ def test_emission_policies_concatenate_to_the_same_reply(golden, golden_model, g
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_greedy_streaming_equals_the_no_cache_loop(model, processor, user_turn, fmt):
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_greedy_streaming_equals_the_no_cache_loop(model, processor, user_turn, fmt, cache_kind):
     if fmt == DIALOGUE:  # make sure the model answers (the random tiny model may hand the turn back)
         model, conv = forced_choice(model, processor, user_turn, "assistant")
         items = run(model, processor, [], conversation=conv, text_top_p=0.0, extra_words=3)
     else:
-        conv = Conversation(model, processor, prompt_format=fmt)
+        conv = Conversation(model, processor, prompt_format=fmt, cache_kind=cache_kind)
         items = run(model, processor, [user_turn], conversation=conv, text_top_p=0.0, extra_words=3)
     reply = reply_of(items)
     lm, rvq = model.spoken_lm, model.audio_tower.vq.rvq
@@ -362,8 +364,8 @@ def assert_cache_equals_fresh_build(model, processor, conv):
     assert fresh.state.committed_rows == conv.state.committed_rows == conv.state.decode.length
     assert fresh.state.decode.input_ids == conv.state.decode.input_ids
     assert (fresh.state.decode.inputs_embeds() - conv.state.decode.inputs_embeds()).abs().max() < 1e-6
-    for a, b in zip(fresh.state.decode.cache.layers, conv.state.decode.cache.layers):
-        assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
+    for (ka, va), (kb, vb) in zip(fresh.state.decode.cache.keys_values(), conv.state.decode.cache.keys_values()):
+        assert torch.allclose(ka, kb, atol=1e-5) and torch.allclose(va, vb, atol=1e-5)
     assert (fresh.state.committed_hidden - conv.state.committed_hidden).abs().max() < 1e-5
     if conv.state.carry is None:
         assert fresh.state.carry is None
@@ -371,10 +373,11 @@ def assert_cache_equals_fresh_build(model, processor, conv):
         assert torch.allclose(fresh.state.carry, conv.state.carry)
 
 
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_turns_reuse_the_prefix_cache(model, processor, user_turn, second_turn, fmt):
+def test_turns_reuse_the_prefix_cache(model, processor, user_turn, second_turn, fmt, cache_kind):
     system = text_segment(processor, "system", " be kind")
-    conv = Conversation(model, processor, system=system, prompt_format=fmt)
+    conv = Conversation(model, processor, system=system, prompt_format=fmt, cache_kind=cache_kind)
     run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
     assert_cache_equals_fresh_build(model, processor, conv)
     fed = []
@@ -395,9 +398,10 @@ def test_turns_reuse_the_prefix_cache(model, processor, user_turn, second_turn, 
     assert_cache_equals_fresh_build(model, processor, conv)
 
 
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_truncate_to_played_words(model, processor, user_turn, second_turn, fmt):
-    conv = Conversation(model, processor, prompt_format=fmt)
+def test_truncate_to_played_words(model, processor, user_turn, second_turn, fmt, cache_kind):
+    conv = Conversation(model, processor, prompt_format=fmt, cache_kind=cache_kind)
     items = run(model, processor, [user_turn], conversation=conv, text_top_p=0.0, extra_words=4)
     if items[-1]["completion_reason"] != "finished":
         conv.add_turn(TASTESegment("assistant", "audio", user_turn.text_ids, user_turn.taste_ids))
@@ -418,23 +422,25 @@ def test_truncate_to_played_words(model, processor, user_turn, second_turn, fmt)
         assert_cache_equals_fresh_build(model, processor, conv)
 
 
-def test_rolling_window_keeps_the_system_segment(model, processor, user_turn, second_turn):
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_rolling_window_keeps_the_system_segment(model, processor, user_turn, second_turn, cache_kind):
     system = text_segment(processor, "system", " be kind")
-    conv = Conversation(model, processor, system=system, max_turns=3)
+    conv = Conversation(model, processor, system=system, max_turns=3, cache_kind=cache_kind)
     for turn in [user_turn, second_turn, user_turn, second_turn, user_turn]:
         conv.add_turn(turn)
     assert len(conv.turns) == 3 and conv.system is system
     assert [t.length for t in conv.turns] == [user_turn.length, second_turn.length, user_turn.length]
     assert_cache_equals_fresh_build(model, processor, conv)
-    small = Conversation(model, processor, system=system, max_tokens=2 * user_turn.length + 2)
+    small = Conversation(model, processor, system=system, max_tokens=2 * user_turn.length + 2, cache_kind=cache_kind)
     for turn in [user_turn, user_turn, user_turn]:
         small.add_turn(turn)
     assert small.state.committed_rows <= small.max_tokens and len(small.turns) == 1
     assert_cache_equals_fresh_build(model, processor, small)
 
 
-def test_snapshot_and_restore(model, processor, user_turn, second_turn):
-    conv = Conversation(model, processor)
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_snapshot_and_restore(model, processor, user_turn, second_turn, cache_kind):
+    conv = Conversation(model, processor, cache_kind=cache_kind)
     run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
     snap = conv.snapshot()
     first = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))

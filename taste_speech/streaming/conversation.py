@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from taste_speech.lm_cache import CACHE_KINDS
 from taste_speech.modeling_spoken_lm import LMDecodeState
 from taste_speech.streaming.prompt import CONTINUATION, PromptFormat
 from taste_speech.streaming.segment import TASTESegment
+
+
+REPLY_ROWS = 512  # room a static cache keeps beyond the window for the reply in progress
 
 
 @dataclass
@@ -45,10 +49,12 @@ class ConversationState:
 
 class Conversation:
     def __init__(self, model, processor, system: TASTESegment | None = None, prompt_format: str = CONTINUATION,
-                 max_tokens: int = 4096, max_turns: int = 64):
+                 max_tokens: int = 4096, max_turns: int = 64, cache_kind: str = "auto"):
         """``model``: a TasteForCausalLM (anything with ``.spoken_lm`` and ``.audio_tower.vq.rvq``);
         ``processor``: anything with ``.llm_tokenizer``. ``max_tokens`` bounds the cached rows
-        of the committed history, ``max_turns`` its number of turns (system excluded)."""
+        of the committed history, ``max_turns`` its number of turns (system excluded).
+        ``cache_kind``: the LM cache (``TasteSpokenLM.new_cache``; 'auto' = static with CUDA-graph
+        decode steps on CUDA, sized for the window plus a reply)."""
         if system is not None and (not isinstance(system, TASTESegment) or system.role != "system"):
             raise ValueError("the system segment must be a TASTESegment with role 'system'")
         if max_tokens < 1 or max_turns < 1:
@@ -57,6 +63,9 @@ class Conversation:
         self.processor = processor
         self.format = PromptFormat(model.spoken_lm, model.audio_tower.vq.rvq, processor.llm_tokenizer, prompt_format)
         self.max_tokens, self.max_turns = int(max_tokens), int(max_turns)
+        if cache_kind not in CACHE_KINDS:  # fail here, not in the middle of a call
+            raise ValueError(f"cache_kind must be one of {CACHE_KINDS}, got {cache_kind!r}")
+        self.cache_kind = cache_kind
         self.state = ConversationState(system=system)
 
     @property
@@ -81,7 +90,7 @@ class Conversation:
         """Prefill the whole committed history (first use, or after the window moved / a turn in
         the middle changed)."""
         st = self.state
-        decode = self.lm.new_decode_state()
+        decode = self.lm.new_decode_state(cache=self.lm.new_cache(self.cache_kind, self.max_tokens + REPLY_ROWS))
         rows = [self.format.sos_rows()]
         carry = None
         if st.system is not None:

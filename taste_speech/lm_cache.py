@@ -1,0 +1,171 @@
+"""KV caches of the spoken LM's Llama: a growing one (CPU, debugging) and a preallocated one whose
+one-row decode step is captured as a CUDA graph (the fast path on CUDA).
+
+Both hold the keys/values of every row fed so far and share one interface, used by
+``TasteSpokenLM.feed`` and ``LMDecodeState``:
+
+    cache.length                       rows fed so far
+    cache.feed(backbone, rows) -> (1, H) hidden state of the last row (rows: (1, T, H))
+    cache.crop(length)                 forget every row after the first ``length``
+    cache.keys_values()                per layer (keys, values) of the rows fed so far
+
+``StaticLMCache`` keeps ``capacity`` rows preallocated (transformers' ``StaticCache``; its per-layer
+length counters are device tensors that every forward advances in place). A stale row beyond the
+current length is never seen: every query is masked to the keys at or before its own position, so
+``crop`` only moves the counters back. Feeding past the capacity grows the cache (a copy, and the
+graph is captured again). A multi-row feed (prefill, a new turn) runs eagerly; a one-row feed (a
+decode step) copies the row into a static buffer and replays the captured step.
+
+Copies (``copy.deepcopy``, e.g. ``Conversation.snapshot``) copy the keys/values but never the graph:
+a copy captures its own at its first step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+from taste_speech.step_graph import StepGraph, resolve_mode
+
+CACHE_KINDS = ("auto", "static", "dynamic")
+DEFAULT_CAPACITY = 1024
+_GROW_QUANTUM = 256  # capacities are multiples of this (fewer distinct shapes to capture)
+
+
+class DynamicLMCache:
+    """transformers' growing ``DynamicCache``: every feed concatenates (new shapes every step)."""
+
+    def __init__(self):
+        self.kv = DynamicCache()
+
+    @property
+    def length(self) -> int:
+        return self.kv.get_seq_length()
+
+    def feed(self, backbone, rows: torch.Tensor) -> torch.Tensor:
+        out = backbone(inputs_embeds=rows, past_key_values=self.kv, use_cache=True)
+        return out.last_hidden_state[:, -1]
+
+    def keys_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values) of the rows fed so far, (1, kv_heads, length, head_dim) each."""
+        return [(layer.keys, layer.values) for layer in self.kv.layers]
+
+    def crop(self, length: int) -> None:
+        _check_crop(self.length, length)
+        drop = self.length - length
+        if drop:
+            self.kv.crop(-drop)  # transformers >= 5 takes the number of rows to remove
+
+
+class StaticLMCache:
+    def __init__(self, config, capacity: int = DEFAULT_CAPACITY, *, device, dtype: torch.dtype,
+                 graph_mode: str = "auto"):
+        """``config``: the Llama config; ``graph_mode``: see ``step_graph`` ('auto' captures on CUDA)."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 row, got {capacity}")
+        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.graph_mode = resolve_mode(graph_mode, self.device)
+        self._allocate(_round_up(capacity))
+        self._length = 0
+
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.kv = StaticCache(config=self.config, max_cache_len=capacity)
+        self.key_positions = torch.arange(capacity, device=self.device)
+        self._row = torch.zeros(1, 1, self.config.hidden_size, device=self.device, dtype=self.dtype)
+        self._step: StepGraph | None = None
+
+    # -- the interface ------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def captured(self) -> bool:
+        """Whether decode steps replay a CUDA graph."""
+        return self._step is not None and self._step.captured
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return None if self._step is None else self._step.fallback_reason
+
+    def feed(self, backbone, rows: torch.Tensor) -> torch.Tensor:
+        t = rows.shape[1]
+        if self._length + t > self.capacity:
+            self._grow(self._length + t)
+        if t == 1 and self._initialized:
+            if self._step is None:
+                self._step = StepGraph(lambda: self._decode_step(backbone), self.device, self.graph_mode,
+                                       rewind=lambda: self._set_length(self._length), name="spoken LM step")
+            self._row.copy_(rows)
+            hidden = self._step.run().clone()  # the graph's output buffer is overwritten next step
+        else:
+            positions = torch.arange(self._length, self._length + t, device=self.device)
+            out = backbone(inputs_embeds=rows, past_key_values=self.kv, attention_mask=self._mask(positions),
+                           position_ids=positions.unsqueeze(0), use_cache=True)
+            hidden = out.last_hidden_state[:, -1]
+        self._length += t
+        return hidden
+
+    def keys_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        n = self._length
+        return [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in self.kv.layers]
+
+    def crop(self, length: int) -> None:
+        _check_crop(self._length, length)
+        self._set_length(length)
+
+    # -- internals ----------------------------------------------------------------------------------
+    @property
+    def _initialized(self) -> bool:
+        return all(layer.is_initialized for layer in self.kv.layers)
+
+    def _set_length(self, length: int) -> None:
+        """Move every layer's write position (a device counter) to ``length``."""
+        self._length = length
+        for layer in self.kv.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(length)
+            else:
+                layer.cumulative_length = torch.tensor(length, dtype=torch.long)
+
+    def _mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """(1, 1, T, capacity) additive mask: query at position p sees the keys at 0..p only."""
+        visible = self.key_positions.unsqueeze(0) <= positions.unsqueeze(1)
+        blocked = torch.finfo(self.dtype).min
+        return torch.where(visible, 0.0, blocked).to(self.dtype)[None, None]
+
+    def _decode_step(self, backbone) -> torch.Tensor:
+        """One row from the static buffer at the current device-side position (graph-safe)."""
+        position = self.kv.layers[0].cumulative_length.view(1).clone()
+        out = backbone(inputs_embeds=self._row, past_key_values=self.kv, attention_mask=self._mask(position),
+                       position_ids=position.view(1, 1), use_cache=True)
+        return out.last_hidden_state[:, -1]
+
+    def _grow(self, needed: int) -> None:
+        old, length = self.kv, self._length
+        self._allocate(max(_round_up(needed), 2 * self.capacity))
+        if all(layer.is_initialized for layer in old.layers):
+            for new_layer, old_layer in zip(self.kv.layers, old.layers):
+                new_layer.lazy_initialization(old_layer.keys[:, :, :1], old_layer.values[:, :, :1])  # sizes it
+                new_layer.keys[:, :, :length] = old_layer.keys[:, :, :length]
+                new_layer.values[:, :, :length] = old_layer.values[:, :, :length]
+        self._set_length(length)
+
+    def __deepcopy__(self, memo):
+        twin = copy.copy(self)
+        twin.kv = copy.deepcopy(self.kv, memo)
+        twin._row = torch.zeros_like(self._row)
+        twin._step = None  # a graph is bound to this cache's tensors: the copy captures its own
+        return twin
+
+
+def _round_up(rows: int) -> int:
+    return -(-int(rows) // _GROW_QUANTUM) * _GROW_QUANTUM
+
+
+def _check_crop(have: int, length: int) -> None:
+    if not 0 <= length <= have:
+        raise ValueError(f"cannot crop a decode state of {have} rows to {length}")
