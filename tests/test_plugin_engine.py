@@ -117,3 +117,17 @@ def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):
     assert prev_speech[0].tolist() == tokens
     assert ours.shape == theirs.shape and np.array_equal(ours, theirs)
     assert session.speech_samples(len(tokens), 16000) == pytest.approx(ours.size, abs=16000 * 0.03)
+
+
+def test_generation_settings_default_to_the_samplers_defaults():
+    """The plugin repeats the model library's sampling defaults (importing them would make
+    ``import pipecat_taste`` import torch): this keeps the two from drifting apart."""
+    import dataclasses
+
+    from taste_speech.sampler import SamplingParams
+
+    plugin, library = GenerationSettings(), SamplingParams()
+    shared = {f.name for f in dataclasses.fields(SamplingParams)} & {f.name for f in dataclasses.fields(GenerationSettings)}
+    assert shared == {"text_top_p", "taste_top_p", "text_temperature", "repetition_penalty"}
+    for name in sorted(shared):
+        assert getattr(plugin, name) == getattr(library, name), name
