@@ -28,6 +28,12 @@ Token by token (for streaming)::
     while (token := decoder.step(state, sampler)) is not None:
         ...
 
+Cache: ``start`` takes a cache from ``new_cache`` (default ``new_cache('auto')``): 'dynamic' is the
+growing ``KVCache`` (the CPU default and the reference), 'static' the preallocated
+``StaticSpeechCache`` whose one-token step is replayed as a CUDA graph (the default on CUDA; see
+``speech_decoder_cache``). A caller may keep one cache for many utterances (a call): ``start``
+empties it, and a static cache keeps its captured step.
+
 ``state.clone()`` forks a decode; ``decoder.force_tokens(state, ids)`` appends known tokens (e.g.
 to continue an utterance from tokens already played). Because the encoders and the AR decoder
 are causal, the rows ``[SOS, speaker, F_0..F_{L-1}]`` do not change when words are appended; but
@@ -46,8 +52,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from taste_speech.configuration_taste import TasteConfig
-from taste_speech.espnet_transformer import KVCache, RelPositionTransformer
+from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, KVCache, RelPositionTransformer
 from taste_speech.modeling_rvq import ResidualVQ
+from taste_speech.speech_decoder_cache import CACHE_KINDS, DEFAULT_CAPACITY, StaticSpeechCache
+from taste_speech.step_graph import MODES as GRAPH_MODES
 
 IGNORE = -1
 # The TASTE ("audio token") encoder's block settings are fixed in the original code, not in the
@@ -134,7 +142,7 @@ class SpeechDecoderOutput:
 class SpeechDecodeState:
     """Everything one batch-1 decode needs between steps."""
 
-    cache: KVCache  # the AR decoder's per-layer keys/values of every fed position
+    cache: KVCache | StaticSpeechCache  # the AR decoder's per-layer keys/values of every fed position
     prefix: torch.Tensor  # (1, P, d) the conditioning rows fed first
     min_len: int  # EOS is not accepted while fewer tokens were generated
     max_len: int  # at most this many tokens
@@ -144,6 +152,7 @@ class SpeechDecodeState:
     step_logprobs: list[torch.Tensor] | None = None  # per decision, when recording
     finished: bool = False
     stop_reason: str | None = None  # 'eos' | 'max_len'
+    cache_epoch: int = 0  # a static cache's epoch at start (a later start on the same cache bumps it)
 
     @property
     def prefix_length(self) -> int:
@@ -161,7 +170,7 @@ class SpeechDecodeState:
             max_len=self.max_len, tokens=list(self.tokens), next_logp=self.next_logp,
             pending_token=self.pending_token,
             step_logprobs=None if self.step_logprobs is None else list(self.step_logprobs),
-            finished=self.finished, stop_reason=self.stop_reason,
+            finished=self.finished, stop_reason=self.stop_reason, cache_epoch=self.cache_epoch,
         )
 
 
@@ -411,28 +420,73 @@ class TasteSpeechDecoder(nn.Module):
             raise ValueError(f"prefix must be (1, P, {self.llm.input_size}) - see prefix_embeds(); "
                              f"got {tuple(prefix.shape)}")
 
+    def new_cache(self, kind: str = "auto", capacity: int | None = None,
+                  graph_mode: str = "auto") -> KVCache | StaticSpeechCache:
+        """A cache for ``start``: 'static' (``capacity`` positions preallocated, default 1024, grown
+        when needed; one-token steps run by a ``StepGraph`` in ``graph_mode``: 'auto' = a CUDA graph
+        on CUDA), 'dynamic' (the growing ``KVCache``), or 'auto': static when the weights are on
+        CUDA, dynamic elsewhere (on CPU the growing cache is faster: it attends to the positions fed
+        so far only)."""
+        if kind not in CACHE_KINDS:
+            raise ValueError(f"cache kind must be one of {CACHE_KINDS}, got {kind!r}")
+        if graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {graph_mode!r}")
+        if kind == "auto":
+            kind = "static" if self.device.type == "cuda" else "dynamic"
+        if kind == "dynamic":
+            return self.llm.new_cache()
+        return StaticSpeechCache(self, DEFAULT_CAPACITY if capacity is None else int(capacity), graph_mode=graph_mode)
+
     @torch.no_grad()
     def start(self, prefix: torch.Tensor, min_len: int | None = None, max_len: int | None = None,
-              record_logprobs: bool = False) -> SpeechDecodeState:
+              record_logprobs: bool = False, cache: KVCache | StaticSpeechCache | None = None) -> SpeechDecodeState:
         """Feed the whole prefix once (causally); the state then holds the log-probs of the first
-        decision. Limits default to the original's (2P, 20P)."""
+        decision. Limits default to the original's (2P, 20P). ``cache``: from ``new_cache``
+        (default: a new ``new_cache('auto')``); a given cache is emptied and reused, which ends
+        the decode that used it before."""
         self._check_prefix(prefix)
+        if cache is None:
+            cache = self.new_cache()
+        elif isinstance(cache, StaticSpeechCache):
+            if cache.llm is not self.llm:
+                raise ValueError("this static cache was made by another speech decoder: use this decoder's "
+                                 "new_cache()")
+            cache.reset()
+        elif isinstance(cache, KVCache):
+            if len(cache.layers) != len(self.llm.encoders):
+                raise ValueError("this KVCache belongs to a transformer with a different number of blocks")
+            cache.truncate(0)
+        else:
+            raise TypeError(f"cache must come from new_cache() (KVCache or StaticSpeechCache), got "
+                            f"{type(cache).__name__}")
         default_min, default_max = self.length_limits(prefix.shape[1])
         state = SpeechDecodeState(
-            cache=self.llm.new_cache(), prefix=prefix,
+            cache=cache, prefix=prefix,
             min_len=default_min if min_len is None else int(min_len),
             max_len=default_max if max_len is None else int(max_len),
             step_logprobs=[] if record_logprobs else None,
+            cache_epoch=getattr(cache, "epoch", 0),
         )
         if state.max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {state.max_len}")
         state.next_logp = self.feed(state, prefix)
         return state
 
+    @staticmethod
+    def _check_cache_owner(state: SpeechDecodeState) -> None:
+        if getattr(state.cache, "epoch", 0) != state.cache_epoch:
+            raise ValueError("this decode's cache was taken over by a later start(..., cache=...): a shared cache "
+                             "serves one decode at a time (clone() the state first to keep decoding it)")
+
     @torch.no_grad()
     def feed(self, state: SpeechDecodeState, rows: torch.Tensor) -> torch.Tensor:
         """Append rows (1, t, d) to the decoder cache; returns the log-probs (V+1,) after the last."""
-        hidden = self.llm.forward_incremental(rows.to(self.dtype), state.cache)
+        self._check_cache_owner(state)
+        rows = rows.to(self.dtype)
+        if isinstance(state.cache, StaticSpeechCache):
+            hidden = state.cache.forward(rows)  # eager, on the preallocated slots
+        else:
+            hidden = self.llm.forward_incremental(rows, state.cache)
         return self.llm_decoder(hidden[:, -1]).float().log_softmax(dim=-1)[0]
 
     @torch.no_grad()
@@ -443,8 +497,12 @@ class TasteSpeechDecoder(nn.Module):
             return None
         sampler = GreedySampler() if sampler is None else sampler
         if state.next_logp is None:  # feed the previous token only now: no wasted final forward
-            token_row = self.speech_embedding.weight[state.pending_token].view(1, 1, -1)
-            state.next_logp = self.feed(state, token_row)
+            if isinstance(state.cache, StaticSpeechCache):
+                self._check_cache_owner(state)
+                state.next_logp = state.cache.decode_step(state.pending_token)  # the captured step
+            else:
+                token_row = self.speech_embedding.weight[state.pending_token].view(1, 1, -1)
+                state.next_logp = self.feed(state, token_row)
             state.pending_token = None
         logp = state.next_logp
         if state.step_logprobs is not None:
@@ -494,11 +552,17 @@ class TasteSpeechDecoder(nn.Module):
     @torch.no_grad()
     def generate(self, prefix: torch.Tensor, sampler: SpeechTokenSampler | None = None,
                  min_len: int | None = None, max_len: int | None = None,
-                 return_logprobs: bool = False) -> SpeechGeneration:
+                 return_logprobs: bool = False, cache_kind: str = "auto",
+                 graph_mode: str = "auto") -> SpeechGeneration:
         """Decode a whole utterance with the KV cache. ``sampler`` defaults to the original's
-        ``TopKSampler()`` (unseeded); pass ``GreedySampler()`` for deterministic output."""
+        ``TopKSampler()`` (unseeded); pass ``GreedySampler()`` for deterministic output.
+        ``cache_kind`` / ``graph_mode``: see ``new_cache`` (a static cache is sized for the whole
+        utterance)."""
         sampler = TopKSampler() if sampler is None else sampler
-        state = self.start(prefix, min_len, max_len, record_logprobs=return_logprobs)
+        self._check_prefix(prefix)
+        needed = prefix.shape[1] + (self.length_limits(prefix.shape[1])[1] if max_len is None else int(max_len))
+        cache = self.new_cache(cache_kind, capacity=max(1, min(needed, MAX_CACHED_POSITIONS)), graph_mode=graph_mode)
+        state = self.start(prefix, min_len, max_len, record_logprobs=return_logprobs, cache=cache)
         while self.step(state, sampler) is not None:
             pass
         return self._result(state.tokens, state.stop_reason, state.step_logprobs, prefix.device)

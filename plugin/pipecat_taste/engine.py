@@ -177,6 +177,7 @@ class TasteSession:
         self.voice = torch.as_tensor(voice).float().reshape(1, -1)
         self._lm_generator = torch.Generator().manual_seed(settings.seed)
         self._speech_generator = torch.Generator().manual_seed(settings.seed + 1)
+        self._speech_cache = None  # the speech decoder's cache, reused by every segment of the call
         self._synthesis_generator = torch.Generator().manual_seed(settings.seed + 2)
         self._last_reply_words = 0  # words of the newest assistant turn in the conversation
 
@@ -280,7 +281,9 @@ class TasteSession:
             audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste.to(device), aligned.asr_word_ids.to(device))
             prefix = decoder.prefix_embeds(self.voice.to(device), audio_embeds, aligned.asr_token_ids.to(device))
             min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
-            dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len)
+            if self._speech_cache is None:  # static with a captured step on CUDA: captured once per call
+                self._speech_cache = decoder.new_cache()
+            dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=self._speech_cache)
             if state.prev_speech_ids:
                 prev = torch.tensor([state.prev_speech_ids], dtype=torch.long, device=device)
                 dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev))

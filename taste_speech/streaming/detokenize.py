@@ -158,6 +158,7 @@ def taste_detokenize_stream(
     policy: EmissionPolicy | str = "low_latency",
     sampler=None,
     generator: Optional[torch.Generator] = None,
+    decoder_cache=None,
 ) -> Iterator[dict]:
     """Like :func:`taste_detokenize`, yielding audio chunks while the speech tokens are generated.
 
@@ -197,7 +198,7 @@ def taste_detokenize_stream(
 
     # 2. the speech decoder, continuing the previous segment's speech tokens
     min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
-    dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len)
+    dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=decoder_cache)
     if prev_speech_ids.shape[1]:
         dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev_speech_ids.to(device)))
     sampler = TopKSampler(generator=generator) if sampler is None else sampler
@@ -269,7 +270,9 @@ def taste_detokenize(
         keyword-only: voice_generator, state (continuity from the previous call), final (this segment
             ends the utterance: flush and fade out; default True), policy ('low_latency' | 'quality' |
             EmissionPolicy), sampler (speech-token sampler; the original's top-25 by default),
-            generator (torch.Generator for sampling and synthesis noise).
+            generator (torch.Generator for sampling and synthesis noise), decoder_cache (from
+            ``model.speech_decoder.new_cache()``, kept by the caller and passed to every call: on CUDA
+            its captured decode step is reused instead of captured per segment).
 
     Returns a dict: ``audio_waveform`` (1, T) float32, ``sampling_rate``, ``chunk_duration_ms``,
     ``speech_ids`` (1, Q + n): previous plus new speech tokens (pass as ``prev_speech_ids`` next time),
