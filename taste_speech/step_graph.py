@@ -94,7 +94,8 @@ class StepGraph(Generic[Outputs]):
                 self._warm_up()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: other calls keep using the GPU from their own threads during a capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.outputs = self.step()
             self.graph = graph
         except Exception as error:  # a step that cannot be captured still runs, eagerly

@@ -1,0 +1,80 @@
+"""The CUDA-graph paths on a real GPU (skipped without CUDA; CI has none - run this file on the GPU
+machine: ``python -m pytest -q tests/test_gpu_graphs.py``). The CPU tests of the same code paths
+(static caches, the capture protocol rehearsed) are test_static_decoding.py and
+test_speech_decoder_static.py; here the steps are really captured and replayed, in float32 on the
+golden tiny checkpoint, and must emit the eager path's greedy ids."""
+
+import pytest
+import torch
+
+from taste_speech.verify import Golden
+from taste_speech.verify.points_spoken_lm import golden_sampler, load_golden_spoken_lm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def golden(taste_lm_tiny_a):
+    return Golden(str(taste_lm_tiny_a))
+
+
+@pytest.fixture(scope="module")
+def loaded(golden):
+    return load_golden_spoken_lm(golden.dir).to("cuda")
+
+
+def on_cuda(golden, key):
+    return golden[key].to("cuda")
+
+
+def test_spoken_lm_graphed_greedy_equals_eager(golden, loaded):
+    lm, rvq = loaded.spoken_lm, loaded.audio_tower.vq.rvq
+    prompt = dict(llm_token_ids=on_cuda(golden, "in.llm_token_ids"), llm_indices=on_cuda(golden, "a.out.llm_indices"),
+                  llm_word_ids=on_cuda(golden, "in.llm_word_ids"))
+    with torch.no_grad():
+        eager = lm.generate(rvq, golden_sampler(golden, extra_words=6), "audio", max_steps=60, cache_kind="dynamic",
+                            **prompt)
+        graphed = lm.generate(rvq, golden_sampler(golden, extra_words=6), "audio", max_steps=60, cache_kind="static",
+                              **prompt)
+    assert torch.equal(graphed.token_ids, eager.token_ids)
+    assert torch.equal(graphed.taste_rows, eager.taste_rows)
+    diff = (torch.stack(graphed.trace.text_logits_last_raw) - torch.stack(eager.trace.text_logits_last_raw)).abs()
+    assert diff.max() < 1e-3
+
+
+def test_spoken_lm_step_is_really_captured(loaded):
+    lm = loaded.spoken_lm
+    rows = torch.randn(1, 40, lm.causal_lm.config.hidden_size, device="cuda")
+    state = lm.new_decode_state(cache=lm.new_cache("static", capacity=64))
+    reference = lm.new_decode_state(cache=lm.new_cache("dynamic"))
+    with torch.no_grad():
+        lm.feed(state, rows[:, :20]), lm.feed(reference, rows[:, :20])
+        for i in range(20, 40):
+            a, b = lm.feed(state, rows[:, i:i + 1]), lm.feed(reference, rows[:, i:i + 1])
+            assert (a - b).abs().max() < 1e-3
+    assert state.cache.captured, state.cache.fallback_reason
+
+
+def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
+    from safetensors.torch import load_file
+
+    from taste_speech.configuration_taste import TasteConfig
+    from taste_speech.modeling_speech_decoder import TasteSpeechDecoder
+
+    weights = load_file(str(taste_lm_tiny_a / "model.safetensors"))
+    decoder = TasteSpeechDecoder(TasteConfig.from_pretrained(str(taste_lm_tiny_a))).eval()
+    decoder.load_state_dict({k[len("speech_decoder."):]: v for k, v in weights.items()
+                             if k.startswith("speech_decoder.")})
+    decoder.to("cuda")
+    with torch.no_grad():
+        prefix = decoder.prefix_embeds(on_cuda(golden, "in.speaker_embeds"), on_cuda(golden, "d.audio_unit_embeds"),
+                                       on_cuda(golden, "in.asr_token_ids"))
+        eager = decoder.generate(prefix, cache_kind="dynamic")
+        cache = decoder.new_cache("static")
+        state = decoder.start(prefix, cache=cache)
+        tokens = []
+        while (token := decoder.step(state)) is not None:
+            tokens.append(token)
+    assert len(tokens) > 0
+    assert tokens == eager.speech_token_ids[0].tolist()
+    assert cache.captured, cache.fallback_reason
