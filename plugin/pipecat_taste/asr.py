@@ -9,33 +9,80 @@ published model was built around ``openai/whisper-large-v3`` (the checkpoint's `
 
 ``random_tiny`` builds a random tiny Whisper over the tiny checkpoint's ASR tokenizer: like the
 rest of the tiny checkpoint it only exercises the code path (its transcripts are gibberish).
+
+Decoding (``decode``): 'static' is our greedy loop (``whisper_decode``: preallocated cache, the
+one-token step a CUDA graph on CUDA and eager elsewhere, ``graph_mode``); 'dynamic' is
+``model.generate``; 'auto' (default) is the static loop wherever it reproduces ``generate`` for
+the transcriber's settings and ``generate`` otherwise. Unlike the spoken LM's 'auto' it picks the
+static loop on CPU too: only that loop can verify a draft (the incremental ASR below), and it
+gives ``generate``'s ids.
+
+Incremental ASR (``new_turn``): while the user speaks, the capture transcribes the audio so far
+now and then (``TurnTranscript.partial``); at the end of the turn ``TurnTranscript.finish``
+transcribes the whole turn with the latest partial's tokens as a draft.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DECODE_KINDS = ("auto", "static", "dynamic")
+
+
+@dataclass
+class Transcription:
+    text: str
+    ids: list[int]  # the generated token ids (no start tokens, no end-of-text)
+    kept: int = 0  # tokens of the draft that decoding verified and kept
 
 
 class WhisperTranscriber:
     def __init__(self, model, feature_extractor, tokenizer, *, device="cpu", language: str | None = "en",
-                 max_new_tokens: int | None = 128):
+                 max_new_tokens: int | None = 128, decode: str = "auto", graph_mode: str = "auto"):
+        from pipecat_taste.whisper_decode import greedy_plan
+
+        if decode not in DECODE_KINDS:
+            raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
         self.model, self.feature_extractor, self.tokenizer = model.eval(), feature_extractor, tokenizer
         self.device, self.language, self.max_new_tokens = device, language, max_new_tokens
+        self.graph_mode = graph_mode
+        plan = "decode='dynamic' asks for generate" if decode == "dynamic" else \
+            greedy_plan(model, language, "transcribe" if language is not None else None, max_new_tokens)
+        if isinstance(plan, str) and decode == "static":
+            raise ValueError(f"the static Whisper loop cannot decode with these settings: {plan}. "
+                             "Use decode='auto' (falls back to generate) or 'dynamic'.")
+        self.plan = None if isinstance(plan, str) else plan
+        self.generate_reason = plan if isinstance(plan, str) else None  # why generate is used, if it is
+        # Decoding workspaces (static buffers + captured step), one per utterance being decoded:
+        # calls share this transcriber and transcribe on their own threads at the same time.
+        self._workspaces: list = []
+        self._lock = threading.Lock()
+
+    @property
+    def decode(self) -> str:
+        """The path in use: 'static' or 'dynamic' (generate)."""
+        return "static" if self.plan is not None else "dynamic"
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype=None, language: str = "en"):
+    def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype=None, language: str = "en", **kwargs):
         import torch
         from transformers import AutoProcessor, WhisperForConditionalGeneration
 
         processor = AutoProcessor.from_pretrained(name_or_path)
         torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else None
         model = WhisperForConditionalGeneration.from_pretrained(name_or_path, torch_dtype=torch_dtype).to(device)
-        return cls(model, processor.feature_extractor, processor.tokenizer, device=device, language=language)
+        return cls(model, processor.feature_extractor, processor.tokenizer, device=device, language=language, **kwargs)
 
     @classmethod
-    def random_tiny(cls, checkpoint_dir: str, seed: int = 0):
+    def random_tiny(cls, checkpoint_dir: str, seed: int = 0, **kwargs):
         """A random 2-layer Whisper over ``checkpoint_dir/asr_tokenizer`` (tiny checkpoints only)."""
         import torch
         from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -58,17 +105,101 @@ class WhisperTranscriber:
         model.generation_config.forced_decoder_ids = None
         model.generation_config.suppress_tokens = config.suppress_tokens
         model.generation_config.max_length = 7
-        return cls(model, WhisperFeatureExtractor(feature_size=80), tokenizer, language=None, max_new_tokens=None)
+        return cls(model, WhisperFeatureExtractor(feature_size=80), tokenizer, language=None, max_new_tokens=None,
+                   **kwargs)
 
+    # -- transcribing -----------------------------------------------------------------------------
     def __call__(self, audio16k: np.ndarray) -> str:
-        import torch
+        return self.transcribe(audio16k).text
 
+    def transcribe(self, audio16k: np.ndarray, draft: Sequence[int] = ()) -> Transcription:
+        """The transcript of ``audio16k`` (16 kHz mono float32). ``draft``: token ids of an
+        earlier transcript of (a prefix of) the same audio; the static loop keeps the part of it
+        that greedy decoding confirms (same result, less decoding). ``generate`` ignores it."""
+        features = self._features(audio16k)
+        plan = self.plan
+        if plan is not None:
+            workspace = self._borrow(plan)
+            try:
+                ids, kept = workspace.decode(features, draft)
+            except Exception as error:  # a broken fast path must not cost the call its transcripts
+                self.plan = None
+                self.generate_reason = f"the static loop failed ({type(error).__name__}: {error})"
+                logger.warning("Whisper static decoding failed, using generate from now on: %s", error, exc_info=True)
+            else:
+                self._give_back(workspace)
+                return Transcription(self._text(ids), ids, kept)
+        ids = self._generate(features)
+        return Transcription(self._text(ids), ids, 0)
+
+    def new_turn(self) -> "TurnTranscript | None":
+        """Incremental ASR state for one user turn, or None where partials would not help
+        (``generate`` cannot reuse them)."""
+        return TurnTranscript(self) if self.plan is not None else None
+
+    # -- internals --------------------------------------------------------------------------------
+    def _features(self, audio16k: np.ndarray):
         features = self.feature_extractor(np.asarray(audio16k, np.float32), sampling_rate=16000,
                                           return_tensors="pt").input_features
-        features = features.to(self.device, next(self.model.parameters()).dtype)
+        return features.to(self.device, next(self.model.parameters()).dtype)
+
+    def _generate(self, features) -> list[int]:
+        import torch
+
         kwargs = {} if self.max_new_tokens is None else {"max_new_tokens": self.max_new_tokens}
         if self.language is not None:
             kwargs.update(language=self.language, task="transcribe")
         with torch.inference_mode():
-            ids = self.model.generate(features, **kwargs)
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)[0].strip()
+            return self.model.generate(features, **kwargs)[0].tolist()
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def _borrow(self, plan):
+        from pipecat_taste.whisper_decode import StaticWhisperDecoder
+
+        with self._lock:
+            for i, workspace in enumerate(self._workspaces):
+                if workspace.plan is plan:
+                    return self._workspaces.pop(i)
+        return StaticWhisperDecoder(self.model, plan, self.graph_mode)
+
+    def _give_back(self, workspace) -> None:
+        with self._lock:
+            self._workspaces.append(workspace)
+
+
+class TurnTranscript:
+    """Incremental ASR of one user turn (its own state; used from the call's listening thread).
+
+    Why a draft and not "transcribe only the new audio and append": Whisper's transcript of the
+    whole turn depends on all of its audio (one encoder pass over the turn, the decoder attends to
+    all of it), so pieces transcribed apart and stitched together can differ from the full-turn
+    transcript. Here every transcription, partial or final, encodes the whole audio so far (one
+    encoder call); the previous partial's tokens are a draft that the decoder checks in a single
+    pass, keeping the longest prefix it would itself produce and decoding only the rest token by
+    token. The final transcript is therefore the full-turn greedy transcript (see
+    ``whisper_decode`` for the one floating-point caveat), and after the end of the turn only the
+    encoder, one verification pass and the tail (the words the last partial had not heard yet)
+    are left.
+    """
+
+    def __init__(self, transcriber: WhisperTranscriber):
+        self.transcriber = transcriber
+        self.draft: list[int] = []
+        self.text = ""  # the latest partial transcript
+        self.partials = 0
+        self.kept = 0  # draft tokens the final transcription kept
+
+    def partial(self, audio16k: np.ndarray) -> str:
+        """Transcribe the audio so far; its tokens become the draft of the next transcription."""
+        result = self.transcriber.transcribe(audio16k, self.draft)
+        self.draft, self.text = result.ids, result.text
+        self.partials += 1
+        return result.text
+
+    def finish(self, audio16k: np.ndarray) -> str:
+        """The transcript of the whole turn."""
+        result = self.transcriber.transcribe(audio16k, self.draft)
+        self.kept = result.kept
+        return result.text

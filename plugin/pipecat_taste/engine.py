@@ -5,6 +5,7 @@ The processors never import the model library; they call a per-call :class:`Tast
 threads, one stage per thread:
 
     listening   transcribe(audio) -> str                  (built-in ASR, when the engine has one)
+                start_transcript() -> TurnTranscript | None   (incremental built-in ASR of one turn)
                 user_turn(audio, transcript) -> UserTurn  (taste_tokenize)
     thinking    reply(turn, stop) -> iterator of ReplyEvent  (streaming_generate, one Conversation per call)
                 commit_reply(played_words)                 (keep the words the caller heard)
@@ -189,6 +190,13 @@ class TasteSession:
                 "TranscriptionFrames) or load one (TasteEngine.from_pretrained(..., asr='openai/whisper-large-v3'))"
             )
         return self.engine.asr(audio)
+
+    def start_transcript(self):
+        """Incremental ASR state for one user turn (``pipecat_taste.asr.TurnTranscript``: partial
+        transcripts while the user speaks, then ``finish``), or None when the built-in ASR cannot
+        reuse partials (none, or one decoding with ``generate``)."""
+        new_turn = getattr(self.engine.asr, "new_turn", None)
+        return new_turn() if new_turn is not None else None
 
     def user_turn(self, audio: np.ndarray, transcript: str) -> UserTurn:
         import torch

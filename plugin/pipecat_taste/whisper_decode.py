@@ -1,0 +1,294 @@
+"""Greedy Whisper decoding with a preallocated cache and a captured one-token step.
+
+``model.generate`` decodes with a growing cache (new shapes every token) and Python logits
+processors: at batch 1 on a GPU the Whisper-large-v3 decoder spends ~30 ms per token launching
+kernels (GPU_NOTES.md). This loop keeps every tensor at a fixed address instead:
+
+- the self-attention keys/values of a whole transcript are preallocated (``plan.max_length`` rows);
+  a row is written at its position and every query sees only the keys at or before its own
+  position, so stale rows from an earlier utterance or a rejected draft are never read;
+- the cross-attention keys/values are computed once per utterance from the encoder output and
+  copied into fixed buffers;
+- the one-token step (embedding, all layers, logits, suppression, argmax) is a
+  :class:`~taste_speech.step_graph.StepGraph`: replayed as a CUDA graph on CUDA, eager on CPU,
+  'rehearse' for CPU tests of the capture protocol.
+
+A *draft* (token ids from an earlier transcription of a prefix of the same audio, e.g. a partial
+transcript taken while the user was still speaking) can be verified in one multi-row pass:
+the longest prefix of the draft that greedy decoding would itself produce is kept, and decoding
+goes on one token at a time after it. In exact arithmetic the result is the draft-free greedy
+result; in floating point the multi-row pass rounds differently from one-row steps, so a token
+whose two best logits tie to within rounding can differ.
+
+Settings supported (``greedy_plan`` returns the reason otherwise, and the caller uses
+``generate``): batch 1, short-form audio (<= 30 s, what the feature extractor gives), no
+timestamps, greedy (``num_beams`` 1, no temperature fallback, no log-prob / no-speech /
+compression thresholds), no prompt ids; the start tokens from ``language``/``task`` (or from the
+config's ``forced_decoder_ids`` when neither is given, not language detection) plus
+``<|notimestamps|>``; ``suppress_tokens`` and ``begin_suppress_tokens``; ``max_new_tokens`` or the
+config's ``max_length``; a single ``eos_token_id``. No other logits processor (repetition penalty,
+n-gram blocking, bad words, minimum length, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from taste_speech.step_graph import StepGraph, resolve_mode
+
+
+@dataclass(frozen=True)
+class GreedyPlan:
+    """What ``model.generate(features, **settings)`` would do, as plain numbers."""
+
+    init_tokens: tuple[int, ...]  # decoder start, language, task, no-timestamps
+    suppress_tokens: tuple[int, ...]  # never generated
+    begin_suppress_tokens: tuple[int, ...]  # not generated as the first token
+    eos_token_id: int
+    pad_token_id: int | None
+    max_length: int  # decoder length at most, start tokens included
+
+    @property
+    def max_new_tokens(self) -> int:
+        return max(0, self.max_length - len(self.init_tokens))
+
+    def finish(self, generated: list[int]) -> list[int]:
+        """Token ids as ``generate`` returns them: padding, then the end-of-text token, dropped
+        from the end (the same rule as transformers' Whisper post-processing)."""
+        seq = list(generated)
+        if seq and seq[-1] == self.pad_token_id:
+            n = seq.count(self.pad_token_id) - (1 if self.pad_token_id == self.eos_token_id else 0)
+            if n:
+                seq = seq[:-n]
+        if seq and seq[-1] == self.eos_token_id:
+            seq = seq[:-1]
+        return seq
+
+
+# Generation settings that add a logits processor or change the search: any non-default value
+# means the loop would not match ``generate``.
+_NEUTRAL = {
+    "num_beams": (None, 1), "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0), "bad_words_ids": (None,),
+    "min_length": (None, 0), "min_new_tokens": (None, 0), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "sequence_bias": (None,), "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1.0), "watermarking_config": (None,), "return_timestamps": (None, False),
+    "no_speech_threshold": (None,), "logprob_threshold": (None,), "compression_ratio_threshold": (None,),
+    "stop_strings": (None,), "max_time": (None,), "renormalize_logits": (None, False),
+}
+
+
+def greedy_plan(model, language: str | None = None, task: str | None = None,
+                max_new_tokens: int | None = None) -> GreedyPlan | str:
+    """The plan for ``model.generate(features, language=..., task=..., max_new_tokens=...)``, or
+    a sentence saying why this loop does not apply (then use ``generate``)."""
+    gc, config = model.generation_config, model.config
+    for name, neutral in _NEUTRAL.items():
+        if getattr(gc, name, None) not in neutral:
+            return f"generation setting {name}={getattr(gc, name)!r} is not supported by the static loop"
+    eos = gc.eos_token_id
+    if isinstance(eos, (list, tuple)):
+        if len(eos) != 1:
+            return "several end-of-text tokens are not supported by the static loop"
+        eos = eos[0]
+    if eos is None or gc.decoder_start_token_id is None:
+        return "the generation config has no eos_token_id or decoder_start_token_id"
+    language = language if language is not None else getattr(gc, "language", None)
+    task = task if task is not None else getattr(gc, "task", None)
+    if (language is not None or task is not None) and getattr(gc, "is_multilingual", True) is False:
+        return "language/task given for an English-only model (generate raises)"
+    if isinstance(language, (list, tuple)):
+        return "a language per batch item is not supported by the static loop"
+
+    init: list = [gc.decoder_start_token_id]
+    if language is None and task is None:
+        forced = getattr(gc, "forced_decoder_ids", None) or getattr(config, "forced_decoder_ids", None)
+        if forced and forced[0][0] == 1:  # (position, token) pairs right after the start token
+            for i, (position, token) in enumerate(forced, start=1):
+                if position != i:
+                    return "forced_decoder_ids that do not follow the start token are not supported"
+                init.append(token)
+    if language is not None:
+        lang_id = _language_id(gc, language)
+        if isinstance(lang_id, str):
+            return lang_id
+        if len(init) > 1:
+            init[1] = lang_id
+        else:
+            init.append(lang_id)
+    elif hasattr(gc, "lang_to_id") and (len(init) <= 1 or init[1] is None):
+        return "no language given: generate would detect it (not supported by the static loop)"
+    task_to_id = getattr(gc, "task_to_id", None)
+    if task is not None:
+        if not task_to_id or task not in task_to_id:
+            return f"task {task!r} is not in the generation config's task_to_id"
+        init.append(task_to_id[task])
+    elif language is not None and task_to_id and not any(t in init for t in task_to_id.values()):
+        init.append(task_to_id["transcribe"])
+    no_timestamps = getattr(gc, "no_timestamps_token_id", None)
+    if no_timestamps is not None and init[-1] != no_timestamps:
+        init.append(no_timestamps)
+    init = [t for t in init if t is not None]
+
+    limit = config.max_target_positions
+    if max_new_tokens is None:
+        max_new_tokens = getattr(gc, "max_new_tokens", None)
+    if max_new_tokens is not None:
+        if max_new_tokens + len(init) > limit:
+            return f"max_new_tokens={max_new_tokens} plus {len(init)} start tokens exceed the decoder's {limit} positions"
+        max_length = len(init) + max_new_tokens
+    else:
+        max_length = min((gc.max_length or 20) + min(limit // 2 - 1, len(init)), limit)
+    return GreedyPlan(tuple(int(t) for t in init), tuple(gc.suppress_tokens or ()),
+                      tuple(gc.begin_suppress_tokens or ()), int(eos), gc.pad_token_id, int(max_length))
+
+
+def _language_id(gc, language: str) -> int | str:
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    lang_to_id = getattr(gc, "lang_to_id", None)
+    if not lang_to_id:
+        return "language given but the generation config has no lang_to_id"
+    language = language.lower()
+    if language in lang_to_id:
+        token = language
+    elif language in TO_LANGUAGE_CODE:
+        token = f"<|{TO_LANGUAGE_CODE[language]}|>"
+    else:
+        token = f"<|{language}|>"
+    if token not in lang_to_id:
+        return f"language {language!r} is not in the generation config's lang_to_id"
+    return lang_to_id[token]
+
+
+class StaticWhisperDecoder:
+    """One decoding workspace (buffers + captured step) for one utterance at a time. A
+    transcriber shared by concurrent calls keeps one per concurrent utterance."""
+
+    def __init__(self, model, plan: GreedyPlan, graph_mode: str = "auto"):
+        self.model, self.plan = model, plan
+        self.decoder = model.model.decoder
+        weight = model.proj_out.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.graph_mode = resolve_mode(graph_mode, self.device)
+        config = model.config
+        self.heads = config.decoder_attention_heads
+        self.head_dim = config.d_model // self.heads
+        rows, sources = plan.max_length, config.max_source_positions
+        zeros = lambda n: torch.zeros(1, self.heads, n, self.head_dim, device=self.device, dtype=self.dtype)  # noqa: E731
+        layers = len(self.decoder.layers)
+        self.self_k, self.self_v = [zeros(rows) for _ in range(layers)], [zeros(rows) for _ in range(layers)]
+        self.cross_k, self.cross_v = [zeros(sources) for _ in range(layers)], [zeros(sources) for _ in range(layers)]
+        self.key_positions = torch.arange(rows, device=self.device)
+        self.suppress_bias = self._bias(plan.suppress_tokens)
+        self.begin_bias = self._bias(plan.begin_suppress_tokens)
+        # The captured step's inputs: the token to feed and its position (device tensors).
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
+        # Its only side effect is writing the keys/values of row ``position``, which the real
+        # run writes again: the warm-up runs need no rewind.
+        self.step = StepGraph(self._one_token, self.device, self.graph_mode, name="Whisper decoder step")
+
+    def _bias(self, tokens: Sequence[int]) -> torch.Tensor:
+        vocab = self.model.proj_out.out_features
+        bias = torch.zeros(vocab, dtype=torch.float32, device=self.device)
+        ids = [t for t in tokens if 0 <= t < vocab]
+        if ids:
+            bias[torch.tensor(ids, device=self.device)] = float("-inf")
+        return bias
+
+    @property
+    def captured(self) -> bool:
+        return self.step.captured
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self.step.fallback_reason
+
+    # -- the transformer --------------------------------------------------------------------------
+    def _rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states (1, T, d) of ``tokens`` (1, T) at ``positions`` (T,), writing their
+        self-attention keys/values. Same operations, in the same order, as transformers'
+        WhisperDecoder (pre-norm layers, query scaled before attention), graph-safe for T = 1."""
+        dec, t = self.decoder, tokens.shape[1]
+        x = dec.embed_tokens(tokens) + dec.embed_positions.weight[positions].unsqueeze(0)
+        visible = self.key_positions.unsqueeze(0) <= positions.unsqueeze(1)  # (T, rows)
+        for i, layer in enumerate(dec.layers):
+            attn = layer.self_attn
+            h = layer.self_attn_layer_norm(x)
+            q = self._heads(attn.q_proj(h) * attn.scaling, t)
+            self.self_k[i].index_copy_(2, positions, self._heads(attn.k_proj(h), t))
+            self.self_v[i].index_copy_(2, positions, self._heads(attn.v_proj(h), t))
+            o = F.scaled_dot_product_attention(q, self.self_k[i], self.self_v[i], attn_mask=visible, scale=1.0)
+            x = x + attn.out_proj(o.transpose(1, 2).reshape(1, t, -1))
+            cross = layer.encoder_attn
+            h = layer.encoder_attn_layer_norm(x)
+            q = self._heads(cross.q_proj(h) * cross.scaling, t)
+            o = F.scaled_dot_product_attention(q, self.cross_k[i], self.cross_v[i], scale=1.0)
+            x = x + cross.out_proj(o.transpose(1, 2).reshape(1, t, -1))
+            h = layer.final_layer_norm(x)
+            x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
+        return dec.layer_norm(x)
+
+    def _heads(self, x: torch.Tensor, t: int) -> torch.Tensor:
+        return x.view(1, t, self.heads, self.head_dim).transpose(1, 2).contiguous()
+
+    def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(T, vocab) float32 logits with the always-suppressed tokens at -inf."""
+        return self.model.proj_out(hidden)[0].float() + self.suppress_bias
+
+    def _one_token(self) -> torch.Tensor:
+        """The captured step: the next token (1,) after ``self.token`` at ``self.position``."""
+        return self._scores(self._rows(self.token, self.position)).argmax(-1)
+
+    def _encode(self, features: torch.Tensor) -> None:
+        states = self.model.model.encoder(features).last_hidden_state
+        for i, layer in enumerate(self.decoder.layers):
+            cross = layer.encoder_attn
+            self.cross_k[i].copy_(self._heads(cross.k_proj(states), states.shape[1]))
+            self.cross_v[i].copy_(self._heads(cross.v_proj(states), states.shape[1]))
+
+    # -- decoding ---------------------------------------------------------------------------------
+    def decode(self, features: torch.Tensor, draft: Sequence[int] = ()) -> tuple[list[int], int]:
+        """Greedy token ids for ``features`` (1, mels, 3000), as ``generate`` returns them, and
+        how many tokens of ``draft`` were verified and kept."""
+        plan = self.plan
+        room = plan.max_new_tokens
+        if room == 0:
+            return [], 0
+        with torch.inference_mode():
+            self._encode(features.to(self.device, self.dtype))
+            draft = [int(t) for t in draft][: room - 1]
+            rows = list(plan.init_tokens) + draft
+            first = len(plan.init_tokens) - 1  # the row whose output is the first generated token
+            hidden = self._rows(torch.tensor([rows], device=self.device), torch.arange(len(rows), device=self.device))
+            scores = self._scores(hidden[:, first:])
+            scores[0] += self.begin_bias
+            predicted = scores.argmax(-1).tolist()
+            generated: list[int] = []
+            for token in predicted:  # accept the draft while greedy decoding agrees with it
+                generated.append(token)
+                k = len(generated) - 1
+                if token == plan.eos_token_id or len(generated) == room or k >= len(draft) or token != draft[k]:
+                    break
+            kept = _common_prefix(generated, draft)
+            position = len(plan.init_tokens) + len(generated) - 1
+            while generated[-1] != plan.eos_token_id and len(generated) < room:
+                self.token.fill_(generated[-1])
+                self.position.fill_(position)
+                generated.append(int(self.step.run()))
+                position += 1
+        return plan.finish(generated), kept
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
