@@ -21,6 +21,9 @@ vocoder step (final mel -> final samples [256 voc_done, 256 E_h))
     audio are overlap-added with the previous step's provisional tail.
 
 Per-step work depends on the window sizes only, not on how long the utterance already is.
+Two ways to run a step (``kind`` of :func:`start_speaking`): 'dynamic', eager at each window's own
+size (the reference, the default off CUDA), and 'static': the flow's ODE and HiFT's decode padded to
+fixed-size buckets and replayed as CUDA graphs on CUDA (``synthesis_graphs``; the default on CUDA).
 Concatenated chunks have exactly the offline length (256 samples per frame, frames =
 floor(tokens * 441 / 256)); a fade-in starts the audio and a fade-out ends the final chunk, and
 the output is resampled from 22.05 kHz with soxr (streaming, HQ).
@@ -46,6 +49,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from taste_speech.streaming.synthesis_graphs import SynthesisGraphs, resolve_kind, shared_graphs
 from taste_speech.streaming.synthesis_state import (
     SAMPLES_PER_FRAME,
     SOURCE_RATE,
@@ -100,15 +104,27 @@ def start_speaking(
     policy: EmissionPolicy | str = "low_latency",
     out_sampling_rate: int = 16000,
     generator: Optional[torch.Generator] = None,
+    kind: str = "auto",
+    graphs: Optional[SynthesisGraphs] = None,
 ) -> SynthesisState:
     """A fresh continuity state for one utterance in the voice of ``speaker_embeds`` (1, spk_dim).
 
     ``generator`` seeds the noise tapes and the source phases (the global RNG when None).
+    ``kind``: 'dynamic' (eager, every window at its own size), 'static' (bucketed fixed-shape steps
+    through ``graphs``, by default the voice generator's shared one) or 'auto' (static on CUDA,
+    dynamic elsewhere). Passing ``graphs`` (e.g. ``SynthesisGraphs(vg, "rehearse")``) selects static.
     """
     if out_sampling_rate not in SUPPORTED_OUTPUT_RATES:
         raise ValueError(f"out_sampling_rate must be one of {SUPPORTED_OUTPUT_RATES}, got {out_sampling_rate}")
     policy = EmissionPolicy.resolve(policy)
     device = vg.flow.input_embedding.weight.device
+    if graphs is not None:
+        if kind == "dynamic":
+            raise ValueError("graphs were given with kind='dynamic': pass kind='static' (or 'auto'), or no graphs")
+        if graphs.vg is not vg:
+            raise ValueError("these SynthesisGraphs belong to another voice generator: make one for this one")
+    elif resolve_kind(kind, device) == "static":
+        graphs = shared_graphs(vg)
     speaker_embeds = torch.as_tensor(speaker_embeds).to(device)
     spks = vg.flow.speaker_projection(speaker_embeds)
     harmonics = vg.hift.m_source.n_harmonics
@@ -129,6 +145,7 @@ def start_speaking(
         source_noise=NoiseTape(harmonics, source_seed, block=512 * SAMPLES_PER_FRAME, device=device),
         phase_u01=phase_u01,
         resampler=resampler,
+        graphs=graphs,
         tokens=torch.zeros(1, 0, dtype=torch.long, device=device),
     )
 
@@ -214,13 +231,16 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
     rows = rows.clamp(0, h.shape[1] - 1)
     mu = flow.length_regulator.model(h[:, rows].transpose(1, 2))
     n_frames = frames_right - first_frame
-    mask = torch.ones(1, 1, n_frames, device=mu.device, dtype=mu.dtype)
     cond = torch.zeros(1, flow.output_size, n_frames, device=mu.device, dtype=mu.dtype)
     n_prompt = state.mel_done - first_frame
     if policy.prompt_with_emitted_mel and n_prompt > 0:
         cond[:, :, :n_prompt] = state.mel_history[:, :, -n_prompt:]
     noise = state.flow_noise.get(first_frame, frames_right)
-    mel_window = flow.decoder(mu, mask, state.spks, cond, noise)
+    if state.graphs is None:
+        mask = torch.ones(1, 1, n_frames, device=mu.device, dtype=mu.dtype)
+        mel_window = flow.decoder(mu, mask, state.spks, cond, noise)
+    else:
+        mel_window = state.graphs.flow(mu, state.spks, cond, noise)
 
     new = mel_window[:, :, n_prompt:end - first_frame].clone()
     if state.mel_tail is not None:
@@ -260,7 +280,8 @@ def _vocoder_step(vg: VoiceGenerator, state: SynthesisState, new_mel: torch.Tens
     carried = state.cycle_pos if policy.carry_source_phase else None
     source_new, cycles = hift.m_source(f0_up, draws, cycle_offset=carried)
     context_source = state.source_history[:, :, -n_context * spf:] if n_context else source_new[:, :, :0]
-    wav = hift.decode(mel, torch.cat([context_source, source_new], dim=-1))
+    source = torch.cat([context_source, source_new], dim=-1)
+    wav = hift.decode(mel, source) if state.graphs is None else state.graphs.vocoder(mel, source)
     wav = torch.clamp(wav, -hift.audio_limit, hift.audio_limit)
 
     n_final = (end - state.voc_done) * spf

@@ -11,7 +11,9 @@ chunks of one utterance (or of consecutive segments that continue one utterance)
   provisional mel of the frames just after them (cross-faded with the next window's estimate);
 * the vocoder's finalised mel/source context, the per-harmonic cycle position reached by the
   harmonic source (phase carried across chunks), and the provisional waveform tail;
-* the output resampler (22.05 kHz -> the caller's rate) and emission counters.
+* the output resampler (22.05 kHz -> the caller's rate) and emission counters;
+* which synthesis path its steps take: ``graphs`` (a ``SynthesisGraphs``: fixed-shape bucketed
+  steps, CUDA graphs on CUDA), or None for the dynamic eager path (the reference, CPU default).
 
 :class:`EmissionPolicy` decides when chunks are emitted and how much context each one uses; the
 two named regimes are ``low_latency`` and ``quality``.
@@ -178,6 +180,7 @@ class SynthesisState:
     source_noise: NoiseTape  # (1, harmonics, sample)
     phase_u01: torch.Tensor  # (1, harmonics, 1) the source's initial-phase draw, fixed per utterance
     resampler: Optional[object] = None  # soxr.ResampleStream when out_sampling_rate != 22050
+    graphs: Optional[object] = None  # SynthesisGraphs for the bucketed path (shared, not per utterance); None: dynamic
 
     # tokens: all tokens fed so far number n_tokens; only tokens[token_offset:] are kept
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.long))

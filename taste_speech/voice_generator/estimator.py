@@ -12,6 +12,13 @@ cut to T before the skip concatenation.
 The original passes a float 0/1 "mask" (mask^T mask) to diffusers' attention, which *adds* it to
 the logits instead of masking (spec §11 item 24). At B = 1 without padding that is a constant +1
 on every logit, a no-op for softmax, so we attend over all frames and do not build it.
+
+Padded windows (``padded=True``, used by the fixed-shape streaming buckets): the frames where
+``mask`` is 0 are padding after the sequence end. Convolutions already see them as zeros (every
+conv input is multiplied by the mask, as at a real sequence end); in addition GroupNorm takes its
+statistics over the valid frames only and attention ignores padded keys, so the valid frames are
+computed as in an unpadded run (equal up to float rounding). The default (``padded=False``) is the
+published computation, unchanged.
 """
 
 from __future__ import annotations
@@ -50,6 +57,23 @@ class TimestepMLP(nn.Module):
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
+def masked_group_norm(x: torch.Tensor, norm: nn.GroupNorm, mask: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` with the statistics of each group taken over the frames where mask (B, 1, T) is 1.
+
+    Frames where it is 0 get normalised too (with the valid frames' statistics) but do not count.
+    """
+    b, c, t = x.shape
+    groups = x.view(b, norm.num_groups, c // norm.num_groups, t)
+    m = mask.view(b, 1, 1, t).to(x.dtype)
+    count = m.sum(dim=(2, 3), keepdim=True) * (c // norm.num_groups)
+    mean = (groups * m).sum(dim=(2, 3), keepdim=True) / count
+    var = ((groups - mean) * m).pow(2).sum(dim=(2, 3), keepdim=True) / count
+    y = ((groups - mean) * torch.rsqrt(var + norm.eps)).view(b, c, t)
+    if norm.affine:
+        y = y * norm.weight.view(1, -1, 1) + norm.bias.view(1, -1, 1)
+    return y
+
+
 class Block1D(nn.Module):
     """Conv1d k3 -> GroupNorm(8) -> Mish, masked before and after."""
 
@@ -57,8 +81,11 @@ class Block1D(nn.Module):
         super().__init__()
         self.block = nn.Sequential(nn.Conv1d(dim, dim_out, 3, padding=1), nn.GroupNorm(groups, dim_out), nn.Mish())
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.block(x * mask) * mask
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, padded: bool = False) -> torch.Tensor:
+        if not padded:
+            return self.block(x * mask) * mask
+        conv, norm, act = self.block
+        return act(masked_group_norm(conv(x * mask), norm, mask)) * mask
 
 
 class ResnetBlock1D(nn.Module):
@@ -69,10 +96,10 @@ class ResnetBlock1D(nn.Module):
         self.block2 = Block1D(dim_out, dim_out, groups)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        h = self.block1(x, mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, temb: torch.Tensor, padded: bool = False) -> torch.Tensor:
+        h = self.block1(x, mask, padded)
         h = h + self.mlp(temb).unsqueeze(-1)
-        h = self.block2(h, mask)
+        h = self.block2(h, mask, padded)
         return h + self.res_conv(x * mask)
 
 
@@ -88,13 +115,15 @@ class SelfAttention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, dim); key_mask (B, 1, 1, T) bool: the keys each query may see (None: all)."""
         b, t, _ = x.shape
 
         def split(y: torch.Tensor) -> torch.Tensor:
             return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)))
+        out = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)),
+                                             attn_mask=key_mask)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.to_out[0](out)
 
@@ -132,8 +161,8 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim, dropout=dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn1(self.norm1(x))
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn1(self.norm1(x), key_mask)
         return x + self.ff(self.norm3(x))
 
 
@@ -159,10 +188,11 @@ def _transformer_stack(dim: int, n_blocks: int, heads: int, head_dim: int, dropo
     return nn.ModuleList(TransformerBlock(dim, heads, head_dim, dropout) for _ in range(n_blocks))
 
 
-def _run_transformers(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+def _run_transformers(blocks: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor, padded: bool) -> torch.Tensor:
+    key_mask = mask.bool().unsqueeze(1) if padded else None  # (B, 1, T) -> (B, 1, 1, T)
     x = x.transpose(1, 2)  # (B, C, T) -> (B, T, C)
     for block in blocks:
-        x = block(x)
+        x = block(x, key_mask)
     return x.transpose(1, 2)
 
 
@@ -223,8 +253,11 @@ class ConditionalDecoder(nn.Module):
         t: torch.Tensor,
         spks: torch.Tensor,
         cond: torch.Tensor,
+        padded: bool = False,
     ) -> torch.Tensor:
-        """x, mu, cond: (B, 80, T); mask: (B, 1, T); t: scalar or (B,); spks: (B, 80) -> (B, 80, T)."""
+        """x, mu, cond: (B, 80, T); mask: (B, 1, T); t: scalar or (B,); spks: (B, 80) -> (B, 80, T).
+
+        ``padded``: frames where mask is 0 are padding (see the module docstring)."""
         temb = self.time_mlp(self.time_embeddings(t))
         if temb.shape[0] != x.shape[0]:
             temb = temb.expand(x.shape[0], -1)
@@ -233,21 +266,21 @@ class ConditionalDecoder(nn.Module):
         skips, masks = [], [mask]
         for resnet, transformers, sampler in self.down_blocks:
             level_mask = masks[-1]
-            h = _run_transformers(transformers, resnet(h, level_mask, temb))
+            h = _run_transformers(transformers, resnet(h, level_mask, temb, padded), level_mask, padded)
             skips.append(h)
             h = sampler(h * level_mask)
             masks.append(level_mask[:, :, ::2])  # stride-2 conv (k3, p1): ceil(T/2) frames
 
         mid_mask = masks[-2]  # the last down block keeps its resolution
         for resnet, transformers in self.mid_blocks:
-            h = _run_transformers(transformers, resnet(h, mid_mask, temb))
+            h = _run_transformers(transformers, resnet(h, mid_mask, temb, padded), mid_mask, padded)
 
         up_masks = masks[:-1]
         for resnet, transformers, sampler in self.up_blocks:
             level_mask, skip = up_masks.pop(), skips.pop()
             # the transposed conv yields 2*ceil(T/2) frames: cut to the skip's length (odd T)
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)
-            h = _run_transformers(transformers, resnet(h, level_mask, temb))
+            h = _run_transformers(transformers, resnet(h, level_mask, temb, padded), level_mask, padded)
             h = sampler(h * level_mask)
-        h = self.final_block(h, level_mask)
+        h = self.final_block(h, level_mask, padded)
         return self.final_proj(h * level_mask) * mask

@@ -92,28 +92,34 @@ class ConditionalCFM(nn.Module):
         t = torch.linspace(0, 1, self.n_timesteps + 1, device=device)
         return 1 - torch.cos(t * 0.5 * torch.pi)
 
-    def velocity(self, x, mask, mu, t, spks, cond, trace: Optional[dict] = None) -> torch.Tensor:
-        """CFG-combined estimator output at time t."""
+    def velocity(self, x, mask, mu, t, spks, cond, trace: Optional[dict] = None, padded: bool = False) -> torch.Tensor:
+        """CFG-combined estimator output at time t (``padded``: see the estimator's module docstring)."""
         rate = self.inference_cfg_rate
         if rate <= 0:
-            return self.estimator(x, mask, mu, t, spks, cond)
+            return self.estimator(x, mask, mu, t, spks, cond, padded)
         if self.batch_cfg:
             both = self.estimator(
                 torch.cat([x, x]), torch.cat([mask, mask]), torch.cat([mu, torch.zeros_like(mu)]), t,
-                torch.cat([spks, torch.zeros_like(spks)]), torch.cat([cond, torch.zeros_like(cond)]),
+                torch.cat([spks, torch.zeros_like(spks)]), torch.cat([cond, torch.zeros_like(cond)]), padded,
             )
             v_cond, v_uncond = both.chunk(2)
         else:
-            v_cond = self.estimator(x, mask, mu, t, spks, cond)
-            v_uncond = self.estimator(x, mask, torch.zeros_like(mu), t, torch.zeros_like(spks), torch.zeros_like(cond))
+            v_cond = self.estimator(x, mask, mu, t, spks, cond, padded)
+            v_uncond = self.estimator(x, mask, torch.zeros_like(mu), t, torch.zeros_like(spks), torch.zeros_like(cond),
+                                      padded)
         if trace is not None:
             trace.setdefault("est_cond", []).append(v_cond)
             trace.setdefault("est_uncond", []).append(v_uncond)
         return (1.0 + rate) * v_cond - rate * v_uncond
 
     @torch.inference_mode()
-    def forward(self, mu, mask, spks, cond, noise: torch.Tensor, trace: Optional[dict] = None) -> torch.Tensor:
-        """Integrate from ``x_0 = noise * temperature`` to t = 1. All (B, 80, T) except mask (B, 1, T)."""
+    def forward(self, mu, mask, spks, cond, noise: torch.Tensor, trace: Optional[dict] = None,
+                padded: bool = False) -> torch.Tensor:
+        """Integrate from ``x_0 = noise * temperature`` to t = 1. All (B, 80, T) except mask (B, 1, T).
+
+        ``padded``: the frames where mask is 0 are padding after the sequence end (a fixed-shape
+        window); the valid frames come out as without it. The loop has no host synchronisation and
+        no data-dependent shapes, so it can be captured whole as a CUDA graph."""
         x = noise * self.temperature
         t_span = self.t_span(mu.device)
         # t accumulates in float32 and dt is recomputed from the schedule, exactly like upstream.
@@ -124,7 +130,7 @@ class ConditionalCFM(nn.Module):
             if trace is not None:
                 trace["t_used"].append(t)
                 trace["dt_used"].append(dt)
-            x = x + dt * self.velocity(x, mask, mu, t, spks, cond, trace)
+            x = x + dt * self.velocity(x, mask, mu, t, spks, cond, trace, padded)
             t = t + dt
             if trace is not None:
                 trace["ode_states"].append(x)

@@ -12,6 +12,13 @@ Neural source filter + iSTFT head (CosyVoice's ``HiFTGenerator``):
 Random draws (three per call, in upstream order): the harmonics' initial phases (uniform), the
 source noise (normal), and a noise branch the original draws but never uses. They are injectable
 through :class:`SourceDraws` so that parity with the golden vectors is exact.
+
+Padded windows (``decode(..., frame_mask=...)``, used by the fixed-shape streaming buckets): the
+mel frames where the mask is 0 are padding after the sequence end. Every convolution then sees
+zeros past the end (its activations are masked at each rate), the source's STFT sees the
+reflection that centring would give at the true end, and the iSTFT's overlap-add and window
+normalisation stop at the last valid frame, so the valid samples equal an unpadded call (up to
+float rounding). Without a mask the published computation runs unchanged.
 """
 
 from __future__ import annotations
@@ -65,6 +72,11 @@ def _same_padding(kernel: int, dilation: int) -> int:
     return (kernel * dilation - dilation) // 2
 
 
+def _masked(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """x with padded positions zeroed (x itself when there is no padding)."""
+    return x if mask is None else x * mask
+
+
 class ResBlock(nn.Module):
     """Three residual units: Snake -> WN conv (dilation d_i) -> Snake -> WN conv (dilation 1)."""
 
@@ -85,9 +97,10 @@ class ResBlock(nn.Module):
     def receptive_radius(self) -> int:
         return sum(_same_padding(c.kernel_size[0], c.dilation[0]) for c in [*self.convs1, *self.convs2])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``mask`` (B, 1, T): zero past the valid end (x must be zero there too); Snake keeps zeros."""
         for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
-            x = x + conv2(act2(conv1(act1(x))))
+            x = x + _masked(conv2(act2(_masked(conv1(act1(x)), mask))), mask)
         return x
 
 
@@ -236,23 +249,73 @@ class HiFTGenerator(nn.Module):
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
         return torch.istft(spec, self.n_fft, self.hop, self.n_fft, window=self.stft_window)
 
-    def decode(self, mel: torch.Tensor, source: torch.Tensor, trace: Optional[dict] = None) -> torch.Tensor:
-        """mel (B, 80, T) and source (B, 1, 256 T) -> waveform (B, 256 T), before the final clamp."""
-        s_stft = self.stft(source.squeeze(1))
-        x = self.conv_pre(mel)
+    def level_masks(self, frame_mask: torch.Tensor) -> list[torch.Tensor]:
+        """Masks of a padded window at each upsampling level's rate: (B, 1, 8 T), then (B, 1, 64 T + 1)
+        (the last level is reflect-padded by one on the left; its length is also the source STFT's)."""
+        masks, rate = [], 1
+        b, _, t = frame_mask.shape
+        for i, up in enumerate(self.ups):
+            rate *= up.stride[0]
+            m = frame_mask.unsqueeze(-1).expand(b, 1, t, rate).reshape(b, 1, t * rate)  # (no host sync)
+            masks.append(torch.cat([m[..., :1], m], dim=-1) if i == self.num_upsamples - 1 else m)
+        return masks
+
+    def reflect_past_end(self, source: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
+        """source (B, 1, L) with the samples after the valid end replaced by their reflection, as the
+        centred STFT pads a sequence that really ends there (device-side length: no host sync)."""
+        n_valid = (frame_mask.sum(dim=-1, keepdim=True) * self.samples_per_frame).long()  # (B, 1, 1)
+        index = torch.arange(source.shape[-1], device=source.device).view(1, 1, -1)
+        reflected = (2 * (n_valid - 1) - index).clamp(min=0)
+        return source.gather(-1, torch.where(index < n_valid, index, reflected))
+
+    def istft_padded(self, magnitude: torch.Tensor, phase: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
+        """``istft`` over the STFT frames where frame_mask (B, 1, F) is 1 only: overlap-add and window
+        normalisation written out (torch.istft checks its window envelope on the host, which a CUDA
+        graph cannot do); samples no valid frame reaches are 0."""
+        magnitude = torch.clip(magnitude, max=1e2) * frame_mask
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        window = self.stft_window.view(1, -1, 1)
+        frames = torch.fft.irfft(spec, n=self.n_fft, dim=1) * window  # (B, n_fft, F)
+        total = self.n_fft + self.hop * (frames.shape[-1] - 1)
+
+        def overlap_add(columns: torch.Tensor) -> torch.Tensor:
+            folded = F.fold(columns, (1, total), (1, self.n_fft), stride=(1, self.hop))
+            return folded.view(columns.shape[0], total)[:, self.n_fft // 2:total - self.n_fft // 2]
+
+        wav = overlap_add(frames)
+        envelope = overlap_add((window * window * frame_mask).expand(frames.shape[0], -1, -1))
+        return torch.where(envelope > 1e-11, wav / envelope, torch.zeros_like(wav))
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, trace: Optional[dict] = None,
+               frame_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """mel (B, 80, T) and source (B, 1, 256 T) -> waveform (B, 256 T), before the final clamp.
+
+        ``frame_mask`` (B, 1, T): 1 on the valid frames, 0 on padding after them (module docstring);
+        the samples past 256 x valid frames are then meaningless."""
+        masks = [None] * self.num_upsamples
+        if frame_mask is not None:
+            masks = self.level_masks(frame_mask)
+            source = self.reflect_past_end(source, frame_mask)
+            mel = mel * frame_mask
+        s_stft = _masked(self.stft(source.squeeze(1)), masks[-1])
+        x = _masked(self.conv_pre(mel), frame_mask)
         for i in range(self.num_upsamples):
             x = self.ups[i](F.leaky_relu(x, self.lrelu_slope))
             if i == self.num_upsamples - 1:
                 x = F.pad(x, (1, 0), mode="reflect")
-            x = x + self.source_resblocks[i](self.source_downs[i](s_stft))
+            m = masks[i]
+            x = _masked(x, m) + self.source_resblocks[i](_masked(self.source_downs[i](s_stft), m), m)
             blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            total = blocks[0](x)
+            total = blocks[0](x, m)
             for block in blocks[1:]:
-                total = total + block(x)
+                total = total + block(x, m)
             x = total / self.num_kernels
         x = self.conv_post(F.leaky_relu(x))  # torch's default slope 0.01 here (not lrelu_slope)
         half = self.n_fft // 2 + 1
-        wav = self.istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]))
+        if frame_mask is None:
+            wav = self.istft(torch.exp(x[:, :half]), torch.sin(x[:, half:]))
+        else:
+            wav = self.istft_padded(torch.exp(x[:, :half]), torch.sin(x[:, half:]), masks[-1])
         if trace is not None:
             trace.update(s_stft=s_stft, conv_post_out=x, istft_out=wav)
         return wav

@@ -1,0 +1,244 @@
+"""Bucketed (fixed-shape) streaming synthesis: the path replayed as CUDA graphs on CUDA, checked on
+CPU in its 'rehearse' (warm-up/capture protocol, then eager) and 'eager' modes against the dynamic
+path (every window at its own size, the reference).
+
+Tolerances (float32, golden tiny voice generator A). The padded steps add the same numbers in other
+orders (GroupNorm statistics over the valid frames, attention with a key mask, an iSTFT written
+out), so results differ from the reference by rounding only:
+    MEL_ATOL: after 10 Euler steps with CFG the mel (values up to ~6) differs by <= 4e-6.
+    VOCODER_ATOL: HiFT's padded decode alone reproduces the waveform within ~1.2e-7.
+    AUDIO_ATOL: the audio inherits the mel's rounding through the predicted F0, whose phase HiFT
+        integrates over thousands of samples: <= 3.5e-5 seen at peaks of ~0.1-0.2.
+A padding leak (a missing mask) changes the mel by 0.1-2 and the audio by far more than AUDIO_ATOL.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from taste_speech.streaming.synthesis import speak, start_speaking
+from taste_speech.streaming.synthesis_graphs import FLOW_BUCKETS, SynthesisGraphs, shared_graphs
+from taste_speech.streaming.synthesis_state import EmissionPolicy, frames_for_tokens
+from taste_speech.voice_generator import VoiceGenerator
+
+MEL_ATOL = 2e-5
+VOCODER_ATOL = 1e-6
+AUDIO_ATOL = 2e-4
+
+POLICIES = {
+    "low_latency": EmissionPolicy.low_latency(),
+    "quality": EmissionPolicy.quality(),
+    "small_prompted": EmissionPolicy.low_latency(chunk_tokens=10, context_tokens=8, prompt_with_emitted_mel=True),
+}
+UNEVEN = [3, 17, 1, 40, 2, 9, 18]  # token pieces: several chunks become due in one call
+
+
+@pytest.fixture(scope="module")
+def vg(voice_generator_tiny_a) -> VoiceGenerator:
+    return VoiceGenerator.from_golden_dir(voice_generator_tiny_a)
+
+
+@pytest.fixture(scope="module")
+def utterance(vg):
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, 90), generator=g)
+    return tokens, torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
+
+
+@pytest.fixture(scope="module")
+def rehearsed(vg) -> SynthesisGraphs:
+    """One bucket set shared by the tests below (buckets are reused across utterances, as in a call)."""
+    return SynthesisGraphs(vg, "rehearse")
+
+
+def stream(vg, tokens, speaker, policy, sizes=(), rate=22050, **kind):
+    state = start_speaking(vg, speaker, policy, out_sampling_rate=rate, generator=torch.Generator().manual_seed(0),
+                           **kind)
+    chunks, position, sizes = [], 0, iter(sizes)
+    while position < tokens.shape[1]:
+        size = next(sizes, 1)
+        chunks += speak(vg, state, tokens[:, position:position + size])
+        position += size
+    return state, chunks + speak(vg, state, final=True)
+
+
+def assert_same_chunks(reference, chunks, mel_atol, audio_atol):
+    assert len(chunks) == len(reference) >= 3  # a first chunk, steady chunk(s) and the final flush
+    for ref, out in zip(reference, chunks):
+        where = f"chunk {ref.tokens_committed} tokens (final={ref.is_final})"
+        assert (out.first_sample, out.first_frame, out.tokens_committed, out.is_final) == \
+            (ref.first_sample, ref.first_frame, ref.tokens_committed, ref.is_final), where
+        assert out.mel.shape == ref.mel.shape and out.audio.shape == ref.audio.shape, where
+        torch.testing.assert_close(out.mel, ref.mel, atol=mel_atol, rtol=0, msg=where)
+        torch.testing.assert_close(out.audio_22k, ref.audio_22k, atol=audio_atol, rtol=0, msg=where)
+        torch.testing.assert_close(out.audio, ref.audio, atol=audio_atol, rtol=0, msg=where)
+
+
+# -- streaming: bucketed == dynamic --------------------------------------------------------------------
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_rehearsed_buckets_give_the_dynamic_chunks(vg, utterance, rehearsed, policy):
+    tokens, speaker = utterance
+    _, reference = stream(vg, tokens, speaker, POLICIES[policy], UNEVEN, kind="dynamic")
+    before = rehearsed.padded_frames.copy()
+    state, chunks = stream(vg, tokens, speaker, POLICIES[policy], UNEVEN, graphs=rehearsed)
+    assert state.graphs is rehearsed
+    assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
+    # every window fitted a bucket, and real padding was computed through (masking was exercised)
+    assert rehearsed.counts["flow", None] == rehearsed.counts["vocoder", None] == 0
+    assert rehearsed.padded_frames["flow"] > before["flow"] and rehearsed.padded_frames["vocoder"] > before["vocoder"]
+    assert rehearsed.fallback_reasons() == {}
+
+
+def test_static_kind_on_cpu_runs_eager_buckets(vg, utterance):
+    """kind='static' without graphs: the voice generator's shared buckets, eager on CPU (16 kHz
+    output through the resampler, one token at a time)."""
+    tokens, speaker = utterance
+    _, reference = stream(vg, tokens, speaker, "low_latency", rate=16000, kind="dynamic")
+    state, chunks = stream(vg, tokens, speaker, "low_latency", rate=16000, kind="static")
+    assert state.graphs is shared_graphs(vg) and state.graphs.mode == "eager"
+    assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
+
+
+def test_eager_buckets_equal_rehearsed_buckets_exactly(vg, utterance):
+    """'rehearse' runs every step twice more before using it (the capture's warm-up): nothing of
+    that may leak into the result."""
+    tokens, speaker = utterance
+    eager, rehearse = SynthesisGraphs(vg, "eager"), SynthesisGraphs(vg, "rehearse")
+    _, a = stream(vg, tokens, speaker, "quality", UNEVEN, graphs=eager)
+    _, b = stream(vg, tokens, speaker, "quality", UNEVEN, graphs=rehearse)
+    assert eager.mode == "eager" and rehearse.mode == "rehearse"
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x.mel, y.mel) and torch.equal(x.audio, y.audio)
+
+
+@pytest.mark.parametrize("policy", ["low_latency", "quality"])
+def test_vocoder_buckets_alone_are_exact_to_rounding(vg, utterance, policy):
+    """Flow windows all larger than its only bucket (1 frame): the flow runs the reference path, so
+    the mel is identical and any audio difference comes from HiFT's padded decode, final flush
+    (the window's true end reaches the output there) included."""
+    tokens, speaker = utterance
+    graphs = SynthesisGraphs(vg, "rehearse", flow_buckets=(1,))
+    _, reference = stream(vg, tokens, speaker, POLICIES[policy], UNEVEN, kind="dynamic")
+    _, chunks = stream(vg, tokens, speaker, POLICIES[policy], UNEVEN, graphs=graphs)
+    assert graphs.counts["flow", None] == sum(graphs.counts[k] for k in graphs.counts if k[0] == "flow") > 0
+    assert graphs.padded_frames["vocoder"] > 0
+    for ref, out in zip(reference, chunks):
+        assert torch.equal(out.mel, ref.mel)
+    assert_same_chunks(reference, chunks, 0.0, VOCODER_ATOL)
+
+
+def test_windows_larger_than_every_bucket_run_the_reference_path(vg):
+    policy = EmissionPolicy.low_latency(chunk_tokens=160)  # steady windows of ~310 flow frames
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, 200), generator=g)
+    speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
+    graphs = SynthesisGraphs(vg, "rehearse")
+    _, reference = stream(vg, tokens, speaker, policy, [50] * 4, kind="dynamic")
+    _, chunks = stream(vg, tokens, speaker, policy, [50] * 4, graphs=graphs)
+    assert graphs.counts["flow", None] >= 1 and graphs.counts["vocoder", None] >= 1
+    assert graphs.counts["flow", FLOW_BUCKETS[0]] >= 1  # the first chunk still used its bucket
+    assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
+
+
+# -- the padded steps themselves: padding never leaks into valid frames ----------------------------------
+def padded(x: torch.Tensor, frames: int, generator) -> torch.Tensor:
+    """x (.., n) extended to ``frames`` with large random garbage."""
+    garbage = 10 * torch.randn(*x.shape[:-1], frames, generator=generator)
+    garbage[..., :x.shape[-1]] = x
+    return garbage
+
+
+def frame_mask(n: int, frames: int) -> torch.Tensor:
+    mask = torch.zeros(1, 1, frames)
+    mask[..., :n] = 1
+    return mask
+
+
+@pytest.mark.parametrize("n, bucket", [(17, 24), (61, 88), (83, 88), (88, 88)])
+@torch.inference_mode()
+def test_flow_ode_padding_never_reaches_valid_frames(vg, n, bucket):
+    g = torch.Generator().manual_seed(n)
+    mu, noise = torch.randn(1, 80, n, generator=g), torch.randn(1, 80, n, generator=g)
+    cond = torch.zeros(1, 80, n)
+    cond[..., :6] = torch.randn(1, 80, 6, generator=g)
+    spks = torch.randn(1, 80, generator=g)
+    decoder = vg.flow.decoder
+    reference = decoder(mu, torch.ones(1, 1, n), spks, cond, noise)
+    inputs = [padded(x, bucket, g) for x in (mu, cond, noise)]
+    mask = frame_mask(n, bucket)
+    out = decoder(inputs[0], mask, spks, inputs[1], inputs[2], padded=True)
+    torch.testing.assert_close(out[..., :n], reference, atol=MEL_ATOL, rtol=0)
+    assert torch.isfinite(out).all()
+    if n < bucket:  # the same padding without the masked statistics does reach them
+        leaky = decoder(inputs[0], mask, spks, inputs[1], inputs[2])
+        assert float((leaky[..., :n] - reference).abs().max()) > 100 * MEL_ATOL
+
+
+@pytest.mark.parametrize("n, bucket", [(13, 16), (21, 24), (57, 60), (103, 128), (60, 60)])
+@torch.inference_mode()
+def test_hift_decode_padding_never_reaches_valid_samples(vg, n, bucket):
+    g = torch.Generator().manual_seed(n)
+    hift = vg.hift
+    mel = torch.randn(1, 80, n, generator=g) - 5
+    source, _ = hift.m_source(hift.upsample_f0(hift.f0_predictor(mel)), hift.draw_source(n, g))
+    reference = hift.decode(mel, source)
+    mel_in, source_in, mask = padded(mel, bucket, g), padded(source, 256 * bucket, g), frame_mask(n, bucket)
+    out = hift.decode(mel_in, source_in, frame_mask=mask)
+    assert out.shape == (1, 256 * bucket)
+    torch.testing.assert_close(out[:, :256 * n], reference, atol=VOCODER_ATOL, rtol=0)
+    # every sample counts: the last ones depend on the STFT reflection and iSTFT normalisation at the end
+    torch.testing.assert_close(out[:, 256 * n - 16:256 * n], reference[:, -16:], atol=VOCODER_ATOL, rtol=0)
+    if n < bucket:
+        leaky = hift.decode(mel_in, source_in)[:, :256 * n]
+        assert float((leaky - reference).abs().max()) > 1e-3
+
+
+# -- selection and lifecycle ---------------------------------------------------------------------------
+def test_kind_selection(vg, utterance):
+    _, speaker = utterance
+    assert start_speaking(vg, speaker, kind="auto").graphs is None  # CPU: the dynamic path
+    assert start_speaking(vg, speaker, kind="dynamic").graphs is None
+    static = start_speaking(vg, speaker, out_sampling_rate=22050, kind="static")  # (no resampler: copyable)
+    assert static.graphs is shared_graphs(vg) and static.graphs.mode == "eager"
+    assert start_speaking(vg, speaker, kind="static").graphs is static.graphs  # one per voice generator
+    own = SynthesisGraphs(vg, "rehearse")
+    assert start_speaking(vg, speaker, graphs=own).graphs is own
+    assert copy.deepcopy(static).graphs is static.graphs  # a copied state shares the buckets
+    with pytest.raises(ValueError, match="synthesis kind"):
+        start_speaking(vg, speaker, kind="graphed")
+    with pytest.raises(ValueError, match="kind='dynamic'"):
+        start_speaking(vg, speaker, kind="dynamic", graphs=own)
+    with pytest.raises(ValueError, match="CUDA"):
+        SynthesisGraphs(vg, "graph")
+
+
+def test_graphs_are_rebuilt_when_the_weights_move(vg, utterance):
+    twin = copy.deepcopy(vg)
+    _, speaker = utterance
+    original = shared_graphs(vg)
+    graphs = shared_graphs(twin)
+    assert graphs is not original and graphs.vg is twin  # a copied voice generator gets its own
+    with torch.inference_mode():
+        graphs.warm_up(flow_frames=[20], vocoder_frames=[])
+    assert graphs.prepared() == {"flow": [24], "vocoder": []}
+    captured = graphs._flow[24]
+    parameter = next(twin.flow.decoder.estimator.parameters())
+    parameter.data = parameter.data.clone()  # what .to() / .half() do: new storage, old graphs would read freed memory
+    tokens = torch.randint(0, twin.flow.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    state = start_speaking(twin, speaker, kind="static")
+    speak(twin, state, tokens, final=True)  # one 20-frame window: flow bucket 24, vocoder bucket 24
+    assert graphs.prepared() == {"flow": [24], "vocoder": [24]} and graphs.counts["flow", 24] == 1
+    assert graphs._flow[24] is not captured  # rebuilt for the new weights
+
+
+def test_first_window_sizes_fit_their_buckets(vg, utterance, rehearsed):
+    """The documented first-chunk windows (17-18 flow frames for low_latency) use the smallest bucket."""
+    policy = EmissionPolicy.low_latency()
+    first = frames_for_tokens(policy.first_chunk_tokens)
+    assert rehearsed.bucket_for("flow", first) == 24 and rehearsed.bucket_for("flow", first + 1) == 24
+    assert rehearsed.bucket_for("flow", 83) == 88 and rehearsed.bucket_for("vocoder", 58) == 60
+    assert rehearsed.bucket_for("flow", 10_000) is None
