@@ -300,9 +300,19 @@ def gpu_markdown(args) -> list[str]:
     md = ["## 5. GPU", ""]
     if args.device.startswith("cuda"):
         return md + [f"These figures were measured on {torch.cuda.get_device_name(0)} in {args.dtype}."]
-    return md + ["No GPU was available for these figures (CPU only); none are given for a GPU. To measure the same "
-                 "suite on CUDA in bfloat16 (writes `benchmarks/results/gpu.md`; the concurrency section, which "
-                 "measures process memory, is CPU-only):", "", "```", "bash benchmarks/run_gpu.sh", "```"]
+    return md + GPU_HOWTO
+
+
+GPU_HOWTO = [
+    "No GPU was available for these figures (CPU only); none are given for a GPU. On a CUDA machine "
+    "`bash benchmarks/run_gpu.sh` runs the CUDA-graph parity tests (`tests/test_gpu_graphs.py`), the real-time "
+    "suite `python -m benchmarks.gpu_suite` (eager vs graphed: first audio after the user's turn per stage at real "
+    "size in bfloat16, LM and speech-decoder ms/token at 64 and 1024 context, flow and vocoder ms per chunk, "
+    "whole-reply RTF, peak GPU memory per call and first audio with 1-16 concurrent calls, bf16 parity against "
+    "float32) into `benchmarks/results/gpu_suite.md`, then this suite in bfloat16 into "
+    "`benchmarks/results/gpu.md`. The fast path itself is described in [docs/GPU.md](docs/GPU.md).",
+    "", "```", "bash benchmarks/run_gpu.sh", "```",
+]
 
 
 def write_document(path: Path, command: str, facts: dict, parts: list[list[str]], args, wall_s: float) -> None:

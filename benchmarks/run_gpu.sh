@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The benchmark suite on CUDA in bfloat16 (the concurrency section, which measures process
-# memory, is CPU-only). Writes benchmarks/results/gpu.md, plots and JSON under benchmarks/results/gpu/.
-#   bash benchmarks/run_gpu.sh            # tiny + full size
-#   bash benchmarks/run_gpu.sh --quick    # tiny only
+# Everything that needs a GPU, in one command (CI has none; run it on the GPU machine):
+#   1. the CUDA-graph parity tests (graphed == eager on the golden tiny checkpoint, really captured);
+#   2. the real-time suite: eager vs graphed first audio per stage, ms/token, ms/chunk, RTF,
+#      concurrent calls, bf16 parity at full size -> benchmarks/results/gpu_suite.md (+ .json);
+#   3. the CPU benchmark suite on CUDA in bfloat16 -> benchmarks/results/gpu.md (skipped with --quick).
+#   bash benchmarks/run_gpu.sh            # all of it
+#   bash benchmarks/run_gpu.sh --quick    # 1 and 2, tiny size, short runs (a check that it all runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
@@ -11,5 +14,11 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     echo "no CUDA device visible to torch: nothing to measure" >&2
     exit 1
 fi
+"$PYTHON" -m pytest -q -rs tests/test_gpu_graphs.py
+if [ "${1:-}" = "--quick" ]; then
+    exec "$PYTHON" -m benchmarks.gpu_suite --device cuda --dtype bfloat16 --size tiny --quick \
+        --out benchmarks/results/gpu_suite_tiny.md
+fi
+"$PYTHON" -m benchmarks.gpu_suite --device cuda --dtype bfloat16 --size full
 exec "$PYTHON" benchmarks/run_all.py --device cuda --dtype bfloat16 \
     --out benchmarks/results/gpu.md --results benchmarks/results/gpu "$@"

@@ -76,6 +76,7 @@ class SpeechChunk:
     tokens_committed: int  # chunk boundary: tokens covered once this chunk's audio is complete
     is_final: bool
     compute_s: float  # wall time of this step
+    flow_s: float = 0.0  # of which the flow step (on CUDA the split is exact only with state.time_stages)
 
     @property
     def duration_ms(self) -> float:
@@ -191,6 +192,9 @@ def _step(vg: VoiceGenerator, state: SynthesisState, target: int, last: bool) ->
     right = state.n_tokens if last else min(state.n_tokens, target + state.policy.lookahead_tokens)
     mel_start = state.mel_done
     mel = _flow_step(vg, state, target, right, last)
+    if state.time_stages and mel.is_cuda:
+        torch.cuda.synchronize(mel.device)  # the flow's kernels run asynchronously: wait to time it
+    flow_s = time.perf_counter() - started
     first_sample = state.voc_done * SAMPLES_PER_FRAME
     wav, source = _vocoder_step(vg, state, mel, last)
     if state.skip_until_sample > first_sample:  # context re-synthesised only to continue from it
@@ -207,7 +211,7 @@ def _step(vg: VoiceGenerator, state: SynthesisState, target: int, last: bool) ->
     return SpeechChunk(
         audio=audio, sampling_rate=state.out_sampling_rate, audio_22k=wav, source_22k=source, first_sample=first_sample,
         mel=mel, first_frame=mel_start, tokens_committed=target, is_final=last,
-        compute_s=time.perf_counter() - started,
+        compute_s=time.perf_counter() - started, flow_s=flow_s,
     )
 
 

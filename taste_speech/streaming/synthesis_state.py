@@ -181,6 +181,7 @@ class SynthesisState:
     phase_u01: torch.Tensor  # (1, harmonics, 1) the source's initial-phase draw, fixed per utterance
     resampler: Optional[object] = None  # soxr.ResampleStream when out_sampling_rate != 22050
     graphs: Optional[object] = None  # SynthesisGraphs for the bucketed path (shared, not per utterance); None: dynamic
+    time_stages: bool = False  # wait for the GPU after the flow so SpeechChunk.flow_s is exact (benchmarks)
 
     # tokens: all tokens fed so far number n_tokens; only tokens[token_offset:] are kept
     tokens: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.long))

@@ -1,0 +1,468 @@
+"""Real time on a GPU: the reply pipeline's fast path (static caches, CUDA-graph decode steps) against
+the eager path, stage by stage, at real dimensions with random weights and fixed lengths.
+
+    python -m benchmarks.gpu_suite --device cuda --dtype bfloat16            # full size, on the GPU machine
+    python -m benchmarks.gpu_suite --device cpu --size tiny --quick          # the harness itself (CI)
+
+Fixed work, so random weights do not change it: a 3 s user turn with an 8-word transcript, a reply
+forced to 12 words (``ForcedReply`` biases the text head towards a script; the head still does its
+work), speech-decoder lengths from the decoder's own limits, the 'low_latency' emission policy.
+
+Tables (one run each, all figures from the same process):
+1. first audio after the end of the user's turn, eager vs graphed, per stage: ASR of the turn's
+   last second (what incremental ASR leaves after the turn), audio tower, LM prefill of the turn,
+   LM up to the first word, speech decoder up to the first chunk's tokens, flow and vocoder of the
+   first chunk;
+2. ms per token of the spoken LM and of the speech decoder at 64 and 1024 rows of context; flow
+   and vocoder ms per chunk (first, steady); whole-reply real-time factor;
+3. peak GPU memory per call, and first audio with 1, 2, 4, 8, 16 concurrent calls (one thread
+   each, own states; CUDA only).
+
+On CPU the 'graphed' path runs the same static caches eagerly (there are no CUDA graphs on a
+CPU), so its figures there only show the harness works - the CPU default stays the eager path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _path in (ROOT, ROOT / "plugin", ROOT / "agents"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.report import fmt, table  # noqa: E402
+
+OUT_RATE = 16000
+USER_SECONDS = 3.0
+USER_TEXT = "hello there could you tell me what time it is"
+REPLY_TEXT = "it is almost noon and the weather outside is very warm today."  # 12 words
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """Which implementation each hot loop uses."""
+
+    name: str
+    lm_cache: str  # Conversation cache_kind
+    speech_cache: str  # speech decoder cache kind
+    synthesis: str  # synthesis kind (start_speaking)
+
+
+EAGER = DecodePath("eager", lm_cache="dynamic", speech_cache="dynamic", synthesis="dynamic")
+GRAPHED = DecodePath("graphed", lm_cache="static", speech_cache="static", synthesis="static")
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Clock:
+    """Wall-clock stage timer that waits for the GPU at every mark."""
+
+    def __init__(self, device):
+        self.device, self.stages = device, {}
+        sync(device)
+        self.last = time.perf_counter()
+
+    def mark(self, stage: str) -> None:
+        sync(self.device)
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + 1000 * (now - self.last)
+        self.last = now
+
+
+class ForcedReply:
+    """Makes the spoken LM say ``script`` (token ids, then ``stop_id``) whatever its random weights
+    prefer: a large bias on the scripted id of each step. Scripts are per thread (concurrent calls)."""
+
+    def __init__(self, lm):
+        self.lm, self.local = lm, threading.local()
+        self.original = lm.heads
+
+    def __enter__(self):
+        self.lm.heads = self._heads  # instance attribute: shadows the method for this run only
+        return self
+
+    def __exit__(self, *exc):
+        del self.lm.heads
+
+    def script(self, ids: list[int]) -> None:
+        self.local.ids, self.local.step = list(ids), 0
+
+    def _heads(self, hidden, rvq):
+        heads = self.original(hidden, rvq)
+        ids = getattr(self.local, "ids", None)
+        if ids:
+            i = min(self.local.step, len(ids) - 1)
+            self.local.step += 1
+            heads.text_logits = heads.text_logits.clone()
+            heads.text_logits[ids[i]] += 1e4
+        return heads
+
+
+def user_audio(seconds: float = USER_SECONDS, seed: int = 0) -> np.ndarray:
+    t = np.arange(int(seconds * 16000)) / 16000
+    rng = np.random.RandomState(seed)
+    voiced = 0.2 * np.sin(2 * np.pi * 140 * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 2.5 * t))
+    return (voiced + 0.01 * rng.randn(t.size)).astype(np.float32)
+
+
+# -- the engines ------------------------------------------------------------------------------------------
+def build_engine(size: str, device: str, dtype: str | None):
+    from benchmarks import engines
+
+    if size == "tiny":
+        return engines.tiny_engine(device, dtype)
+    return engines.full_engine(device, dtype)
+
+
+def build_asr(size: str, engine, device: str, dtype: str | None):
+    """The built-in ASR at the published size (whisper-large-v3 dimensions, random weights) or tiny."""
+    from pipecat_taste.asr import WhisperTranscriber
+
+    asr = WhisperTranscriber.random_tiny(engine.checkpoint_dir)
+    if size == "full":
+        from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+        config = WhisperConfig(vocab_size=51866, num_mel_bins=128, d_model=1280, encoder_layers=32, decoder_layers=32,
+                               encoder_attention_heads=20, decoder_attention_heads=20, encoder_ffn_dim=5120,
+                               decoder_ffn_dim=5120, max_source_positions=1500, max_target_positions=448)
+        with torch.device(device):
+            model = WhisperForConditionalGeneration(config)
+        model.generation_config.max_length = 24  # a fixed 15-20 token transcript of the last second
+        from transformers import WhisperFeatureExtractor
+
+        asr = WhisperTranscriber(model, WhisperFeatureExtractor(feature_size=128), asr.tokenizer, device=device,
+                                 language=None, max_new_tokens=None)
+    asr.model.to(device=device, dtype=getattr(torch, dtype) if dtype else torch.float32)
+    asr.device = device
+    return asr
+
+
+# -- one reply, stage by stage ----------------------------------------------------------------------------
+def new_session(engine, path: DecodePath, seed: int = 0):
+    from pipecat_taste.engine import GenerationSettings
+    from taste_speech.streaming import Conversation
+
+    settings = GenerationSettings(seed=seed, text_top_p=0.0, max_reply_tokens=64, words_per_segment=1)
+    session = engine.new_session(settings)
+    conv = session.conversation
+    session.conversation = Conversation(engine.model, engine.processor, system=conv.system,
+                                        prompt_format=conv.prompt_format, max_tokens=conv.max_tokens,
+                                        max_turns=conv.max_turns, cache_kind=path.lm_cache)
+    session._speech_cache = engine.model.speech_decoder.new_cache(path.speech_cache)
+    return session
+
+
+def reply_script(engine) -> tuple[list[int], int]:
+    tokenizer = engine.processor.llm_tokenizer
+    ids = tokenizer.encode(" " + REPLY_TEXT, add_special_tokens=False)
+    stop = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else ids[-1]
+    return ids + [stop], stop
+
+
+def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0,
+                whole_reply: bool = False) -> dict:
+    """One user turn -> first audio (and, with ``whole_reply``, the rest), timed per stage."""
+    from taste_speech.streaming import every_n_words, streaming_generate
+    from taste_speech.streaming.synthesis import speak
+
+    device = engine.device
+    session = new_session(engine, path, seed)
+    script, stop = reply_script(engine)
+    forced.script(script)
+    clock = Clock(device)
+    if asr is not None:
+        asr(audio[-16000:])  # what incremental ASR leaves after the turn: its last second
+    clock.mark("asr_tail")
+    turn = session.user_turn(audio, USER_TEXT)
+    clock.mark("audio_tower")
+    session.conversation.add_turn(turn.segment)
+    clock.mark("lm_prefill")
+    items = streaming_generate(engine.model, engine.processor, [], text_top_p=0.0, max_length=64, eos_id=stop,
+                               should_emit_segment=every_n_words(1), conversation=session.conversation,
+                               prompt_format=session.conversation.prompt_format)
+    state = session.start_speech(OUT_RATE)
+    first_ms = None
+    words = samples = 0
+    stages_at_first = None
+    for item in items:
+        clock.mark("lm_first_word" if first_ms is None else "lm_rest")
+        segment = item["segment"]
+        if segment is None:
+            continue
+        words += int(segment.word_starts().sum())
+        pending: list[int] = []
+        for group in session.speech_tokens(state, segment):
+            pending += group
+            clock.mark("speech_decoder" if first_ms is None else "speech_decoder_rest")
+            chunks = speak(engine.voice_generator, state.synthesis, torch.tensor([pending]))
+            pending = []
+            got = sum(c.audio.shape[-1] for c in chunks)
+            clock.mark("synthesis" if first_ms is None else "synthesis_rest")
+            samples += got
+            if got and first_ms is None:
+                first_ms = sum(clock.stages.values())
+                stages_at_first = dict(clock.stages)
+                if not whole_reply:
+                    items.close()
+                    return {"first_audio_ms": first_ms, "stages": stages_at_first}
+    tail = speak(engine.voice_generator, state.synthesis, None, final=True)
+    samples += sum(c.audio.shape[-1] for c in tail)
+    clock.mark("synthesis_rest")
+    total = sum(clock.stages.values())
+    audio_s = samples / OUT_RATE
+    return {"first_audio_ms": first_ms, "stages": stages_at_first, "total_ms": total, "reply_words": words,
+            "audio_s": audio_s, "rtf": (total / 1000) / audio_s if audio_s else None}
+
+
+# -- per-token and per-chunk figures --------------------------------------------------------------------
+def lm_ms_per_token(engine, path: DecodePath, context: int, steps: int) -> float:
+    lm = engine.model.spoken_lm
+    hidden = lm.causal_lm.config.hidden_size
+    rows = torch.randn(1, context + steps, hidden, generator=torch.Generator().manual_seed(0)).to(engine.device)
+    state = lm.new_decode_state(cache=lm.new_cache(path.lm_cache, capacity=context + steps + 1))
+    lm.feed(state, rows[:, :context])
+    for i in range(2):  # warm-up (and capture)
+        lm.feed(state, rows[:, context + i:context + i + 1])
+    state.crop(context)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        lm.feed(state, rows[:, context + i:context + i + 1])
+        lm.heads(state.last_hidden, engine.model.rvq)
+    sync(engine.device)
+    return 1000 * (time.perf_counter() - t0) / steps
+
+
+def speech_decoder_ms_per_token(engine, path: DecodePath, context: int, steps: int) -> float:
+    decoder = engine.model.speech_decoder
+    width = decoder.llm.input_size
+    prefix = torch.randn(1, context, width, generator=torch.Generator().manual_seed(0)).to(engine.device, decoder.dtype)
+    state = decoder.start(prefix, min_len=steps + 3, max_len=steps + 3,
+                          cache=decoder.new_cache(path.speech_cache, capacity=context + steps + 8))
+    for _ in range(2):
+        decoder.step(state)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        decoder.step(state)
+    sync(engine.device)
+    return 1000 * (time.perf_counter() - t0) / steps
+
+
+def synthesis_ms_per_chunk(engine, path: DecodePath, seconds: float = 4.0) -> dict:
+    from taste_speech.streaming.synthesis import speak, start_speaking
+
+    vg = engine.voice_generator
+    voice = engine.speaker_embedding()
+    n = int(seconds * 50)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    state = start_speaking(vg, torch.as_tensor(voice).float().reshape(1, -1), "low_latency", OUT_RATE,
+                           torch.Generator().manual_seed(0), kind=path.synthesis)
+    state.time_stages = True
+    chunks = []
+    for i in range(0, n, 5):
+        sync(engine.device)
+        for chunk in speak(vg, state, tokens[:, i:i + 5]):
+            chunks.append(chunk)
+    chunks += speak(vg, state, None, final=True)
+    ms = [1000 * c.compute_s for c in chunks]
+    flow = [1000 * c.flow_s for c in chunks]
+    vocoder = [1000 * (c.compute_s - c.flow_s) for c in chunks]  # the vocoder, fades and resampling
+    steady = slice(1, -1) if len(chunks) > 2 else slice(0, len(chunks))
+    return {"first_ms": ms[0], "steady_ms": statistics.median(ms[steady]),
+            "flow_first_ms": flow[0], "flow_steady_ms": statistics.median(flow[steady]),
+            "vocoder_first_ms": vocoder[0], "vocoder_steady_ms": statistics.median(vocoder[steady]),
+            "chunks": len(chunks)}
+
+
+# -- parity of the two paths at this size and dtype ------------------------------------------------------
+def lm_decode_logits(lm, rvq, path: DecodePath, rows: torch.Tensor, ids: list[int] | None, steps: int):
+    """Text logits of ``steps`` decode steps after prefilling ``rows``: greedy when ``ids`` is None,
+    else teacher-forced with ``ids`` (so two paths can be compared step by step after a near-tie)."""
+    state = lm.new_decode_state(cache=lm.new_cache(path.lm_cache, capacity=rows.shape[1] + steps + 1))
+    lm.feed(state, rows)
+    chosen, logits = [], []
+    for i in range(steps):
+        heads = lm.heads(state.last_hidden, rvq)
+        logits.append(heads.text_logits.float().cpu())
+        chosen.append(int(heads.text_logits.argmax()))
+        lm.feed(state, lm.next_row(state, chosen[-1] if ids is None else ids[i]))
+    return chosen, logits
+
+
+def lm_parity(engine, steps: int = 32) -> dict:
+    """Both paths teacher-forced with the greedy ids of a float32 copy of the LM, from one 64-row
+    prefill: for each, the steps whose own greedy choice agrees with float32 and the largest
+    text-logit difference from float32. The graphed path passes when it is as close to float32 as
+    the eager path (random weights have near-flat logits, so a bf16 near-tie can flip an argmax
+    on either path)."""
+    import copy
+
+    lm, rvq = engine.model.spoken_lm, engine.model.rvq
+    rows = torch.randn(1, 64, lm.causal_lm.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    rows = rows.to(engine.device)
+    reference_lm = lm if lm.lm_dtype == torch.float32 else copy.deepcopy(lm).float()
+    ids, reference = lm_decode_logits(reference_lm, rvq, EAGER, rows, None, steps)
+    del reference_lm
+    out = {"steps": steps, "dtype": str(lm.lm_dtype).replace("torch.", "")}
+    for path in (EAGER, GRAPHED):
+        chosen, logits = lm_decode_logits(lm, rvq, path, rows, ids, steps)
+        out[path.name] = {"same_argmax": sum(a == b for a, b in zip(ids, chosen)),
+                          "max_logit_diff": max(float((a - b).abs().max()) for a, b in zip(reference, logits))}
+    out["max_logit"] = max(float(a.abs().max()) for a in reference)
+    return out
+
+
+# -- concurrency ---------------------------------------------------------------------------------------
+def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, calls: int) -> dict:
+    audio = user_audio()
+    results: list[dict] = [None] * calls
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(calls)
+    if torch.device(engine.device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+
+    def one(i):
+        try:
+            barrier.wait()
+            results[i] = first_audio(engine, asr, path, forced, audio, seed=i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"gpu-suite-call-{i}") for i in range(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    firsts = sorted(r["first_audio_ms"] for r in results)
+    out = {"calls": calls, "first_audio_median_ms": statistics.median(firsts), "first_audio_max_ms": firsts[-1]}
+    if torch.device(engine.device).type == "cuda":
+        out["peak_mib_per_call"] = (torch.cuda.max_memory_allocated() - before) / calls / 2**20
+    return out
+
+
+def table_lines(header, rows) -> list[str]:
+    return table(header, rows).splitlines()
+
+
+# -- the run -------------------------------------------------------------------------------------------
+STAGES = ("asr_tail", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
+
+
+def run(args) -> dict:
+    torch.set_grad_enabled(False)
+    dtype = None if args.dtype == "float32" else args.dtype
+    engine = build_engine(args.size, args.device, dtype)
+    asr = build_asr(args.size, engine, args.device, dtype)
+    forced = ForcedReply(engine.model.spoken_lm)
+    audio = user_audio()
+    data = {"size": args.size, "device": device_name(args.device), "dtype": args.dtype, "paths": {}}
+    data["lm_parity"] = lm_parity(engine)
+    with forced:
+        for path in (EAGER, GRAPHED):
+            first_audio(engine, asr, path, forced, audio)  # warm-up: allocations, kernel choice, graph capture
+            runs = [first_audio(engine, asr, path, forced, audio, whole_reply=True) for _ in range(args.repeats)]
+            best = sorted(runs, key=lambda r: r["first_audio_ms"])[(len(runs) - 1) // 2]
+            entry = {"first_audio": best, "first_audio_runs_ms": [r["first_audio_ms"] for r in runs]}
+            entry["lm_ms_per_token"] = {c: lm_ms_per_token(engine, path, c, args.steps) for c in args.contexts}
+            entry["speech_decoder_ms_per_token"] = {c: speech_decoder_ms_per_token(engine, path, c, args.steps)
+                                                    for c in args.contexts}
+            entry["synthesis"] = synthesis_ms_per_chunk(engine, path)
+            if torch.device(args.device).type == "cuda":
+                entry["concurrency"] = [concurrent_first_audio(engine, asr, path, forced, n) for n in args.calls]
+            data["paths"][path.name] = entry
+    return data
+
+
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def markdown(data: dict, command: str) -> list[str]:
+    eager, graphed = data["paths"]["eager"], data["paths"]["graphed"]
+    fe, fg = eager["first_audio"], graphed["first_audio"]
+    lines = [f"Device: {data['device']}, {data['size']} size, {data['dtype']}, torch {torch.__version__}; "
+             f"date {time.strftime('%Y-%m-%d')}; command `{command}`.", ""]
+    rows = [[stage, fmt(fe["stages"].get(stage, 0.0)), fmt(fg["stages"].get(stage, 0.0))] for stage in STAGES]
+    rows.append(["**first audio**", fmt(fe["first_audio_ms"]), fmt(fg["first_audio_ms"])])
+    lines += ["First audio after the end of the user's turn (ms), per stage:", ""]
+    lines += table_lines(["stage", "eager", "graphed"], rows)
+    speedup = fe["first_audio_ms"] / fg["first_audio_ms"]
+    lines += ["", f"Speed-up of the graphed path (eager ms / graphed ms): {speedup:.2f}x"
+              + (" (on a CPU there are no CUDA graphs: the 'graphed' path only runs the static shapes eagerly)."
+                 if "CPU" in data["device"] else "."), ""]
+    rows = []
+    for c in sorted(eager["lm_ms_per_token"]):
+        rows.append([f"spoken LM, context {c}", fmt(eager["lm_ms_per_token"][c]), fmt(graphed["lm_ms_per_token"][c])])
+    for c in sorted(eager["speech_decoder_ms_per_token"]):
+        rows.append([f"speech decoder, context {c}", fmt(eager["speech_decoder_ms_per_token"][c]),
+                     fmt(graphed["speech_decoder_ms_per_token"][c])])
+    for key, label in (("first_ms", "synthesis, first chunk"), ("steady_ms", "synthesis, steady chunk"),
+                       ("flow_first_ms", "flow, first chunk"), ("flow_steady_ms", "flow, steady chunk"),
+                       ("vocoder_first_ms", "vocoder, first chunk"), ("vocoder_steady_ms", "vocoder, steady chunk")):
+        rows.append([label, fmt(eager["synthesis"][key]), fmt(graphed["synthesis"][key])])
+    rows.append(["whole-reply RTF", f"{fe['rtf']:.3f}", f"{fg['rtf']:.3f}"])
+    lines += ["Per token / per chunk (ms) and real-time factor:", ""]
+    lines += table_lines(["figure", "eager", "graphed"], rows)
+    par = data["lm_parity"]
+    lines += ["", f"Parity of the spoken LM in {par['dtype']} against a float32 copy ({par['steps']} steps "
+              f"teacher-forced with the float32 greedy ids, logits up to {par['max_logit']:.3g}):", ""]
+    lines += table_lines(["path", "same argmax as float32", "largest text-logit difference"],
+                   [[name, f"{par[name]['same_argmax']}/{par['steps']}", f"{par[name]['max_logit_diff']:.3g}"]
+                    for name in ("eager", "graphed")])
+    if "concurrency" in graphed:
+        rows = [[str(e["calls"]), fmt(e["first_audio_median_ms"]), fmt(g["first_audio_median_ms"]),
+                 fmt(g["first_audio_max_ms"]), fmt(g.get("peak_mib_per_call", float("nan")))]
+                for e, g in zip(eager["concurrency"], graphed["concurrency"])]
+        lines += ["", "Concurrent calls (one thread each):", ""]
+        lines += table_lines(["calls", "eager first audio median", "graphed median", "graphed max",
+                        "graphed peak MiB per call"], rows)
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--size", default="full", choices=["tiny", "full"])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and runs (the CPU check of the harness)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_suite.md"))
+    args = parser.parse_args(argv)
+    args.repeats, args.steps = (1, 8) if args.quick else (5, 50)
+    args.contexts = (64, 1024)
+    args.calls = (1, 2, 4, 8, 16)
+    command = "python -m benchmarks.gpu_suite " + " ".join(argv if argv is not None else sys.argv[1:])
+    data = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["# Real time on a GPU: eager vs graphed", ""] + markdown(data, command.strip())
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(data, indent=2, default=str))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
