@@ -36,6 +36,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--asr-model", default="auto",
                         help="Whisper folder or hub id for the built-in ASR (live calls need transcripts); 'none' to "
                              "rely on transcripts sent by the client (default: auto - the tiny checkpoint's random ASR)")
+    parser.add_argument("--transcripts", default="auto", choices=["auto", "asr", "upstream"],
+                        help="where each turn's transcript comes from: auto (an upstream/client STT if one sends "
+                             "it, else the built-in ASR), asr (always the built-in ASR) or upstream")
+    parser.add_argument("--no-incremental-asr", action="store_true",
+                        help="built-in ASR only at the end of each turn (default: also while the caller speaks)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -82,11 +87,14 @@ def load_engine(args, say):
 
 
 def agent_config(args):
+    from pipecat_taste.capture import TurnCaptureParams
     from taste_agents.phone_agent import PhoneAgentConfig
 
     max_tokens = args.max_reply_tokens or (6 if args.model is None else 48)
+    capture = TurnCaptureParams(transcripts=getattr(args, "transcripts", "auto"),
+                                incremental_asr=not getattr(args, "no_incremental_asr", False))
     return PhoneAgentConfig(prompt_format=args.prompt_format, max_reply_tokens=max_tokens, seed=args.seed,
-                            voice=args.voice)
+                            voice=args.voice, capture=capture)
 
 
 def simulated_call(args, engine=None):
@@ -154,6 +162,8 @@ def _summary(report: dict, paths: dict) -> str:
         line = f"  {turn['utterance']:8s} decision={turn['decision']}"
         if turn.get("first_audio_latency_ms") is not None:
             line += f"  first audio {turn['first_audio_latency_ms']:.0f} ms  reply {turn.get('reply_duration_ms', 0):.0f} ms"
+        if turn.get("asr_after_end_ms") is not None:
+            line += f"  ASR after end {turn['asr_after_end_ms']:.0f} ms ({turn['asr_partials']} partials)"
         if "barge_in_stop_ms" in turn:
             line += f"  barge-in stop {turn['barge_in_stop_ms']:.0f} ms"
             if turn.get("agent_side_barge_in_stop_ms") is not None:

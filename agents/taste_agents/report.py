@@ -133,6 +133,9 @@ def build_report(result, meta: dict) -> dict:
             "decision": decided[-1].decision if decided else None,
             "decisions": {r.turn_id: r.decision for r in matched},
         }
+        asr = [r for r in decided if r.asr_after_end_ms is not None]
+        if asr:  # the built-in ASR gave the transcript: its work after the end of the turn
+            entry.update({"asr_after_end_ms": asr[-1].asr_after_end_ms, "asr_partials": asr[-1].asr_partials})
         first = first_active(agent, stop, next_start)
         if reply is not None and first is not None:
             last = last_active(agent, first, next_start)
@@ -179,6 +182,7 @@ def build_report(result, meta: dict) -> dict:
     every_decided = all(u["decision"] is not None for u in utterances) and all(r.decision is not None for r in records)
     stops = [u["barge_in_stop_ms"] for u in utterances if "barge_in_stop_ms" in u]
     latencies = [u["first_audio_latency_ms"] for u in utterances if u.get("first_audio_latency_ms") is not None]
+    asr_after_end = [r.asr_after_end_ms for r in records if r.asr_after_end_ms is not None]
     report = {
         **meta,
         "call_id": meta.get("call_id"),
@@ -192,6 +196,8 @@ def build_report(result, meta: dict) -> dict:
             "replies": sum(1 for r in records if r.decision == "reply"),
             "first_audio_latency_ms": {"per_turn": latencies,
                                        "median": float(np.median(latencies)) if latencies else None},
+            "asr_after_end_ms": {"per_turn": asr_after_end,
+                                 "median": float(np.median(asr_after_end)) if asr_after_end else None},
             "barge_in_stop_ms": stops,
             "underruns": sum(r.underruns for r in records),
             "errors": len(result.errors),

@@ -128,7 +128,8 @@ class WhisperTranscriber:
                 logger.warning("Whisper static decoding failed, using generate from now on: %s", error, exc_info=True)
             else:
                 self._give_back(workspace)
-                return Transcription(self._text(ids), ids, kept)
+                if not plan.splits_into_segments(ids):
+                    return Transcription(self._text(ids), ids, kept)
         ids = self._generate(features)
         return Transcription(self._text(ids), ids, 0)
 

@@ -34,6 +34,12 @@ class TurnRecord:
     speech_seconds: float = 0.0  # speech length measured in the audio (VAD start to stop)
     audio_seconds: float = 0.0  # captured audio, with pre- and post-roll
     transcript: str = ""
+    # Built-in ASR (None/0 when the transcript came from upstream): its compute after the VAD
+    # confirmed the end of the turn, partial transcripts made while the user spoke, and the
+    # tokens of the last partial that the final transcription kept.
+    asr_after_end_ms: float | None = None
+    asr_partials: int = 0
+    asr_kept_tokens: int = 0
     decision: str | None = None  # reply | no_speech | error | ignored
     reason: str = ""
     tokenized_at: float | None = None

@@ -8,6 +8,16 @@ after the speech). Then, on a worker thread: the transcript (an upstream ``Trans
 from any Pipecat STT, or the engine's built-in ASR), ``taste_tokenize``, and a
 ``TasteUserTurnFrame`` downstream plus the ``TranscriptionFrame`` upstream.
 
+Incremental ASR (``incremental_asr``, on by default): when the built-in ASR gives the transcript,
+the audio captured so far is transcribed on the call's listening thread every
+``incremental_asr_every_secs`` of new audio while the user speaks (at most one such job at a time,
+none while an earlier turn is still being finished; skipped, not queued, when busy). The end of
+the turn then only verifies the latest partial and decodes what it had not heard
+(``pipecat_taste.asr.TurnTranscript``). A failing partial is logged and changes nothing else.
+Each turn's record gets ``asr_after_end_ms``: the built-in ASR's compute on the listening
+thread after the VAD confirmed the end of the turn (the rest of an in-flight partial plus the
+final transcription).
+
 VAD: give ``vad_analyzer`` (e.g. :class:`~pipecat_taste.vad.WebRTCVADAnalyzer`) and the capture
 runs it and broadcasts ``VADUserStarted/StoppedSpeakingFrame`` and ``UserStarted/Stopped
 SpeakingFrame``; or leave it None and put a ``VADProcessor`` upstream - the capture then follows
@@ -22,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from loguru import logger
@@ -54,7 +65,9 @@ class TurnCaptureParams:
     after the estimated speech end. min_speech_secs: shorter turns are ignored (coughs, clicks).
     transcript_timeout_secs: how long to wait after the turn for an upstream transcript before
     falling back to the built-in ASR. interrupt_on_speech: barge-in. transcripts: 'auto'
-    (upstream if one arrives, else built-in ASR), 'upstream' or 'asr'."""
+    (upstream if one arrives, else built-in ASR), 'upstream' or 'asr'. incremental_asr: transcribe
+    with the built-in ASR while the user speaks, every incremental_asr_every_secs of new audio
+    (in 'auto' only until the call's first upstream transcript arrives)."""
 
     pre_roll_secs: float = 0.3
     post_roll_secs: float = 0.2
@@ -63,6 +76,8 @@ class TurnCaptureParams:
     interrupt_on_speech: bool = True
     transcripts: str = "auto"
     user_id: str = "user"
+    incremental_asr: bool = True
+    incremental_asr_every_secs: float = 0.8
 
     def __post_init__(self):
         if self.transcripts not in ("auto", "upstream", "asr"):
@@ -70,6 +85,30 @@ class TurnCaptureParams:
         for name in ("pre_roll_secs", "post_roll_secs", "min_speech_secs", "transcript_timeout_secs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TurnCaptureParams.{name} must be >= 0")
+        if self.incremental_asr_every_secs <= 0:
+            raise ValueError("TurnCaptureParams.incremental_asr_every_secs must be > 0 (or set incremental_asr=False)")
+
+
+@dataclass
+class _TurnASR:
+    """The built-in ASR's work on one turn: its incremental state and the (start, end) times of
+    every job run for it on the listening thread."""
+
+    transcript: Any  # pipecat_taste.asr.TurnTranscript, or None: one transcription at the end
+    jobs: list[tuple[float, float]] = field(default_factory=list)
+    requested_samples: int = 0  # turn audio (input rate) when the last partial was requested
+
+    def run(self, fn, *args):
+        """``fn(*args)`` on the worker thread, timed."""
+        started = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.jobs.append((started, time.monotonic()))
+
+    def work_after(self, t: float) -> float:
+        """Seconds of ASR compute after ``t``."""
+        return sum(max(0.0, end - max(start, t)) for start, end in self.jobs)
 
 
 @dataclass
@@ -84,6 +123,7 @@ class _CapturedTurn:
     speech_seconds: float
     transcript_parts: list[str]
     transcript_ready: asyncio.Event
+    asr: _TurnASR | None = None
 
 
 class TasteTurnCapture(FrameProcessor):
@@ -110,6 +150,11 @@ class TasteTurnCapture(FrameProcessor):
         # Sample clock of the input: turn lengths are measured in audio, not in wall-clock time.
         self._samples_seen = 0
         self._start_sample = 0
+        # Incremental ASR: the current turn's state, the partial in flight, turns being finished.
+        self._turn_asr: _TurnASR | None = None
+        self._partial_task: asyncio.Task | None = None
+        self._turns_finishing = 0
+        self._upstream_transcripts = False
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -129,6 +174,9 @@ class TasteTurnCapture(FrameProcessor):
             await self._vad.cleanup()
 
     async def _stop_finisher(self):
+        if self._partial_task is not None:
+            await self.cancel_task(self._partial_task)
+            self._partial_task = None
         if self._finisher is not None:
             await self.cancel_task(self._finisher)
             self._finisher = None
@@ -169,6 +217,7 @@ class TasteTurnCapture(FrameProcessor):
             await self.push_frame(frame, direction)
             await self._speech_stopped(time.monotonic())
         elif isinstance(frame, TranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
+            self._upstream_transcripts = True
             self._add_transcript(frame.text)  # consumed: the turn's transcript goes upstream later
         else:
             await self.push_frame(frame, direction)
@@ -191,6 +240,8 @@ class TasteTurnCapture(FrameProcessor):
                 logger.info(f"{self}: turn {self._turn_id} reached {self._max_turn_seconds():.0f} s, splitting it")
                 await self._speech_stopped(now, forced=True)
                 await self._speech_started(now, forced=True)
+            else:
+                self._maybe_partial()
         if self._vad is None:
             return
         pcm = frame.audio if frame.sample_rate == self._sample_rate and frame.num_channels == 1 else None
@@ -230,6 +281,7 @@ class TasteTurnCapture(FrameProcessor):
         self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
         self._transcript_parts = []
         self._transcript_event = asyncio.Event()
+        self._turn_asr = self._new_turn_asr()
         if self._early_transcript is not None and now - self._early_transcript[0] < 1.0:
             self._add_transcript(self._early_transcript[1])
         self._early_transcript = None
@@ -281,8 +333,10 @@ class TasteTurnCapture(FrameProcessor):
             await self.broadcast_frame(UserStoppedSpeakingFrame)
         turn = _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
                              record.speech_start, speech_end, record.speech_seconds, self._transcript_parts,
-                             self._transcript_event)
+                             self._transcript_event, self._turn_asr)
+        self._turn_asr = None
         if self._finish_queue is not None:
+            self._turns_finishing += 1
             self._finish_queue.put_nowait(turn)
 
     def _add_transcript(self, text: str):
@@ -305,6 +359,8 @@ class TasteTurnCapture(FrameProcessor):
                 raise
             except Exception as e:  # a failing turn must not end the call
                 await self._fail(turn.turn_id, f"could not process the user's turn: {e}", e)
+            finally:
+                self._turns_finishing -= 1
 
     async def _finish(self, turn: _CapturedTurn):
         record = self._call.log.turn(turn.turn_id)
@@ -349,15 +405,63 @@ class TasteTurnCapture(FrameProcessor):
         turn.transcript_ready.set()
         session = await self._call.ensure_session()
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
+        asr = turn.asr or _TurnASR(None)
+        record = self._call.log.turn(turn.turn_id)
         try:
-            text = await self._call.run("listen", session.transcribe, audio16k)
+            text = await self._call.run("listen", asr.run, asr.transcript.finish if asr.transcript else session.transcribe,
+                                        audio16k)
         except NotImplementedError as e:
             await self._fail(turn.turn_id, f"no transcript for this turn: {e}", e)
             return None
+        finally:
+            if asr.jobs:
+                record.asr_after_end_ms = round(1000 * asr.work_after(turn.vad_stop_at), 1)
+            record.asr_partials = getattr(asr.transcript, "partials", 0)
+            record.asr_kept_tokens = getattr(asr.transcript, "kept", 0)
         if not text.strip():
             await self._decide(turn.turn_id, "ignored", "the ASR heard no words")
             return None
         return text.strip()
+
+    # -- incremental ASR ----------------------------------------------------------------------------
+    def _new_turn_asr(self) -> _TurnASR | None:
+        p = self._params
+        if not p.incremental_asr or p.transcripts == "upstream" or (p.transcripts == "auto" and self._upstream_transcripts):
+            return None
+        start = getattr(self._call.session, "start_transcript", None)
+        transcript = start() if start is not None else None
+        return _TurnASR(transcript) if transcript is not None else None
+
+    def _maybe_partial(self) -> None:
+        """Start a partial transcription of the turn so far when enough new audio has come in and
+        the listening thread is free (one partial at a time; none while a turn is finishing)."""
+        asr = self._turn_asr
+        if asr is None or self._turns_finishing or (self._partial_task is not None and not self._partial_task.done()):
+            return
+        if self._turn_samples - asr.requested_samples < self._params.incremental_asr_every_secs * self._sample_rate:
+            return
+        if self._params.transcripts == "auto" and self._upstream_transcripts:
+            return
+        asr.requested_samples = self._turn_samples
+        audio = np.concatenate(self._turn_chunks)
+        self._partial_task = self.create_task(self._partial(asr, audio, self._turn_id), name="partial_transcript")
+
+    async def _partial(self, asr: _TurnASR, audio: np.ndarray, turn_id: int):
+        rate, target = self._sample_rate, self._call.session.input_sample_rate
+
+        def job():
+            return asr.run(lambda: asr.transcript.partial(resample(audio, rate, target)))
+
+        try:
+            text = await self._call.run("listen", job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a partial is an optimisation: the end of the turn does not need it
+            logger.warning(f"{self}: partial transcript of turn {turn_id} failed (the whole turn is transcribed at "
+                           f"its end): {type(e).__name__}: {e}")
+            self._call.log.event("asr_partial_failed", turn_id, error=f"{type(e).__name__}: {e}")
+            return
+        self._call.log.event("asr_partial", turn_id, text=text, audio_seconds=round(audio.size / rate, 2))
 
     async def _decide(self, turn_id: int, decision: str, reason: str):
         record = self._call.log.turn(turn_id)

@@ -23,7 +23,8 @@ whose two best logits tie to within rounding can differ.
 Settings supported (``greedy_plan`` returns the reason otherwise, and the caller uses
 ``generate``): batch 1, short-form audio (<= 30 s, what the feature extractor gives), no
 timestamps, greedy (``num_beams`` 1, no temperature fallback, no log-prob / no-speech /
-compression thresholds), no prompt ids; the start tokens from ``language``/``task`` (or from the
+compression thresholds), no prompt ids, no two timestamp tokens in a row in the output
+(``splits_into_segments``: then ``generate`` runs for that utterance); the start tokens from ``language``/``task`` (or from the
 config's ``forced_decoder_ids`` when neither is given, not language detection) plus
 ``<|notimestamps|>``; ``suppress_tokens`` and ``begin_suppress_tokens``; ``max_new_tokens`` or the
 config's ``max_length``; a single ``eos_token_id``. No other logits processor (repetition penalty,
@@ -51,6 +52,7 @@ class GreedyPlan:
     eos_token_id: int
     pad_token_id: int | None
     max_length: int  # decoder length at most, start tokens included
+    timestamp_begin: int  # the first timestamp token (<|notimestamps|> + 1)
 
     @property
     def max_new_tokens(self) -> int:
@@ -67,6 +69,13 @@ class GreedyPlan:
         if seq and seq[-1] == self.eos_token_id:
             seq = seq[:-1]
         return seq
+
+    def splits_into_segments(self, ids: Sequence[int]) -> bool:
+        """Whether ``generate`` would read ``ids`` as timestamped segments (two timestamp tokens in
+        a row) and decode the audio after the last one again: this loop does not, so such a
+        transcript must come from ``generate``. A model prompted with <|notimestamps|> almost
+        never produces timestamp tokens."""
+        return any(a >= self.timestamp_begin and b >= self.timestamp_begin for a, b in zip(ids, ids[1:]))
 
 
 # Generation settings that add a logits processor or change the search: any non-default value
@@ -143,8 +152,10 @@ def greedy_plan(model, language: str | None = None, task: str | None = None,
         max_length = len(init) + max_new_tokens
     else:
         max_length = min((gc.max_length or 20) + min(limit // 2 - 1, len(init)), limit)
+    timestamp_begin = no_timestamps + 1 if no_timestamps is not None else config.vocab_size + 1
     return GreedyPlan(tuple(int(t) for t in init), tuple(gc.suppress_tokens or ()),
-                      tuple(gc.begin_suppress_tokens or ()), int(eos), gc.pad_token_id, int(max_length))
+                      tuple(gc.begin_suppress_tokens or ()), int(eos), gc.pad_token_id, int(max_length),
+                      int(timestamp_begin))
 
 
 def _language_id(gc, language: str) -> int | str:

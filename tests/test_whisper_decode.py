@@ -1,0 +1,205 @@
+"""The built-in ASR's own greedy Whisper loop (pipecat_taste.whisper_decode) against transformers'
+``generate``: same token ids for the transcriber's settings, eagerly and through the capture
+protocol ('rehearse'); a draft never changes the result; unsupported settings use ``generate``.
+
+Two random Whispers over the tiny checkpoint's ASR tokenizer: the pipeline's ``random_tiny``
+(its greedy output hardly depends on the audio) and a "varied" one with large weights, whose
+output changes with the audio and the position, with Whisper-large-v3-like generation settings
+(language and task tokens, <|notimestamps|>, suppressed tokens, tokens suppressed at the start).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from pipecat_taste.asr import WhisperTranscriber
+from pipecat_taste.whisper_decode import StaticWhisperDecoder, greedy_plan
+from taste_agents.caller import load_utterances
+
+MODES = ["eager", "rehearse"]
+# Special tokens of the varied model: the timestamp tokens after <|notimestamps|> are only the
+# end-of-text token (suppressed), as a model prompted without timestamps behaves.
+EN, DE, TRANSCRIBE, TRANSLATE, NO_TIMESTAMPS = 505, 506, 507, 508, 510
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    from taste_speech.tiny import default_tiny_checkpoint
+
+    return default_tiny_checkpoint()  # what TasteEngine.from_pretrained(None) loads
+
+
+@pytest.fixture(scope="module")
+def tiny_asr(checkpoint):
+    return WhisperTranscriber.random_tiny(checkpoint, decode="dynamic")
+
+
+def varied_model(tiny_asr, seed=3, no_timestamps=NO_TIMESTAMPS):
+    """A copy of the tiny Whisper with large random weights and v3-like generation settings."""
+    import copy
+
+    model = copy.deepcopy(tiny_asr.model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    gc = model.generation_config
+    gc.lang_to_id = {"<|en|>": EN, "<|de|>": DE}
+    gc.task_to_id = {"transcribe": TRANSCRIBE, "translate": TRANSLATE}
+    gc.no_timestamps_token_id = no_timestamps
+    gc.is_multilingual = True
+    gc.suppress_tokens = [t for t in gc.suppress_tokens if t not in (EN, DE, TRANSCRIBE, TRANSLATE, NO_TIMESTAMPS)]
+    gc.begin_suppress_tokens = [389, 444, 479]  # frequent first tokens of this model: the rule matters
+    return model
+
+
+@pytest.fixture(scope="module")
+def audios():
+    clips = [u.audio for u in load_utterances().values()]
+    noise = np.random.default_rng(0).standard_normal(16000).astype(np.float32) * 0.05
+    return clips + [clips[0][: clips[0].size // 2], noise]
+
+
+def features(asr, audio):
+    return asr.feature_extractor(audio, sampling_rate=16000, return_tensors="pt").input_features
+
+
+def generate(model, feats, **kwargs):
+    with torch.inference_mode():
+        return model.generate(feats, **kwargs)[0].tolist()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loop_matches_generate_on_the_pipeline_tiny_asr(checkpoint, tiny_asr, audios, mode):
+    plan = greedy_plan(tiny_asr.model)
+    assert not isinstance(plan, str), plan
+    decoder = StaticWhisperDecoder(tiny_asr.model, plan, mode)
+    static = WhisperTranscriber.random_tiny(checkpoint, decode="static", graph_mode=mode)
+    for audio in audios:
+        feats = features(tiny_asr, audio)
+        expected = generate(tiny_asr.model, feats)
+        assert decoder.decode(feats)[0] == expected
+        assert static(audio) == tiny_asr(audio)  # the transcriber's text, static loop vs generate
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("language, max_new_tokens", [("en", 12), ("german", 20), (None, None)])
+def test_loop_matches_generate_with_language_task_and_suppression(tiny_asr, audios, mode, language, max_new_tokens):
+    model = varied_model(tiny_asr)
+    if language is None:  # no language: the config's forced decoder ids give the start tokens
+        model.generation_config.forced_decoder_ids = [[1, DE], [2, TRANSLATE]]
+        model.generation_config.max_length = 9
+    task = "transcribe" if language else None
+    plan = greedy_plan(model, language, task, max_new_tokens)
+    assert not isinstance(plan, str), plan
+    decoder = StaticWhisperDecoder(model, plan, mode)
+    kwargs = {} if language is None else {"language": language, "task": task, "max_new_tokens": max_new_tokens}
+    outputs = set()
+    for audio in audios:
+        feats = features(tiny_asr, audio)
+        expected = generate(model, feats, **kwargs)
+        ids, kept = decoder.decode(feats)
+        assert ids == expected and kept == 0
+        outputs.add(tuple(ids))
+    assert len(outputs) > 2  # the output depends on the audio: equal ids mean something
+
+
+def test_end_of_text_stops_like_generate(tiny_asr, audios):
+    model = varied_model(tiny_asr)
+    feats = features(tiny_asr, audios[0])
+    free = generate(model, feats, language="en", task="transcribe", max_new_tokens=20)
+    stop = next(t for t in free[2:] if t not in free[:2])  # a token first produced mid-transcript
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = stop
+    expected = generate(model, feats, language="en", task="transcribe", max_new_tokens=20)
+    assert len(expected) < 20 and stop not in expected
+    decoder = StaticWhisperDecoder(model, greedy_plan(model, "en", "transcribe", 20), "eager")
+    assert decoder.decode(feats)[0] == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_draft_is_verified_and_never_changes_the_result(tiny_asr, audios, mode):
+    model = varied_model(tiny_asr)
+    plan = greedy_plan(model, "en", "transcribe", 16)
+    decoder = StaticWhisperDecoder(model, plan, mode)
+    feats = features(tiny_asr, audios[1])
+    truth, _ = decoder.decode(feats)
+    assert len(truth) == 16
+    other, _ = decoder.decode(features(tiny_asr, audios[2]))
+    wrong = [t for t in range(300, 400) if t != truth[0]]
+    cases = [  # (draft, tokens of it kept)
+        (truth, 15),  # all of it (the last token comes from the last verified row)
+        (truth[:5], 5),
+        (truth[:5] + wrong[:6], 5),
+        (wrong[:10], 0),
+        (truth + truth, 15),  # longer than the transcript can be
+        (other, _common(other, truth)),
+        ([], 0),
+    ]
+    for draft, kept in cases:
+        ids, n = decoder.decode(feats, draft)
+        assert ids == truth and n == kept, (draft, n)
+
+
+def _common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_turn_transcript_partials_then_the_whole_turn(tiny_asr, audios):
+    model = varied_model(tiny_asr)
+    static = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=12,
+                                decode="static", graph_mode="rehearse")
+    full = audios[0]
+    turn = static.new_turn()
+    for end in (0.3, 0.6, 0.9):
+        turn.partial(full[: int(full.size * end)])
+    assert turn.partials == 3 and turn.draft
+    reference = generate(model, features(tiny_asr, full), language="en", task="transcribe", max_new_tokens=12)
+    assert turn.finish(full) == tiny_asr.tokenizer.decode(reference, skip_special_tokens=True).strip()
+
+
+def test_settings_the_loop_does_not_support_use_generate(tiny_asr, audios):
+    model = varied_model(tiny_asr)
+    assert "detect" in greedy_plan(model, None, None, 10)  # no language: generate detects it
+    model.generation_config.num_beams = 2
+    assert "num_beams" in greedy_plan(model, "en", "transcribe", 10)
+    auto = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10)
+    assert auto.decode == "dynamic" and "num_beams" in auto.generate_reason and auto.new_turn() is None
+    with pytest.raises(ValueError, match="num_beams"):
+        WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", decode="static")
+    model.generation_config.num_beams = 1
+    assert "lang_to_id" in greedy_plan(model, "klingon", "transcribe", 10)
+    assert "exceed" in greedy_plan(model, "en", "transcribe", 1000)
+
+
+def test_a_failing_static_loop_falls_back_to_generate(tiny_asr, audios, monkeypatch):
+    model = varied_model(tiny_asr)
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10)
+    assert asr.decode == "static"
+
+    def broken(self, feats, draft=()):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(StaticWhisperDecoder, "decode", broken)
+    expected = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=10)
+    result = asr.transcribe(audios[0])
+    assert result.ids == expected and asr.decode == "dynamic" and "injected" in asr.generate_reason
+
+
+def test_timestamp_tokens_in_a_row_go_to_generate(tiny_asr, audios):
+    """generate reads two timestamp tokens in a row as a segment end and decodes the rest of the
+    audio again; the loop leaves such utterances to generate."""
+    model = varied_model(tiny_asr, no_timestamps=504)  # 505.. are timestamps, and frequent here
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=20,
+                             decode="static", graph_mode="eager")
+    split = 0
+    for audio in audios:
+        feats = features(tiny_asr, audio)
+        ids, _ = StaticWhisperDecoder(model, asr.plan, "eager").decode(feats)
+        split += asr.plan.splits_into_segments(ids)
+        expected = generate(model, feats, language="en", task="transcribe", max_new_tokens=20)
+        assert asr.transcribe(audio).ids == expected
+    assert split  # some utterances did take the generate path
