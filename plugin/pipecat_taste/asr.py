@@ -159,10 +159,13 @@ class WhisperTranscriber:
     def _borrow(self, plan):
         from pipecat_taste.whisper_decode import StaticWhisperDecoder
 
+        weight = self.model.proj_out.weight
         with self._lock:
-            for i, workspace in enumerate(self._workspaces):
-                if workspace.plan is plan:
-                    return self._workspaces.pop(i)
+            # a workspace is bound to the weights' device and dtype (the model may have moved since)
+            self._workspaces = [w for w in self._workspaces if w.plan is plan and
+                                (w.device, w.dtype) == (weight.device, weight.dtype)]
+            if self._workspaces:
+                return self._workspaces.pop()
         return StaticWhisperDecoder(self.model, plan, self.graph_mode)
 
     def _give_back(self, workspace) -> None:
