@@ -72,9 +72,16 @@ class StaticLMCache:
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
-        self.kv = StaticCache(config=self.config, max_cache_len=capacity)
-        self.key_positions = torch.arange(capacity, device=self.device)
-        self._row = torch.zeros(1, 1, self.config.hidden_size, device=self.device, dtype=self.dtype)
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # Allocated up front (not lazily inside a forward) and never as inference tensors: a cache
+        # made under torch.inference_mode must still accept in-place writes outside it.
+        with torch.inference_mode(False):
+            self.kv = StaticCache(config=config, max_cache_len=capacity)
+            self.kv.early_initialization(batch_size=1, num_heads=config.num_key_value_heads, head_dim=head_dim,
+                                         dtype=self.dtype, device=self.device)
+            self.key_positions = torch.arange(capacity, device=self.device)
+            self._row = torch.zeros(1, 1, config.hidden_size, device=self.device, dtype=self.dtype)
         self._step: StepGraph | None = None
 
     # -- the interface ------------------------------------------------------------------------------
@@ -95,7 +102,7 @@ class StaticLMCache:
         t = rows.shape[1]
         if self._length + t > self.capacity:
             self._grow(self._length + t)
-        if t == 1 and self._initialized:
+        if t == 1:
             if self._step is None:
                 self._step = StepGraph(lambda: self._decode_step(backbone), self.device, self.graph_mode,
                                        rewind=lambda: self._set_length(self._length), name="spoken LM step")
@@ -118,18 +125,11 @@ class StaticLMCache:
         self._set_length(length)
 
     # -- internals ----------------------------------------------------------------------------------
-    @property
-    def _initialized(self) -> bool:
-        return all(layer.is_initialized for layer in self.kv.layers)
-
     def _set_length(self, length: int) -> None:
         """Move every layer's write position (a device counter) to ``length``."""
         self._length = length
         for layer in self.kv.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(length)
-            else:
-                layer.cumulative_length = torch.tensor(length, dtype=torch.long)
+            layer.cumulative_length.fill_(length)
 
     def _mask(self, positions: torch.Tensor) -> torch.Tensor:
         """(1, 1, T, capacity) additive mask: query at position p sees the keys at 0..p only."""
@@ -147,11 +147,9 @@ class StaticLMCache:
     def _grow(self, needed: int) -> None:
         old, length = self.kv, self._length
         self._allocate(max(_round_up(needed), 2 * self.capacity))
-        if all(layer.is_initialized for layer in old.layers):
-            for new_layer, old_layer in zip(self.kv.layers, old.layers):
-                new_layer.lazy_initialization(old_layer.keys[:, :, :1], old_layer.values[:, :, :1])  # sizes it
-                new_layer.keys[:, :, :length] = old_layer.keys[:, :, :length]
-                new_layer.values[:, :, :length] = old_layer.values[:, :, :length]
+        for new_layer, old_layer in zip(self.kv.layers, old.layers):
+            new_layer.keys[:, :, :length] = old_layer.keys[:, :, :length]
+            new_layer.values[:, :, :length] = old_layer.values[:, :, :length]
         self._set_length(length)
 
     def __deepcopy__(self, memo):

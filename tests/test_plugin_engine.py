@@ -131,3 +131,48 @@ def test_generation_settings_default_to_the_samplers_defaults():
     assert shared == {"text_top_p", "taste_top_p", "text_temperature", "repetition_penalty"}
     for name in sorted(shared):
         assert getattr(plugin, name) == getattr(library, name), name
+
+
+def speak_reply(session, turn):
+    """Text, speech tokens and audio of one whole reply through the session's three stages."""
+    segments, _ = reply_segments(session, turn, n_words=99)
+    state = session.start_speech(16000)
+    tokens, audio = [], []
+    for s in segments:
+        for group in session.speech_tokens(state, s.segment):
+            tokens += group
+            audio += session.vocode(state, group)
+    audio += session.vocode(state, [], final=True)
+    return [s.text for s in segments], tokens, np.concatenate(audio)
+
+
+def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engine, hello):
+    """decoding='graphed' puts every hot loop on its static path (on a CPU the fixed shapes run
+    eagerly): same words, same speech tokens, the same audio to float rounding as the eager
+    engine; a session warmed up (its steps run once, as a capture would) answers the same."""
+    from taste_speech.lm_cache import StaticLMCache
+    from taste_speech.speech_decoder_cache import StaticSpeechCache
+
+    graphed = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
+                          decoding="graphed")
+    eager = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
+                        decoding="eager")
+    settings = GenerationSettings(max_reply_tokens=6)
+    results = {}
+    for name, eng, warm in (("eager", eager, False), ("graphed", graphed, False), ("warmed", graphed, True)):
+        session = eng.new_session(settings)
+        if warm:
+            session.warm_up()
+            assert session.conversation.state.decode.cache._step is not None  # the LM step ran once
+            assert session.speech_cache()._step is not None  # and the speech decoder's
+        turn = session.user_turn(hello.audio, hello.text)
+        results[name] = speak_reply(session, turn)
+        static = name != "eager"
+        assert isinstance(session.conversation.state.decode.cache, StaticLMCache) == static
+        assert isinstance(session.speech_cache(), StaticSpeechCache) == static
+    for name in ("graphed", "warmed"):
+        words, tokens, audio = results[name]
+        assert words == results["eager"][0] and tokens == results["eager"][1]
+        assert audio.shape == results["eager"][2].shape and np.abs(audio - results["eager"][2]).max() < 2e-4
+    with pytest.raises(ValueError, match="decoding must be one of"):
+        TasteEngine(engine.model, engine.processor, engine.voice_generator, decoding="fast")

@@ -138,3 +138,18 @@ def test_rehearsal_runs_the_capture_protocol():
     assert calls == [1, 1, 1, 1, 2] and not graph.captured
     eager = StepGraph(step, "cpu", "eager", rewind=lambda: pytest.fail("eager steps never rewind"))
     assert float(eager.run()) == 30
+
+
+def test_a_cache_made_under_inference_mode_is_usable_outside_it(lm):
+    """The engine may create a call's cache in an inference_mode block and decode under no_grad
+    later: the preallocated tensors must not be inference tensors."""
+    rows = random_rows(lm, 12, seed=2)
+    with torch.inference_mode():
+        state = lm.new_decode_state(cache=lm.new_cache("static", capacity=32))
+        lm.feed(state, rows[:, :8])
+    reference = lm.new_decode_state(cache=lm.new_cache("dynamic"))
+    with torch.no_grad():
+        lm.feed(reference, rows[:, :8])
+        for i in range(8, 12):
+            a, b = lm.feed(state, rows[:, i:i + 1]), lm.feed(reference, rows[:, i:i + 1])
+            assert (a - b).abs().max() < 1e-5

@@ -27,6 +27,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0 or auto (default: cpu)")
     parser.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"],
                         help="weights of the Whisper tower and the Llama base (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--decoding", default="auto", choices=["auto", "graphed", "eager"],
+                        help="hot loops: auto (static caches and CUDA graphs on CUDA, eager on CPU), graphed, or "
+                             "eager (the reference; for debugging on CUDA) - docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
@@ -81,7 +84,9 @@ def load_engine(args, say):
         path = args.model
     say(f"loading {label} on {args.device} ...")
     asr = None if args.asr_model == "none" else args.asr_model
-    engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr)
+    engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr,
+                                         decoding=getattr(args, "decoding", "auto"))
+    engine.warm_up()  # the fast path captures its shared synthesis graphs here, not in the first call
     say(f"model ready in {time.monotonic() - started:.1f} s")
     return engine, path
 

@@ -147,7 +147,9 @@ class TasteCall:
             self._session_lock = asyncio.Lock()
         async with self._session_lock:
             if self.session is None:
-                self.session = await self.run("think", self.engine.new_session, self.settings, self.voice)
+                session = await self.run("think", self.engine.new_session, self.settings, self.voice)
+                await self.run("think", session.warm_up)  # fast path: capture this call's steps now
+                self.session = session
         return self.session
 
     def executor(self, stage: str) -> ThreadPoolExecutor:

@@ -93,14 +93,27 @@ class SpeechState:
     tokens_vocoded: int = 0
 
 
+# How the hot loops run (docs/GPU.md): the cache kind each one is given.
+DECODING = {
+    "auto": "auto",  # the fast path (static caches, CUDA graphs) on CUDA, the eager path elsewhere
+    "graphed": "static",  # static caches everywhere (graphs on CUDA; on a CPU the same fixed shapes, eagerly)
+    "eager": "dynamic",  # growing caches, no graphs: the reference (debugging on CUDA)
+}
+
+
 class TasteEngine:
     """Model, processor and voice generator, loaded once and shared by every call."""
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
-                 asr=None):
+                 asr=None, decoding: str = "auto"):
+        """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
+        own path (``WhisperTranscriber(decode=...)``)."""
+        if decoding not in DECODING:
+            raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
         self.model, self.processor, self.voice_generator = model, processor, voice_generator
         self.checkpoint_dir = checkpoint_dir
         self.device = device
+        self.decoding, self.cache_kind = decoding, DECODING[decoding]
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
         # Calls in one process share the weights; every per-call state (KV caches, synthesis
         # continuity) lives in the state objects the session passes to the model.
@@ -108,7 +121,7 @@ class TasteEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
-                        asr="auto") -> "TasteEngine":
+                        asr="auto", decoding: str = "auto") -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (the random tiny ASR for the tiny checkpoint, none
@@ -138,7 +151,8 @@ class TasteEngine:
             from pipecat_taste.asr import WhisperTranscriber
 
             asr = WhisperTranscriber.from_pretrained(asr, device=device, dtype=dtype)
-        return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr)
+        return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
+                   decoding=decoding)
 
     @property
     def max_turn_seconds(self) -> float:
@@ -152,6 +166,15 @@ class TasteEngine:
 
     def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "TasteSession":
         return TasteSession(self, settings or GenerationSettings(), voice)
+
+    def warm_up(self) -> None:
+        """Capture the shared synthesis graphs (flow and vocoder, one per window-size bucket) before
+        the first call, on the fast path; a no-op on the eager path. Per-call steps are captured
+        by ``TasteSession.warm_up``."""
+        from taste_speech.streaming.synthesis_graphs import resolve_kind, shared_graphs
+
+        if resolve_kind(self.cache_kind, next(self.voice_generator.parameters()).device) == "static":
+            shared_graphs(self.voice_generator).warm_up()
 
 
 class TasteSession:
@@ -172,7 +195,8 @@ class TasteSession:
             system = TASTESegment("system", "text", ids)
         self.conversation = Conversation(self.model, self.processor, system=system,
                                          prompt_format=settings.prompt_format,
-                                         max_tokens=settings.history_max_tokens, max_turns=settings.history_max_turns)
+                                         max_tokens=settings.history_max_tokens, max_turns=settings.history_max_turns,
+                                         cache_kind=engine.cache_kind)
         if voice is None:
             voice = engine.speaker_embedding()
         self.voice = torch.as_tensor(voice).float().reshape(1, -1)
@@ -264,8 +288,39 @@ class TasteSession:
         state = SpeechState(out_sample_rate=out_sample_rate)
         state.sampler = TopKSampler(generator=self._speech_generator)
         state.synthesis = start_speaking(self.engine.voice_generator, self.voice, "low_latency", out_sample_rate,
-                                         self._synthesis_generator)
+                                         self._synthesis_generator, kind=self.engine.cache_kind)
         return state
+
+    def speech_cache(self):
+        """The speech decoder's cache, made once and reused by every segment of the call (on the
+        fast path its decode step is captured once per call, not per segment)."""
+        if self._speech_cache is None:
+            self._speech_cache = self.model.speech_decoder.new_cache(self.engine.cache_kind)
+        return self._speech_cache
+
+    def warm_up(self) -> None:
+        """Capture this call's decode steps before the caller's first turn (on the fast path the
+        first step of each static cache captures its CUDA graph: tens of ms that would otherwise
+        delay the first reply). Leaves the conversation exactly as it was; a no-op on growing caches."""
+        import torch
+
+        from taste_speech.lm_cache import StaticLMCache
+        from taste_speech.speech_decoder_cache import StaticSpeechCache
+
+        with torch.no_grad():
+            decode = self.conversation.ready()
+            if isinstance(decode.cache, StaticLMCache):
+                length, hidden = decode.length, decode.last_hidden
+                self.model.spoken_lm.feed(decode, decode.inputs_embeds()[:, -1:])  # one step: captures
+                decode.crop(length)
+                decode.last_hidden = hidden
+            cache = self.speech_cache()
+            if isinstance(cache, StaticSpeechCache):
+                decoder = self.model.speech_decoder
+                prefix = torch.zeros(1, 4, decoder.llm.input_size, device=decoder.device, dtype=decoder.dtype)
+                state = decoder.start(prefix, min_len=2, max_len=2, cache=cache)
+                while decoder.step(state) is not None:  # the 2nd step feeds a token: captured (the next start resets)
+                    pass
 
     def speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:
         """Speech tokens of one reply segment, continuing the previous segment of the same reply
@@ -289,9 +344,7 @@ class TasteSession:
             audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste.to(device), aligned.asr_word_ids.to(device))
             prefix = decoder.prefix_embeds(self.voice.to(device), audio_embeds, aligned.asr_token_ids.to(device))
             min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
-            if self._speech_cache is None:  # static with a captured step on CUDA: captured once per call
-                self._speech_cache = decoder.new_cache()
-            dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=self._speech_cache)
+            dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=self.speech_cache())
             if state.prev_speech_ids:
                 prev = torch.tensor([state.prev_speech_ids], dtype=torch.long, device=device)
                 dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev))

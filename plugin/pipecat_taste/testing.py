@@ -64,6 +64,9 @@ class FakeSession:
         self.replies_started = 0
         self.threads: set[str] = set()
 
+    def warm_up(self) -> None:
+        self.threads.add(threading.current_thread().name)  # nothing to capture: the fake has no caches
+
     def transcribe(self, audio: np.ndarray) -> str:
         if self.engine.asr_text is None:
             raise NotImplementedError("no built-in ASR in this engine")
