@@ -203,3 +203,23 @@ def test_timestamp_tokens_in_a_row_go_to_generate(tiny_asr, audios):
         expected = generate(model, feats, language="en", task="transcribe", max_new_tokens=20)
         assert asr.transcribe(audio).ids == expected
     assert split  # some utterances did take the generate path
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_loop_matches_generate(tiny_asr, audios, dtype):
+    """The captured step on a GPU: same ids as generate (float32; bfloat16 where no logits nearly tie)."""
+    model = varied_model(tiny_asr).to("cuda", dtype)
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, device="cuda", language="en",
+                             max_new_tokens=16)
+    assert asr.decode == "static"
+    same = 0
+    for audio in audios:
+        feats = features(tiny_asr, audio).to("cuda", dtype)
+        expected = generate(model, feats, language="en", task="transcribe", max_new_tokens=16)
+        result = asr.transcribe(audio)
+        same += result.ids == expected
+        assert asr.transcribe(audio, draft=result.ids).ids == result.ids
+    workspace = asr._workspaces[0]
+    assert workspace.captured and workspace.fallback_reason is None
+    assert same == len(audios) if dtype == torch.float32 else same >= len(audios) - 1

@@ -16,9 +16,13 @@ kernels (GPU_NOTES.md). This loop keeps every tensor at a fixed address instead:
 A *draft* (token ids from an earlier transcription of a prefix of the same audio, e.g. a partial
 transcript taken while the user was still speaking) can be verified in one multi-row pass:
 the longest prefix of the draft that greedy decoding would itself produce is kept, and decoding
-goes on one token at a time after it. In exact arithmetic the result is the draft-free greedy
-result; in floating point the multi-row pass rounds differently from one-row steps, so a token
-whose two best logits tie to within rounding can differ.
+goes on one token at a time after it.
+
+Exactness: in exact arithmetic the ids are ``generate``'s, with or without a draft. In floating
+point the loop's kernels (attention over the padded, masked cache; a multi-row pass for a draft)
+round differently from ``generate``'s, so a step whose two best logits tie to within rounding can
+pick the other token (then the transcripts differ from that token on). The CPU tests see identical
+ids; on CUDA in bfloat16 near-ties are likelier (``test_whisper_decode`` has a CUDA test).
 
 Settings supported (``greedy_plan`` returns the reason otherwise, and the caller uses
 ``generate``): batch 1, short-form audio (<= 30 s, what the feature extractor gives), no
