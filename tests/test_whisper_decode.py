@@ -153,12 +153,15 @@ def test_turn_transcript_partials_then_the_whole_turn(tiny_asr, audios):
     static = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=12,
                                 decode="static", graph_mode="rehearse")
     full = audios[0]
+    static.warm_up()
+    assert len(static._workspaces) == 1  # the workspace the turn below reuses
     turn = static.new_turn()
     for end in (0.3, 0.6, 0.9):
         turn.partial(full[: int(full.size * end)])
     assert turn.partials == 3 and turn.draft
     reference = generate(model, features(tiny_asr, full), language="en", task="transcribe", max_new_tokens=12)
     assert turn.finish(full) == tiny_asr.tokenizer.decode(reference, skip_special_tokens=True).strip()
+    assert len(static._workspaces) == 1
 
 
 def test_settings_the_loop_does_not_support_use_generate(tiny_asr, audios):

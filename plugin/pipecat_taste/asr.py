@@ -133,6 +133,11 @@ class WhisperTranscriber:
         ids = self._generate(features)
         return Transcription(self._text(ids), ids, 0)
 
+    def warm_up(self) -> None:
+        """Transcribe a second of silence: allocates a decoding workspace and, on CUDA, captures
+        its step graph now rather than in the first caller's turn."""
+        self.transcribe(np.zeros(16000, np.float32))
+
     def new_turn(self) -> "TurnTranscript | None":
         """Incremental ASR state for one user turn, or None where partials would not help
         (``generate`` cannot reuse them)."""
