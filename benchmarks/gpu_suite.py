@@ -9,10 +9,11 @@ forced to 12 words (``ForcedReply`` biases the text head towards a script; the h
 work), speech-decoder lengths from the decoder's own limits, the 'low_latency' emission policy.
 
 Tables (one run each, all figures from the same process):
-1. first audio after the end of the user's turn, eager vs graphed, per stage: ASR of the turn's
-   last second (what incremental ASR leaves after the turn), audio tower, LM prefill of the turn,
-   LM up to the first word, speech decoder up to the first chunk's tokens, flow and vocoder of the
-   first chunk;
+1. first audio after the end of the user's turn, eager vs graphed, per stage: the ASR work left
+   after the turn (eager: the whole turn with ``generate``; graphed: incremental partials while the
+   user spoke, then only the check of the last one and the rest), audio tower, LM prefill of the
+   turn, LM up to the first word, speech decoder up to the first chunk's tokens, synthesis (flow
+   and vocoder) of the first chunk;
 2. ms per token of the spoken LM and of the speech decoder at 64 and 1024 rows of context; flow
    and vocoder ms per chunk (first, steady); whole-reply real-time factor;
 3. peak GPU memory per call, and first audio with 1, 2, 4, 8, 16 concurrent calls (one thread
@@ -80,6 +81,10 @@ class Clock:
         sync(device)
         self.last = time.perf_counter()
 
+    def restart(self) -> None:
+        sync(self.device)
+        self.last = time.perf_counter()
+
     def mark(self, stage: str) -> None:
         sync(self.device)
         now = time.perf_counter()
@@ -132,11 +137,15 @@ def build_engine(size: str, device: str, dtype: str | None):
     return engines.full_engine(device, dtype)
 
 
-def build_asr(size: str, engine, device: str, dtype: str | None):
-    """The built-in ASR at the published size (whisper-large-v3 dimensions, random weights) or tiny."""
+def build_asr(size: str, engine, device: str, dtype: str | None) -> dict:
+    """The built-in ASR at the published size (whisper-large-v3 dimensions, random weights) or tiny,
+    one transcriber per path over the same weights: eager = ``generate``, graphed = our static
+    loop (captured step on CUDA) with incremental partials."""
     from pipecat_taste.asr import WhisperTranscriber
+    from transformers import WhisperFeatureExtractor
 
-    asr = WhisperTranscriber.random_tiny(engine.checkpoint_dir)
+    tiny = WhisperTranscriber.random_tiny(engine.checkpoint_dir)
+    model, features, max_new = tiny.model, tiny.feature_extractor, None
     if size == "full":
         from transformers import WhisperConfig, WhisperForConditionalGeneration
 
@@ -145,14 +154,29 @@ def build_asr(size: str, engine, device: str, dtype: str | None):
                                decoder_ffn_dim=5120, max_source_positions=1500, max_target_positions=448)
         with torch.device(device):
             model = WhisperForConditionalGeneration(config)
-        model.generation_config.max_length = 24  # a fixed 15-20 token transcript of the last second
-        from transformers import WhisperFeatureExtractor
+        model.generation_config.forced_decoder_ids = None
+        features, max_new = WhisperFeatureExtractor(feature_size=128), 20  # a fixed 20-token transcript
+    model.to(device=device, dtype=getattr(torch, dtype) if dtype else torch.float32)
+    return {path.name: WhisperTranscriber(model, features, tiny.tokenizer, device=device, language=None,
+                                          max_new_tokens=max_new, decode="dynamic" if path is EAGER else "static")
+            for path in (EAGER, GRAPHED)}
 
-        asr = WhisperTranscriber(model, WhisperFeatureExtractor(feature_size=128), asr.tokenizer, device=device,
-                                 language=None, max_new_tokens=None)
-    asr.model.to(device=device, dtype=getattr(torch, dtype) if dtype else torch.float32)
-    asr.device = device
-    return asr
+
+def asr_after_turn(asr, audio: np.ndarray, clock: "Clock") -> None:
+    """The ASR work left after the end of the turn. Incremental (when the transcriber supports it):
+    partials while the user spoke (every 0.8 s, not timed), then the whole turn with the last
+    partial as a draft (timed). Otherwise: the whole turn, at the end (timed)."""
+    turn = asr.new_turn()
+    if turn is not None:
+        step = int(0.8 * 16000)
+        for end in range(step, len(audio), step):
+            turn.partial(audio[:end])
+        clock.restart()
+        turn.finish(audio)
+    else:
+        clock.restart()
+        asr(audio)
+    clock.mark("asr_after_turn")
 
 
 # -- one reply, stage by stage ----------------------------------------------------------------------------
@@ -192,8 +216,7 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
     forced.script(script)
     clock = Clock(device)
     if asr is not None:
-        asr(audio[-16000:])  # what incremental ASR leaves after the turn: its last second
-    clock.mark("asr_tail")
+        asr_after_turn(asr[path.name], audio, clock)
     turn = session.user_turn(audio, USER_TEXT)
     clock.mark("audio_tower")
     session.conversation.add_turn(turn.segment)
@@ -370,7 +393,7 @@ def table_lines(header, rows) -> list[str]:
 
 
 # -- the run -------------------------------------------------------------------------------------------
-STAGES = ("asr_tail", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
+STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 
 
 def run(args) -> dict:

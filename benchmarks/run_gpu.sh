@@ -14,11 +14,12 @@ if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     echo "no CUDA device visible to torch: nothing to measure" >&2
     exit 1
 fi
-"$PYTHON" -m pytest -q -rs tests/test_gpu_graphs.py
+"$PYTHON" -m pytest -q -rs tests/test_gpu_graphs.py tests/test_whisper_decode.py
 if [ "${1:-}" = "--quick" ]; then
     exec "$PYTHON" -m benchmarks.gpu_suite --device cuda --dtype bfloat16 --size tiny --quick \
         --out benchmarks/results/gpu_suite_tiny.md
 fi
 "$PYTHON" -m benchmarks.gpu_suite --device cuda --dtype bfloat16 --size full
+"$PYTHON" benchmarks/bench_asr.py --models large --device cuda --dtype bfloat16
 exec "$PYTHON" benchmarks/run_all.py --device cuda --dtype bfloat16 \
     --out benchmarks/results/gpu.md --results benchmarks/results/gpu "$@"

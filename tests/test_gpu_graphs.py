@@ -78,3 +78,33 @@ def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
     assert len(tokens) > 0
     assert tokens == eager.speech_token_ids[0].tolist()
     assert cache.captured, cache.fallback_reason
+
+
+def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a):
+    """Streaming synthesis with the flow loop and the vocoder replayed from captured buckets gives
+    the dynamic path's chunks (float32; GPU kernels round differently from the CPU, hence looser
+    bounds than test_synthesis_graphs.py's)."""
+    from taste_speech.streaming.synthesis import speak, start_speaking
+    from taste_speech.streaming.synthesis_graphs import SynthesisGraphs
+    from taste_speech.voice_generator import VoiceGenerator
+
+    vg = VoiceGenerator.from_golden_dir(voice_generator_tiny_a).to("cuda")
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, 90), generator=g)
+    speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
+    graphs = SynthesisGraphs(vg, "graph")
+    out = {}
+    for name, kind in (("dynamic", {"kind": "dynamic"}), ("graphed", {"graphs": graphs})):
+        state = start_speaking(vg, speaker, "low_latency", out_sampling_rate=22050,
+                               generator=torch.Generator().manual_seed(0), **kind)
+        chunks = []
+        for i in range(0, 90, 5):
+            chunks += speak(vg, state, tokens[:, i:i + 5])
+        out[name] = chunks + speak(vg, state, final=True)
+    assert len(out["graphed"]) == len(out["dynamic"]) >= 3
+    for ref, got in zip(out["dynamic"], out["graphed"]):
+        assert got.audio.shape == ref.audio.shape
+        torch.testing.assert_close(got.mel, ref.mel, atol=1e-3, rtol=0)
+        torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
+    assert graphs.prepared()["flow"] and graphs.prepared()["vocoder"]
+    assert not graphs.fallback_reasons(), graphs.fallback_reasons()  # every bucket was captured

@@ -104,6 +104,16 @@ async def test_transcript_from_built_in_asr(utterances):
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["around seven"]
 
 
+async def test_auto_transcripts_with_only_the_built_in_asr_do_not_wait_for_the_timeout(utterances):
+    """Until an upstream transcript has arrived in the call, 'auto' waits only a short grace for
+    one: a call that relies on the built-in ASR must not lose the whole timeout on every turn (a
+    10 s timeout here would leave the turn unfinished when the test ends)."""
+    frames = audio_frames(np.concatenate([silence(0.5), utterances["time"].audio, silence(1.0)]))
+    call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="around seven"),
+                                      params=TurnCaptureParams(transcript_timeout_secs=10.0), tail_secs=2.0)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["around seven"]
+
+
 async def test_no_transcript_and_no_asr_is_an_error_not_a_crash(utterances):
     frames = audio_frames(np.concatenate([silence(0.5), utterances["time"].audio, silence(1.0)]))
     _, down, up = await run_capture(frames, params=TurnCaptureParams(transcript_timeout_secs=0.2), tail_secs=2.0)

@@ -64,7 +64,9 @@ class TurnCaptureParams:
     """pre_roll_secs: audio kept before the estimated speech onset. post_roll_secs: audio kept
     after the estimated speech end. min_speech_secs: shorter turns are ignored (coughs, clicks).
     transcript_timeout_secs: how long to wait after the turn for an upstream transcript before
-    falling back to the built-in ASR. interrupt_on_speech: barge-in. transcripts: 'auto'
+    falling back to the built-in ASR; in 'auto' with a built-in ASR, until the call's first upstream
+    transcript arrives, only first_transcript_grace_secs (a call that relies on the built-in ASR
+    would otherwise lose the whole timeout on every turn). interrupt_on_speech: barge-in. transcripts: 'auto'
     (upstream if one arrives, else built-in ASR), 'upstream' or 'asr'. incremental_asr: transcribe
     with the built-in ASR while the user speaks, every incremental_asr_every_secs of new audio
     (in 'auto' only until the call's first upstream transcript arrives)."""
@@ -73,6 +75,7 @@ class TurnCaptureParams:
     post_roll_secs: float = 0.2
     min_speech_secs: float = 0.25
     transcript_timeout_secs: float = 1.5
+    first_transcript_grace_secs: float = 0.3
     interrupt_on_speech: bool = True
     transcripts: str = "auto"
     user_id: str = "user"
@@ -82,7 +85,8 @@ class TurnCaptureParams:
     def __post_init__(self):
         if self.transcripts not in ("auto", "upstream", "asr"):
             raise ValueError(f"transcripts must be 'auto', 'upstream' or 'asr', got {self.transcripts!r}")
-        for name in ("pre_roll_secs", "post_roll_secs", "min_speech_secs", "transcript_timeout_secs"):
+        for name in ("pre_roll_secs", "post_roll_secs", "min_speech_secs", "transcript_timeout_secs",
+                     "first_transcript_grace_secs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TurnCaptureParams.{name} must be >= 0")
         if self.incremental_asr_every_secs <= 0:
@@ -387,12 +391,18 @@ class TasteTurnCapture(FrameProcessor):
                               FrameDirection.UPSTREAM)
         await self.push_frame(TasteUserTurnFrame(turn.turn_id, transcript, user_turn, turn.speech_start, turn.speech_end))
 
+    def _upstream_wait_secs(self) -> float:
+        params = self._params
+        if params.transcripts == "auto" and not self._upstream_transcripts and self._call.engine.has_asr:
+            return min(params.first_transcript_grace_secs, params.transcript_timeout_secs)
+        return params.transcript_timeout_secs
+
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
         if mode in ("auto", "upstream"):
             if not turn.transcript_parts:
                 try:
-                    await asyncio.wait_for(turn.transcript_ready.wait(), self._params.transcript_timeout_secs)
+                    await asyncio.wait_for(turn.transcript_ready.wait(), self._upstream_wait_secs())
                 except asyncio.TimeoutError:
                     pass
             if turn.transcript_parts:

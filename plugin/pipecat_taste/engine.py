@@ -158,6 +158,10 @@ class TasteEngine:
     def max_turn_seconds(self) -> float:
         return float(self.processor.max_seconds)
 
+    @property
+    def has_asr(self) -> bool:
+        return self.asr is not None
+
     def speaker_embedding(self, reference_audio: np.ndarray | None = None, sample_rate: int = INPUT_SAMPLE_RATE):
         """The call's voice: from reference audio (CAMPPlus) or the checkpoint's default voice."""
         if reference_audio is not None:
@@ -175,6 +179,8 @@ class TasteEngine:
 
         if resolve_kind(self.cache_kind, next(self.voice_generator.parameters()).device) == "static":
             shared_graphs(self.voice_generator).warm_up()
+        if hasattr(self.asr, "warm_up"):
+            self.asr.warm_up()  # the built-in ASR's decode step (captured on CUDA)
 
 
 class TasteSession:

@@ -44,6 +44,10 @@ class FakeEngine:
     sessions: list = field(default_factory=list)
     input_sample_rate: int = INPUT_SAMPLE_RATE
 
+    @property
+    def has_asr(self) -> bool:
+        return self.asr_text is not None
+
     def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "FakeSession":
         session = FakeSession(self, settings or GenerationSettings())
         self.sessions.append(session)
