@@ -183,6 +183,8 @@ def main(argv=None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--turns", type=int, default=100)
     parser.add_argument("--window-tokens", type=int, default=256, help="rolling history window of the long call")
+    parser.add_argument("--decoding", default="auto", choices=["auto", "graphed", "eager"],
+                        help="the engine's hot loops (TasteEngine decoding; on a CPU 'auto' is 'eager')")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
 
@@ -197,7 +199,8 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = TasteEngine.from_pretrained(None)
+    engine = TasteEngine.from_pretrained(None, decoding=args.decoding)
+    engine.warm_up()
     # Rows of earlier runs in the same --out stay (a part re-run replaces its own row): the
     # report can hold runs at several call counts. Each row names the command that made it.
     previous = json.loads((out / "soak.json").read_text()) if (out / "soak.json").exists() else {}
