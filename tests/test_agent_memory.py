@@ -22,3 +22,11 @@ def test_applies_on_glibc(monkeypatch):
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc only")
     assert limit_malloc_arenas(2) is True
+
+
+def test_release_free_memory_trims_on_glibc():
+    import platform
+
+    from taste_agents.memory import release_free_memory
+
+    assert release_free_memory() is (platform.libc_ver()[0] == "glibc")

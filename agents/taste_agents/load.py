@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from taste_agents.caller import default_script
+from taste_agents.memory import release_free_memory
 from taste_agents.report import reply_audio_intact
 from taste_agents.webrtc_caller import EXIT_CONNECTION_LOST, EXIT_TIMED_OUT
 
@@ -160,6 +161,8 @@ async def concurrent_calls(engine, n_calls: int, *, config=None, duration_s: flo
                     on_call(index, call.report)
             except Exception as exc:  # a crash is what this run is looking for: count it, keep going
                 result.crashes.append(f"slot {index}: {type(exc).__name__}: {exc}")
+            call = None
+            release_free_memory()  # as the server does when a call ends
             done += 1
 
     with MemorySampler(sample_interval_s) as memory:

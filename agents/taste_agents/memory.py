@@ -5,7 +5,8 @@ threads all day. glibc gives threads their own malloc arenas (up to 8 per core) 
 in one arena is not reused by another: the resident size creeps up with the number of calls that
 ever ran. Capping the arenas trades a little allocation contention for memory that stays put
 (measured with ``python -m benchmarks.soak``: see BENCHMARKS.md). Same effect as starting the
-process with ``MALLOC_ARENA_MAX=N``.
+process with ``MALLOC_ARENA_MAX=N``. When a call ends, ``release_free_memory`` hands the heap
+memory its objects freed back to the OS (glibc keeps freed blocks otherwise).
 """
 
 from __future__ import annotations
@@ -32,3 +33,22 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_ARENA_MAX, arenas))
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name is not None else None
+    except OSError:
+        return None
+
+
+def release_free_memory() -> bool:
+    """Return the free memory at the top and inside glibc's heaps to the OS (``malloc_trim``).
+    Called when a call has ended. Returns False where it cannot (not glibc)."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -41,6 +41,7 @@ from pipecat_taste.call import CallLog, TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
 from pipecat_taste.playout import PlayoutParams
 
+from taste_agents.memory import release_free_memory
 from taste_agents.phone_agent import PhoneAgentConfig, build_phone_agent
 
 STATIC = Path(__file__).parent / "static"
@@ -328,6 +329,8 @@ class TasteServer:
             self.ended = (self.ended + [EndedCall(active.call_id, active.kind, record["seconds"], log)])[-16:]
             self.ended_count += 1
             logger.info(f"call {active.call_id} ended")
+            # once this coroutine (and its reference to the call) is gone: give the freed memory back
+            asyncio.get_running_loop().call_soon(release_free_memory)
 
     async def _phone_call(self, websocket) -> None:
         from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams, FastAPIWebsocketTransport
