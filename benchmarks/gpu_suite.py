@@ -55,17 +55,20 @@ REPLY_TEXT = "it is almost noon and the weather outside is very warm today."  # 
 
 @dataclass(frozen=True)
 class DecodePath:
-    """Which implementation each hot loop uses."""
+    """Which implementation the hot loops use: one of the engine's ``decoding`` settings."""
 
-    name: str
-    decoding: str  # TasteEngine(decoding=...)
-    lm_cache: str  # Conversation cache_kind
-    speech_cache: str  # speech decoder cache kind
-    synthesis: str  # synthesis kind (start_speaking)
+    name: str  # 'eager' or 'graphed' (TasteEngine(decoding=...))
+
+    @property
+    def cache_kind(self) -> str:
+        """The kind every hot loop is given (LM and speech-decoder caches, synthesis)."""
+        from pipecat_taste.engine import DECODING
+
+        return DECODING[self.name]
 
 
-EAGER = DecodePath("eager", "eager", lm_cache="dynamic", speech_cache="dynamic", synthesis="dynamic")
-GRAPHED = DecodePath("graphed", "graphed", lm_cache="static", speech_cache="static", synthesis="static")
+EAGER = DecodePath("eager")
+GRAPHED = DecodePath("graphed")
 
 
 def sync(device) -> None:
@@ -185,7 +188,7 @@ def path_engine(engine, path: DecodePath):
     from pipecat_taste.engine import TasteEngine
 
     return TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
-                       device=engine.device, asr=None, decoding=path.decoding)
+                       device=engine.device, asr=None, decoding=path.name)
 
 
 def new_session(engine, seed: int = 0):
@@ -263,7 +266,7 @@ def lm_ms_per_token(engine, path: DecodePath, context: int, steps: int) -> float
     lm = engine.model.spoken_lm
     hidden = lm.causal_lm.config.hidden_size
     rows = torch.randn(1, context + steps, hidden, generator=torch.Generator().manual_seed(0)).to(engine.device)
-    state = lm.new_decode_state(cache=lm.new_cache(path.lm_cache, capacity=context + steps + 1))
+    state = lm.new_decode_state(cache=lm.new_cache(path.cache_kind, capacity=context + steps + 1))
     lm.feed(state, rows[:, :context])
     for i in range(2):  # warm-up (and capture)
         lm.feed(state, rows[:, context + i:context + i + 1])
@@ -282,7 +285,7 @@ def speech_decoder_ms_per_token(engine, path: DecodePath, context: int, steps: i
     width = decoder.llm.input_size
     prefix = torch.randn(1, context, width, generator=torch.Generator().manual_seed(0)).to(engine.device, decoder.dtype)
     state = decoder.start(prefix, min_len=steps + 3, max_len=steps + 3,
-                          cache=decoder.new_cache(path.speech_cache, capacity=context + steps + 8))
+                          cache=decoder.new_cache(path.cache_kind, capacity=context + steps + 8))
     for _ in range(2):
         decoder.step(state)
     sync(engine.device)
@@ -301,7 +304,7 @@ def synthesis_ms_per_chunk(engine, path: DecodePath, seconds: float = 4.0) -> di
     n = int(seconds * 50)
     tokens = torch.randint(0, vg.flow.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     state = start_speaking(vg, torch.as_tensor(voice).float().reshape(1, -1), "low_latency", OUT_RATE,
-                           torch.Generator().manual_seed(0), kind=path.synthesis)
+                           torch.Generator().manual_seed(0), kind=path.cache_kind)
     state.time_stages = True
     chunks = []
     for i in range(0, n, 5):
@@ -323,7 +326,7 @@ def synthesis_ms_per_chunk(engine, path: DecodePath, seconds: float = 4.0) -> di
 def lm_decode_logits(lm, rvq, path: DecodePath, rows: torch.Tensor, ids: list[int] | None, steps: int):
     """Text logits of ``steps`` decode steps after prefilling ``rows``: greedy when ``ids`` is None,
     else teacher-forced with ``ids`` (so two paths can be compared step by step after a near-tie)."""
-    state = lm.new_decode_state(cache=lm.new_cache(path.lm_cache, capacity=rows.shape[1] + steps + 1))
+    state = lm.new_decode_state(cache=lm.new_cache(path.cache_kind, capacity=rows.shape[1] + steps + 1))
     lm.feed(state, rows)
     chosen, logits = [], []
     for i in range(steps):
