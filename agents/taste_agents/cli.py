@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 
-from taste_agents.memory import limit_malloc_arenas
+from taste_agents.memory import configure_malloc
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +30,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoding", default="auto", choices=["auto", "graphed", "eager"],
                         help="hot loops: auto (static caches and CUDA graphs on CUDA, eager on CPU), graphed, or "
                              "eager (the reference; for debugging on CUDA) - docs/GPU.md")
+    parser.add_argument("--parallel-jobs", default="auto", type=parallel_jobs_arg,
+                        help="model jobs of all calls running at once: a number, 'none' (no limit) or auto (the "
+                             "CPU cores on a CPU, no limit on CUDA); the others queue, so the event loop stays "
+                             "responsive under load")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
@@ -70,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parallel_jobs_arg(value: str) -> int | str | None:
+    """--parallel-jobs: 'auto', 'none' (no limit) or a number >= 1 (TasteEngine's parallel_jobs)."""
+    if value in ("auto", "none"):
+        return None if value == "none" else "auto"
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1, 'none' or 'auto', got {value!r}")
+    return int(value)
+
+
 def load_engine(args, say):
     from pipecat_taste.engine import TasteEngine
 
@@ -85,7 +98,8 @@ def load_engine(args, say):
     say(f"loading {label} on {args.device} ...")
     asr = None if args.asr_model == "none" else args.asr_model
     engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr,
-                                         decoding=getattr(args, "decoding", "auto"))
+                                         decoding=getattr(args, "decoding", "auto"),
+                                         parallel_jobs=getattr(args, "parallel_jobs", "auto"))
     engine.warm_up()  # the fast path captures its shared synthesis graphs here, not in the first call
     say(f"model ready in {time.monotonic() - started:.1f} s")
     return engine, path
@@ -195,7 +209,7 @@ def _quiet_logs():
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    limit_malloc_arenas()  # calls start threads all day: keep the resident size from creeping
+    configure_malloc()  # calls allocate and free all day from many threads: keep the resident size flat
     if args.command == "call":
         if not args.simulate:
             print("taste-agent call needs --simulate (live calls: taste-agent serve)", file=sys.stderr)

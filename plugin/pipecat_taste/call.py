@@ -10,6 +10,7 @@ engine's weights.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import uuid
@@ -162,8 +163,11 @@ class TasteCall:
         return self._executors[stage]
 
     async def run(self, stage: str, fn, *args):
-        """Run a blocking engine call on the stage's worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor(stage), fn, *args)
+        """Run a blocking engine call on the stage's worker thread, inside the engine's compute
+        gate when it has one (jobs of all calls queue there, first come first served)."""
+        gate = getattr(self.engine, "compute_gate", None)
+        job = fn if gate is None else functools.partial(gate.run, fn)
+        return await asyncio.get_running_loop().run_in_executor(self.executor(stage), job, *args)
 
     def new_turn_id(self) -> int:
         self._next_turn_id += 1

@@ -105,11 +105,14 @@ class TasteEngine:
     """Model, processor and voice generator, loaded once and shared by every call."""
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
-                 asr=None, decoding: str = "auto"):
+                 asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto"):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
-        own path (``WhisperTranscriber(decode=...)``)."""
+        own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
+        running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
+        this process may use on a CPU; no limit on CUDA, where jobs mostly wait for the GPU)."""
         if decoding not in DECODING:
             raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
+        self.compute_gate = _compute_gate(parallel_jobs, str(next(model.parameters()).device))  # 'auto' resolved
         self.model, self.processor, self.voice_generator = model, processor, voice_generator
         self.checkpoint_dir = checkpoint_dir
         self.device = device
@@ -121,7 +124,7 @@ class TasteEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
-                        asr="auto", decoding: str = "auto") -> "TasteEngine":
+                        asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto") -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (the random tiny ASR for the tiny checkpoint, none
@@ -152,7 +155,7 @@ class TasteEngine:
 
             asr = WhisperTranscriber.from_pretrained(asr, device=device, dtype=dtype)
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
-                   decoding=decoding)
+                   decoding=decoding, parallel_jobs=parallel_jobs)
 
     @property
     def max_turn_seconds(self) -> float:
@@ -181,6 +184,20 @@ class TasteEngine:
             shared_graphs(self.voice_generator).warm_up()
         if hasattr(self.asr, "warm_up"):
             self.asr.warm_up()  # the built-in ASR's decode step (captured on CUDA)
+
+
+def _compute_gate(parallel_jobs: int | str | None, device: str):
+    from pipecat_taste.compute import ComputeGate
+
+    if parallel_jobs == "auto":
+        if str(device).startswith("cuda"):
+            return None
+        parallel_jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if parallel_jobs is None:
+        return None
+    if isinstance(parallel_jobs, bool) or not isinstance(parallel_jobs, int):
+        raise ValueError(f"parallel_jobs must be a number >= 1, None or 'auto', got {parallel_jobs!r}")
+    return ComputeGate(parallel_jobs)
 
 
 class TasteSession:

@@ -1,0 +1,122 @@
+"""pipecat_taste.compute.ComputeGate: the engine-wide limit on model jobs running at once."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from pipecat_taste.call import TasteCall
+from pipecat_taste.compute import ComputeGate
+from pipecat_taste.engine import _compute_gate
+from pipecat_taste.testing import FakeEngine
+
+
+def test_needs_a_slot():
+    with pytest.raises(ValueError, match="at least one slot"):
+        ComputeGate(0)
+
+
+def test_never_more_jobs_inside_than_slots():
+    gate = ComputeGate(2)
+    inside, most = 0, 0
+    lock = threading.Lock()
+
+    def job():
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        time.sleep(0.02)
+        with lock:
+            inside -= 1
+
+    threads = [threading.Thread(target=gate.run, args=(job,)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most == 2  # the gate filled both slots and never a third
+    stats = gate.stats()
+    assert stats["jobs"] == 8 and stats["queued"] == 0 and gate.busy == 0
+    assert stats["max_wait_ms"] > 0  # some jobs had to queue
+
+
+def _wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.002)
+
+
+def test_queued_jobs_go_in_in_arrival_order():
+    gate = ComputeGate(1)
+    release = threading.Event()
+    holder = threading.Thread(target=gate.run, args=(release.wait,))
+    holder.start()
+    _wait_until(lambda: gate.busy == 1)
+    order = []
+    threads = []
+    for i in range(6):  # each one queued before the next arrives
+        t = threading.Thread(target=gate.run, args=(order.append, i))
+        t.start()
+        threads.append(t)
+        _wait_until(lambda: gate.stats()["queued"] == i + 1)
+    release.set()
+    for t in [holder, *threads]:
+        t.join()
+    assert order == list(range(6))
+
+
+def test_a_failing_job_frees_its_slot():
+    gate = ComputeGate(1)
+
+    def boom():
+        raise RuntimeError("model error")
+
+    with pytest.raises(RuntimeError, match="model error"):
+        gate.run(boom)
+    assert gate.busy == 0
+    assert gate.run(lambda x: x + 1, 1) == 2  # the next job is not stuck behind it
+
+
+def test_calls_run_their_jobs_through_the_engines_gate():
+    engine = FakeEngine()
+    engine.compute_gate = ComputeGate(1)
+    call = TasteCall(engine)
+
+    async def main():
+        seen = await asyncio.gather(*(call.run(stage, lambda: engine.compute_gate.busy)
+                                      for stage in ("listen", "think", "speech_tokens", "vocode")))
+        await call.close()
+        return seen
+
+    assert asyncio.run(main()) == [1, 1, 1, 1]  # each ran inside the gate's one slot
+    assert engine.compute_gate.stats()["jobs"] == 4
+
+
+def test_engine_gate_settings():
+    import os
+
+    auto = _compute_gate("auto", "cpu")
+    assert isinstance(auto, ComputeGate) and auto.slots == len(os.sched_getaffinity(0))
+    assert _compute_gate("auto", "cuda:0") is None  # jobs mostly wait for the GPU there
+    assert _compute_gate(None, "cpu") is None
+    assert _compute_gate(3, "cpu").slots == 3
+    for bad in (0, "four", 2.5, True):
+        with pytest.raises(ValueError):
+            _compute_gate(bad, "cpu")
+
+
+
+def test_the_cli_option():
+    from taste_agents.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["serve"]).parallel_jobs == "auto"
+    assert parse(["serve", "--parallel-jobs", "3"]).parallel_jobs == 3
+    assert parse(["call", "--simulate", "--parallel-jobs", "none"]).parallel_jobs is None
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--parallel-jobs", bad])
