@@ -43,3 +43,27 @@ def test_soak_report_goes_into_benchmarks_md_once(tmp_path):
     text = doc.read_text()
     assert text.count(soak.SECTION) == 1 and text.startswith("# Benchmarks\n\n## 5. GPU\n\ntext\n\n" + soak.SECTION)
     assert f"]({results}/soak_rss.png)" in text and "| 1 |" in text
+
+
+def test_soak_markdown_rows():
+    """Per-minute peaks, the compute gate and the event-loop lag per row; rows measured before the
+    gate and the lag monitor existed say so; the memory-rounds table."""
+    from benchmarks import soak
+
+    row = {"transport": "webrtc", "calls_at_once": 8, "minutes": 2, "calls_finished": 9, "crashes": 0, "timed_out": 0,
+           "connections_lost": 0, "audio_intact": True, "baseline_rss_mb": 400.0, "peak_rss_mb": 700.0,
+           "memory_slope_mb_per_min": 1.5, "first_audio_ms_median": 1234.4, "first_audio_ms_p90": 2000.26,
+           "rss_mb": [[0, 400.0], [30, 650.0], [61, 700.0], [119, 690.0]], "command": "c", "date": "d",
+           "compute_gate": {"slots": 2}, "loop_lag_ms_p99": 33.9, "loop_lag_ms_max": 399.7}
+    old = {k: v for k, v in row.items() if k not in ("compute_gate", "loop_lag_ms_p99", "loop_lag_ms_max")}
+    rounds = {"calls_at_once": 8, "command": "c", "date": "d", "rounds": [
+        {"round": 0, "calls": 0, "crashes": 0, "peak_rss_mb": None, "rss_mb": 430.0, "heap_in_use_mb": 140.0,
+         "free_in_heap_mb": 3.0, "python_objects": 1000, "tensors": 10, "tensor_mb": 27.0},
+        {"round": 1, "calls": 8, "crashes": 0, "peak_rss_mb": 620.0, "rss_mb": 470.0, "heap_in_use_mb": 140.5,
+         "free_in_heap_mb": 45.0, "python_objects": 1001, "tensors": 10, "tensor_mb": 27.0}]}
+    text = soak.markdown({"load_webrtc_8": row, "load_webrtc_8_jobs_none": old, "memory_rounds": rounds}, {})
+    lines = [line for line in text.splitlines() if line.startswith("| webrtc")]
+    assert "| 2 | 400.0 | 700.0 | 650 / 700 | 1.5 | 1234 | 2000 | 34 / 400 |" in lines[0]
+    assert "| none | " in lines[1] and "| not measured |" in lines[1]
+    assert "| before | 0 | 0 | - | 430.0 | 140.0 | 3.0 | 1000 | 10 (27.0) |" in text
+    assert "| 1 | 8 | 0 | 620.0 | 470.0 | 140.5 | 45.0 | 1001 | 10 (27.0) |" in text

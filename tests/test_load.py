@@ -7,15 +7,17 @@
 * a 100-turn call: the rolling window keeps the LM cache, the work per turn and memory flat.
 """
 
+import asyncio
 import gc
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from taste_agents.caller import load_utterances
-from taste_agents.load import concurrent_calls, concurrent_webrtc_calls, rss_mb
+from taste_agents.load import LoopLagMonitor, concurrent_calls, concurrent_webrtc_calls, rss_mb
 from taste_agents.phone_agent import PhoneAgentConfig
 from taste_agents.server import ServerConfig
 
@@ -54,6 +56,8 @@ async def test_eight_calls_at_once_in_process(engine):
     assert result.audio_intact, [c["checks"]["per_reply"] for c in result.calls]
     assert not [t for t in result.new_threads if t.startswith("taste-")], summary  # every call's worker threads ended
     assert len(result.rss_mb) >= 3 and summary["memory_per_call_mb"] < 200, summary
+    # the calls' model jobs went through the engine's compute gate, and none is left waiting in it
+    assert result.compute_gate["jobs"] > 0 and result.compute_gate["queued"] == 0, result.compute_gate
 
 
 async def test_calls_at_once_over_webrtc(engine, tmp_path):
@@ -68,6 +72,7 @@ async def test_calls_at_once_over_webrtc(engine, tmp_path):
         assert any(t["first_audio_latency_ms"] is not None for t in report["turns"]), report["turns"]
     # every call's worker threads ended (the server's HTTP/codec libraries may keep a pool)
     assert not [t for t in result.new_threads if t.startswith("taste-")], result.new_threads
+    assert result.compute_gate["jobs"] > 0 and result.compute_gate["queued"] == 0, result.compute_gate
 
 
 def test_a_hundred_turn_call_stays_flat(engine):
@@ -115,3 +120,21 @@ def test_a_hundred_turn_call_stays_flat(engine):
     assert max(fed_rows[50:]) <= settings.history_max_tokens + max(fed_rows[:5]) * 2
     # memory: after warm-up, RSS moves by less than 40 MB over the last 70 turns
     assert memory[-1] - memory[2] < 40, memory
+
+
+def test_loop_lag_monitor_sees_a_blocked_event_loop():
+    """The load reports' event-loop lag: a callback that holds the loop for 0.3 s shows as a lag of
+    about that much; an idle loop shows none of it."""
+    async def main():
+        async with LoopLagMonitor(interval_s=0.02) as idle:
+            await asyncio.sleep(0.2)
+        async with LoopLagMonitor(interval_s=0.02) as blocked:
+            await asyncio.sleep(0.05)
+            time.sleep(0.3)  # a job run on the loop instead of a worker thread
+            await asyncio.sleep(0.05)
+        return idle.summary(), blocked.summary()
+
+    idle, blocked = asyncio.run(main())
+    assert idle["loop_lag_ms_max"] < 250
+    assert 250 <= blocked["loop_lag_ms_max"] < 1000
+    assert blocked["loop_lag_over_500ms"] == 0 and set(idle) == set(blocked)

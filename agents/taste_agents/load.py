@@ -65,6 +65,41 @@ class MemorySampler:
         self.samples.append((round(time.monotonic() - self._t0, 2), round(rss_mb(), 1)))
 
 
+class LoopLagMonitor:
+    """How late the event loop runs its callbacks: a task asks to wake every ``interval_s`` and
+    records by how much it oversleeps. Every call's audio, signalling and WebRTC traffic (ICE
+    consent checks must be answered within 0.5 s) go through this loop, so its lag is what a
+    loaded server does to its calls."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.interval_s = interval_s
+        self.lags_ms: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.lags_ms.append(round(1000 * (loop.time() - asked - self.interval_s), 1))
+
+    async def __aenter__(self) -> "LoopLagMonitor":
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc):
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+    def summary(self) -> dict:
+        lags = np.array(self.lags_ms or [0.0])
+        return {"loop_lag_ms_p50": round(float(np.median(lags)), 1), "loop_lag_ms_p99": round(float(np.percentile(lags, 99)), 1),
+                "loop_lag_ms_max": round(float(lags.max()), 1), "loop_lag_over_500ms": int((lags > 500).sum())}
+
+
 @dataclass
 class LoadResult:
     n_calls: int
@@ -77,6 +112,8 @@ class LoadResult:
     threads_before: int = 0
     threads_after: int = 0
     new_threads: list[str] = field(default_factory=list)  # names of threads alive after that were not before
+    loop_lag: dict = field(default_factory=dict)  # LoopLagMonitor.summary() over the run
+    compute_gate: dict | None = None  # the engine's ComputeGate.stats() after the run (None: no gate)
 
     @property
     def peak_rss_mb(self) -> float:
@@ -122,6 +159,7 @@ class LoadResult:
             "memory_slope_mb_per_min": round(self.memory_slope_mb_per_min(), 2),
             "first_audio_ms_median": float(np.median(latencies)) if latencies else None,
             "first_audio_ms_p90": float(np.percentile(latencies, 90)) if latencies else None,
+            **self.loop_lag, "compute_gate": self.compute_gate,
             "threads_before": self.threads_before, "threads_after": self.threads_after, "new_threads": self.new_threads,
         }
 
@@ -162,13 +200,15 @@ async def concurrent_calls(engine, n_calls: int, *, config=None, duration_s: flo
             except Exception as exc:  # a crash is what this run is looking for: count it, keep going
                 result.crashes.append(f"slot {index}: {type(exc).__name__}: {exc}")
             call = None
-            release_free_memory()  # as the server does when a call ends
+            await asyncio.to_thread(release_free_memory)  # as the server does when a call ends
             done += 1
 
     with MemorySampler(sample_interval_s) as memory:
-        await asyncio.gather(*(slot(i) for i in range(n_calls)))
+        async with LoopLagMonitor() as lag:
+            await asyncio.gather(*(slot(i) for i in range(n_calls)))
         await _threads_settle(result.threads_before)
     result.rss_mb, result.wall_s = memory.samples, time.monotonic() - started
+    result.loop_lag, result.compute_gate = lag.summary(), _gate_stats(engine)
     result.threads_after = threading.active_count()
     result.new_threads = sorted(t.name for t in threading.enumerate() if t.ident not in known_threads)
     return result
@@ -192,7 +232,7 @@ async def concurrent_webrtc_calls(engine, n_calls: int, out_dir, *, config=None,
     known_threads = {t.ident for t in threading.enumerate()}
     started = time.monotonic()
     with MemorySampler(sample_interval_s) as memory:
-        async with running_server(engine, config) as (server, url):
+        async with LoopLagMonitor() as lag, running_server(engine, config) as (server, url):
             done = 0
             while (done < rounds) if duration_s is None else (time.monotonic() - started < duration_s):
                 before = server.ended_count
@@ -218,9 +258,15 @@ async def concurrent_webrtc_calls(engine, n_calls: int, out_dir, *, config=None,
                 done += 1
         await _threads_settle(result.threads_before)
     result.rss_mb, result.wall_s = memory.samples, time.monotonic() - started
+    result.loop_lag, result.compute_gate = lag.summary(), _gate_stats(engine)
     result.threads_after = threading.active_count()
     result.new_threads = sorted(t.name for t in threading.enumerate() if t.ident not in known_threads)
     return result
+
+
+def _gate_stats(engine) -> dict | None:
+    gate = getattr(engine, "compute_gate", None)
+    return gate.stats() if gate is not None else None
 
 
 async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: float, delay_s: float) -> dict:

@@ -329,8 +329,10 @@ class TasteServer:
             self.ended = (self.ended + [EndedCall(active.call_id, active.kind, record["seconds"], log)])[-16:]
             self.ended_count += 1
             logger.info(f"call {active.call_id} ended")
-            # once this coroutine (and its reference to the call) is gone: give the freed memory back
-            asyncio.get_running_loop().call_soon(release_free_memory)
+            # once this coroutine (and its reference to the call) is gone: give the freed memory back,
+            # on a thread (trimming a large heap takes a while; the other calls' audio must not wait)
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.run_in_executor, None, release_free_memory)
 
     async def _phone_call(self, websocket) -> None:
         from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams, FastAPIWebsocketTransport
