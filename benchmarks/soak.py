@@ -1,6 +1,6 @@
 """Soak: the full form of the load and long-call tests (tests/test_load.py runs them reduced).
 
-    python -m benchmarks.soak                      # 8 calls x 5 min in process, 8 x 5 min over WebRTC, 100-turn call
+    python -m benchmarks.soak                      # 8 calls x 5 min in process and over WebRTC, memory rounds, 100-turn call
     python -m benchmarks.soak --parts in-process --minutes 1
 
 * load: N calls at once on one tiny engine for M minutes, each slot starting a new call when its
@@ -8,6 +8,10 @@
   aiortc caller process per call (concurrent_webrtc_calls). Reported: crashes, calls finished,
   audio intact (synthesized == released == written, per call), peak RSS and its slope over time,
   first-audio latency.
+* memory rounds: R rounds of N calls at once; after each round (every call ended, garbage
+  collected, malloc_trim) the memory at rest: RSS, glibc's heap in use and free inside the heap,
+  Python objects, live tensors. A leak raises what is in use round after round; fragmentation
+  raises only the free part.
 * long call: one real-time simulated call of 100 caller turns with a rolling history window;
   per-turn first-audio latency and RSS over the call, first third vs last third.
 
@@ -42,6 +46,19 @@ def long_call_script(turns: int) -> list:
     return script
 
 
+def audio_kept_mb(call) -> float:
+    """Audio the simulated call keeps to the end for its recording and its checks (not the
+    agent's: the harness's): both channels of the line up to the call's end, the agent audio as
+    played, the audio frames seen on both sides, and the call log's per-reply PCM."""
+    line = call.line
+    nbytes = 2 * min(line.agent.size, int(call.duration_s * line.sample_rate)) * line.agent.itemsize
+    nbytes += sum(samples.nbytes for _, samples in line.writes)
+    nbytes += sum(len(getattr(frame, "audio", b"") or b"") for _, frame in call.frames + call.upstream_frames)
+    for chunks in (*call.log.synthesized_audio.values(), *call.log.released_audio.values()):
+        nbytes += sum(len(chunk) for chunk in chunks)
+    return round(nbytes / 2**20, 1)
+
+
 async def long_call(engine, turns: int, window_tokens: int) -> dict:
     from taste_agents.load import MemorySampler
     from taste_agents.phone_agent import PhoneAgentConfig
@@ -66,8 +83,46 @@ async def long_call(engine, turns: int, window_tokens: int) -> dict:
         "latency_ms_last_third_median": float(np.median(last)) if last else None,
         "rss_mb_first_third_mean": float(np.mean([mb for _, mb in rss[:rss_third]])),
         "rss_mb_last_third_mean": float(np.mean([mb for _, mb in rss[-rss_third:]])),
+        "audio_kept_mb": audio_kept_mb(call),
         "latency_per_turn_ms": latencies, "rss_mb": rss,
     }
+
+
+def memory_at_rest() -> dict:
+    """What the process holds when no call runs (after a collection and a trim)."""
+    import gc
+    import warnings
+
+    import torch
+
+    from taste_agents.load import rss_mb
+    from taste_agents.memory import heap_stats, release_free_memory
+
+    gc.collect()
+    release_free_memory()
+    objects = gc.get_objects()
+    with warnings.catch_warnings():  # isinstance() touches deprecated torch module attributes
+        warnings.simplefilter("ignore")
+        tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+    heap = heap_stats() or {}
+    return {"rss_mb": round(rss_mb(), 1), "heap_in_use_mb": heap.get("in_use"), "free_in_heap_mb": heap.get("free_in_heap"),
+            "python_objects": len(objects), "tensors": len(tensors),
+            "tensor_mb": round(sum(t.untyped_storage().nbytes() for t in tensors) / 2**20, 1)}
+
+
+async def memory_rounds(engine, n_calls: int, rounds: int) -> dict:
+    from taste_agents.load import concurrent_calls
+    from taste_agents.phone_agent import PhoneAgentConfig
+
+    rows = [{"round": 0, "calls": 0, "crashes": 0, "peak_rss_mb": None, **memory_at_rest()}]
+    intact = True
+    for index in range(1, rounds + 1):
+        result = await concurrent_calls(engine, n_calls, config=PhoneAgentConfig(max_reply_tokens=6), rounds=1)
+        rows.append({"round": index, "calls": len(result.calls), "crashes": len(result.crashes),
+                     "peak_rss_mb": result.peak_rss_mb, **memory_at_rest()})
+        intact = intact and result.audio_intact
+        print(f"  [memory rounds] round {index}: {rows[-1]}", flush=True)
+    return {"calls_at_once": n_calls, "rounds": rows, "crashes": sum(r["crashes"] for r in rows), "audio_intact": intact}
 
 
 async def load(engine, transport: str, n_calls: int, minutes: float, out_dir: Path) -> dict:
@@ -102,7 +157,7 @@ def plot(results: dict, out: Path) -> dict:
         fig, ax = plt.subplots(figsize=(8, 3.5))
         for name, row in loads.items():
             t, mb = np.array(row["rss_mb"]).T
-            ax.plot(t / 60, mb, label=f"{row['transport']}, {row['calls_at_once']} calls")
+            ax.plot(t / 60, mb, label=f"{row['transport']}, {row['calls_at_once']} calls, gate {_gate(row)}")
         ax.set_xlabel("minutes"), ax.set_ylabel("RSS (MB)"), ax.legend(), ax.grid(alpha=0.3)
         ax.set_title("resident memory under load")
         fig.tight_layout(), fig.savefig(out / "soak_rss.png", dpi=110), plt.close(fig)
@@ -132,7 +187,7 @@ def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:
     rel = Path(results_dir).resolve().relative_to(ROOT).as_posix() if Path(results_dir).resolve().is_relative_to(ROOT) \
         else str(results_dir)
     body = body.replace("](soak_", f"]({rel}/soak_")
-    return [SECTION, "", "Run separately (about 25 minutes): `python -m benchmarks.soak`; the tables below are "
+    return [SECTION, "", "Run separately (about 35 minutes): `python -m benchmarks.soak`; the tables below are "
             f"`{rel}/soak.md`.", body.rstrip()]
 
 
@@ -145,24 +200,66 @@ def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path 
     path.write_text(head + "\n\n" + "\n".join(benchmarks_section(results_dir)) + "\n")
 
 
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _peaks_per_minute(samples: list) -> str:
+    peaks: dict[int, float] = {}
+    for t, mb in samples:
+        peaks[int(t // 60)] = max(peaks.get(int(t // 60), 0.0), mb)
+    return " / ".join(f"{peaks[m]:.0f}" for m in sorted(peaks))
+
+
+def _gate(row: dict) -> str:
+    """Rows measured before the compute gate existed ran without one."""
+    gate = row.get("compute_gate")
+    return "none" if gate is None else str(gate["slots"])
+
+
+def _lag(row: dict) -> str:
+    """Rows measured before the event-loop monitor existed have no lag figures."""
+    return f"{_ms(row['loop_lag_ms_p99'])} / {_ms(row['loop_lag_ms_max'])}" if "loop_lag_ms_p99" in row else "not measured"
+
+
 def markdown(results: dict, paths: dict) -> str:
     lines = ["# Soak: load and long call", "",
              "Crashes: exceptions in a call or the server. Timed out: calls past their time limit. Connections "
              "lost: WebRTC calls whose peer connection failed before the caller's script ended (dropped calls). "
              "Audio intact: in every finished call the agent audio released and written is exactly the "
-             "synthesized audio.", ""]
+             "synthesized audio. Peak RSS per minute: the largest resident size in each minute of the run (a "
+             "leak keeps raising it; an allocator reaching its working set levels off). Event-loop lag: how "
+             "late the server's event loop ran a callback that asked to wake every 50 ms (WebRTC drops a "
+             "call whose ICE consent checks go unanswered for 0.5 s, six times in a row). First audio over "
+             "WebRTC is measured on the callers' recordings; a call that lost its connection ended its script "
+             "there, so its later turns are not in the figures. Compute gate slots: model jobs of all calls "
+             "running at once (`TasteEngine(parallel_jobs=...)`; none: no gate, each call's threads run freely).", ""]
     loads = [v for k, v in results.items() if k.startswith("load")]
     if loads:
         lines += ["| transport | calls at once | minutes | calls finished | crashes | timed out | connections lost | "
-                  "audio intact | idle RSS MB | peak RSS MB | RSS slope MB/min | first audio median ms | p90 ms | command, date |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "audio intact | compute gate slots | idle RSS MB | peak RSS MB | peak RSS MB per minute | RSS slope MB/min | "
+                  "first audio median ms | p90 ms | event-loop lag p99 / max ms | command, date |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in loads:
             lines.append(f"| {r['transport']} | {r['calls_at_once']} | {r['minutes']} | {r['calls_finished']} | {r['crashes']} | "
-                         f"{r['timed_out']} | {r.get('connections_lost', 0)} | {r['audio_intact']} | {r['baseline_rss_mb']} | "
-                         f"{r['peak_rss_mb']} | {r['memory_slope_mb_per_min']} | {r['first_audio_ms_median']} | "
-                         f"{r['first_audio_ms_p90']} | `{r['command']}`, {r['date']} |")
+                         f"{r['timed_out']} | {r.get('connections_lost', 0)} | {r['audio_intact']} | {_gate(r)} | {r['baseline_rss_mb']} | "
+                         f"{r['peak_rss_mb']} | {_peaks_per_minute(r['rss_mb'])} | {r['memory_slope_mb_per_min']} | "
+                         f"{_ms(r['first_audio_ms_median'])} | "
+                         f"{_ms(r['first_audio_ms_p90'])} | {_lag(r)} | `{r['command']}`, {r['date']} |")
         if "rss" in paths:
             lines += ["", f"![RSS over time]({paths['rss']})"]
+    if "memory_rounds" in results:
+        r = results["memory_rounds"]
+        lines += ["", f"Memory at rest (`{r['command']}`, {r['date']}): {len(r['rounds']) - 1} rounds of "
+                  f"{r['calls_at_once']} in-process calls at once; after each round every call has ended, then a "
+                  "garbage collection and a malloc_trim. Heap in use: glibc's count of the blocks the process "
+                  "holds (a leak raises it); free in heap: blocks freed but kept by glibc (fragmentation).", "",
+                  "| round | calls | crashes | peak RSS MB during the round | RSS MB at rest | heap in use MB | "
+                  "free in heap MB | Python objects | tensors (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in r["rounds"]:
+            lines.append(f"| {row['round'] or 'before'} | {row['calls']} | {row['crashes']} | {row['peak_rss_mb'] or '-'} | "
+                         f"{row['rss_mb']} | {row['heap_in_use_mb']} | {row['free_in_heap_mb']} | {row['python_objects']} | "
+                         f"{row['tensors']} ({row['tensor_mb']}) |")
     if "long_call" in results:
         r = results["long_call"]
         lines += ["", f"Long call (`{r['command']}`, {r['date']}): {r['turns']} caller turns, {r['answered']} answered, window {r['window_tokens']} LM rows, "
@@ -171,20 +268,30 @@ def markdown(results: dict, paths: dict) -> str:
                   "| | first third | last third |", "|---|---|---|",
                   f"| first audio, median ms | {r['latency_ms_first_third_median']} | {r['latency_ms_last_third_median']} |",
                   f"| RSS, mean MB | {r['rss_mb_first_third_mean']:.1f} | {r['rss_mb_last_third_mean']:.1f} |"]
+        if "audio_kept_mb" in r:
+            lines += ["", f"The simulated call keeps its audio to the end, for the recording and the checks (both channels "
+                      f"of the line, the agent audio as played, the frames seen on both sides, the call log's PCM): "
+                      f"{r['audio_kept_mb']} MB at its end; RSS grew by {r['rss_mb'][-1][1] - r['rss_mb'][0][1]:.1f} MB from the "
+                      f"call's start to its end."]
         if "long_call" in paths:
             lines += ["", f"![long call]({paths['long_call']})"]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
+    from taste_agents.cli import parallel_jobs_arg
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="in-process,webrtc,long-call")
+    parser.add_argument("--parts", default="in-process,webrtc,memory-rounds,long-call")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the memory-rounds part")
     parser.add_argument("--calls", type=int, default=8)
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--turns", type=int, default=100)
     parser.add_argument("--window-tokens", type=int, default=256, help="rolling history window of the long call")
     parser.add_argument("--decoding", default="auto", choices=["auto", "graphed", "eager"],
                         help="the engine's hot loops (TasteEngine decoding; on a CPU 'auto' is 'eager')")
+    parser.add_argument("--parallel-jobs", default="auto", type=parallel_jobs_arg,
+                        help="the engine's compute gate (TasteEngine parallel_jobs): a number, 'none' or 'auto'")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
 
@@ -193,13 +300,13 @@ def main(argv=None) -> int:
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
     from pipecat_taste.engine import TasteEngine
-    from taste_agents.memory import limit_malloc_arenas
+    from taste_agents.memory import configure_malloc
 
-    limit_malloc_arenas()  # as taste-agent does
+    configure_malloc()  # as taste-agent does
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = TasteEngine.from_pretrained(None, decoding=args.decoding)
+    engine = TasteEngine.from_pretrained(None, decoding=args.decoding, parallel_jobs=args.parallel_jobs)
     engine.warm_up()
     # Rows of earlier runs in the same --out stay (a part re-run replaces its own row): the
     # report can hold runs at several call counts. Each row names the command that made it.
@@ -211,7 +318,12 @@ def main(argv=None) -> int:
         if transport in parts:
             print(f"load: {args.calls} calls at once {transport} for {args.minutes} min", flush=True)
             row = asyncio.run(load(engine, transport, args.calls, args.minutes, out))
-            results[f"load_{transport}_{args.calls}"] = {**row, "command": command, "date": time.strftime("%Y-%m-%d %H:%M")}
+            gate = "" if args.parallel_jobs == "auto" else f"_jobs_{args.parallel_jobs or 'none'}"  # an A/B row of its own
+            results[f"load_{transport}_{args.calls}{gate}"] = {**row, "command": command, "date": time.strftime("%Y-%m-%d %H:%M")}
+    if "memory-rounds" in parts:
+        print(f"memory rounds: {args.rounds} rounds of {args.calls} calls", flush=True)
+        row = asyncio.run(memory_rounds(engine, args.calls, args.rounds))
+        results["memory_rounds"] = {**row, "command": command, "date": time.strftime("%Y-%m-%d %H:%M")}
     if "long-call" in parts:
         print(f"long call: {args.turns} turns", flush=True)
         row = asyncio.run(long_call(engine, args.turns, args.window_tokens))
@@ -223,7 +335,7 @@ def main(argv=None) -> int:
     print((out / "soak.md").read_text())
     if out.resolve() == RESULTS.resolve():
         update_benchmarks_md()
-    ok = all(r["crashes"] == 0 and r["audio_intact"] for k, r in results.items() if k.startswith("load"))
+    ok = all(r["crashes"] == 0 and r["audio_intact"] for k, r in results.items() if k.startswith(("load", "memory")))
     return 0 if ok else 1
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
@@ -29,6 +30,7 @@ DEFAULT_ARENAS = 2
 DEFAULT_MMAP_THRESHOLD = 128 * 1024
 
 
+@functools.cache
 def _libc():
     name = ctypes.util.find_library("c")
     try:
