@@ -91,7 +91,11 @@ async def test_signalling_rejects_bad_requests_with_a_message():
 
 
 async def test_answers_offer_loopback_only_and_limits_concurrent_calls():
-    async with running_server(FakeEngine(), config(max_calls=1)) as (server, url):
+    from pipecat_taste.compute import ComputeGate
+
+    engine = FakeEngine()
+    engine.compute_gate = ComputeGate(2)
+    async with running_server(engine, config(max_calls=1)) as (server, url):
         pc, answer = await open_peer(url)
         try:
             assert pc is not None, answer
@@ -103,7 +107,9 @@ async def test_answers_offer_loopback_only_and_limits_concurrent_calls():
             assert status == 503 and "limit" in body["error"] and headers.get("Retry-After")
             async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
                 async with http.get(url + "/api/status") as res:
-                    assert (await res.json())["active_calls"] == 1
+                    status = await res.json()
+                    assert status["active_calls"] == 1
+                    assert status["compute_gate"]["slots"] == 2 and status["compute_gate"]["queued"] == 0
         finally:
             if pc is not None:
                 await pc.close()

@@ -5,7 +5,7 @@
   ``SmallWebRTCTransport`` (aiortc); one pipeline per connection, torn down when the peer leaves;
 * ``WS /ws/phone`` - a telephony media stream in Twilio's protocol (8 kHz mu-law; ``clear`` on
   barge-in; no provider REST calls);
-* ``GET /api/status`` - active calls.
+* ``GET /api/status`` - active calls, and the engine's compute gate (jobs queued, waits).
 
 Binds 127.0.0.1 unless told otherwise. Signalling is hardened: malformed JSON or SDP get a 4xx
 with a message, request bodies are size-limited, and past ``max_calls`` concurrent calls new ones
@@ -182,7 +182,9 @@ class TasteServer:
 
         @app.get("/api/status")
         async def status():
+            gate = getattr(self.engine, "compute_gate", None)
             return {"active_calls": len(self.calls), "max_calls": self.config.max_calls,
+                    "compute_gate": gate.stats() if gate is not None else None,
                     "calls": [{"call_id": c.call_id, "kind": c.kind, "seconds": round(time.monotonic() - c.started, 1)}
                               for c in self.calls.values()],
                     "finished": self.finished[-20:]}
