@@ -80,6 +80,18 @@ def test_cancelled_reply_ends_within_a_step(engine, hello):
     assert rest[-1].kind == "end" and rest[-1].reason == "cancelled" and len(rest) <= 2
 
 
+def speak_segments(session, segments):
+    """Speech tokens and audio of reply segments: the speech decoder, then the vocoder, per piece."""
+    state = session.start_speech(16000)
+    tokens, audio = [], []
+    for seg in segments:
+        for piece in session.speech_tokens(state, seg.segment):
+            tokens += piece
+            audio += session.vocode(state, piece)
+    audio += session.vocode(state, [], final=True)
+    return tokens, np.concatenate(audio)
+
+
 def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):
     """Speech tokens on one thread and vocoding on another give exactly the library's audio."""
     from taste_speech.modeling_speech_decoder import TopKSampler
@@ -89,14 +101,7 @@ def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):
     segments, _ = reply_segments(session, session.user_turn(hello.audio, hello.text), n_words=3)
     assert len(segments) == 3
 
-    state = session.start_speech(16000)
-    ours, tokens = [], []
-    for seg in segments:
-        for piece in session.speech_tokens(state, seg.segment):
-            tokens += piece
-            ours += session.vocode(state, piece)
-    ours += session.vocode(state, [], final=True)
-    ours = np.concatenate(ours)
+    tokens, ours = speak_segments(session, segments)
 
     # The library's one-call path with the same random streams (sampler and synthesis seeded as
     # the session seeds them).
@@ -136,14 +141,7 @@ def test_generation_settings_default_to_the_samplers_defaults():
 def speak_reply(session, turn):
     """Text, speech tokens and audio of one whole reply through the session's three stages."""
     segments, _ = reply_segments(session, turn, n_words=99)
-    state = session.start_speech(16000)
-    tokens, audio = [], []
-    for s in segments:
-        for group in session.speech_tokens(state, s.segment):
-            tokens += group
-            audio += session.vocode(state, group)
-    audio += session.vocode(state, [], final=True)
-    return [s.text for s in segments], tokens, np.concatenate(audio)
+    return [s.text for s in segments], *speak_segments(session, segments)
 
 
 def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engine, hello):
