@@ -33,6 +33,7 @@ _LAZY = {
     "TasteSampler": "taste_speech.sampler",
     "SamplingParams": "taste_speech.sampler",
     "VoiceGenerator": "taste_speech.voice_generator",
+    "LMStepBatch": "taste_speech.lm_batch",
     "check_checkpoint": "taste_speech.check",
     "build_tiny_checkpoint": "taste_speech.tiny",
     "default_tiny_checkpoint": "taste_speech.tiny",

@@ -55,6 +55,49 @@ def test_spoken_lm_step_is_really_captured(loaded):
     assert state.cache.captured, state.cache.fallback_reason
 
 
+def test_batched_lm_steps_are_captured_and_equal_each_call_alone(loaded):
+    """Three conversations in an LMStepBatch (4 slots: sizes 1, 2, 4 captured at warm-up) step
+    from three threads at once; each equals its own growing cache, and every step size used was
+    replayed from a graph."""
+    import threading
+
+    from taste_speech.lm_batch import LMStepBatch
+
+    lm = loaded.spoken_lm
+    batch = LMStepBatch(lm, slots=4, capacity=128)
+    batch.warm_up()
+    assert batch.stats()["graphs"] == [1, 2, 4]
+    diffs, errors = {}, []
+
+    def conversation(seed):
+        try:
+            g = torch.Generator().manual_seed(seed)
+            rows = (torch.randn(1, 60, lm.causal_lm.config.hidden_size, generator=g) * 0.5).to("cuda")
+            state = lm.new_decode_state(cache=batch.open())
+            reference = lm.new_decode_state(cache=lm.new_cache("dynamic"))
+            with torch.no_grad():
+                lm.feed(state, rows[:, :10 + seed]), lm.feed(reference, rows[:, :10 + seed])
+                worst = 0.0
+                for i in range(10 + seed, 50 + seed):
+                    a, b = lm.feed(state, rows[:, i:i + 1]), lm.feed(reference, rows[:, i:i + 1])
+                    worst = max(worst, float((a - b).abs().max()))
+            state.cache.close()
+            diffs[seed] = worst
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=conversation, args=(seed,)) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert all(d < 1e-3 for d in diffs.values()), diffs
+    stats = batch.stats()
+    assert stats["rows_stepped"] == 120 and stats["slots_in_use"] == 0
+    assert all(g.captured for g in batch._graphs.values()), [g.fallback_reason for g in batch._graphs.values()]
+
+
 def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
     from safetensors.torch import load_file
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from taste_speech.lm_batch import LMStepBatch, SlotLMCache
 from taste_speech.modeling_spoken_lm import InitialContext
 from taste_speech.sampler import SamplingParams, TasteSampler
 from taste_speech.streaming import (
@@ -29,7 +30,16 @@ from taste_speech.verify import Golden
 from taste_speech.verify.points_spoken_lm import PieceTokenizer, load_golden_spoken_lm
 
 FORMATS = [CONTINUATION, INSTRUCT, DIALOGUE]
-CACHE_KINDS = ["dynamic", "static"]  # the growing LM cache (CPU default) and the preallocated one (CUDA default)
+# The growing LM cache (CPU default), the preallocated one, and a slot of an LMStepBatch (decode
+# steps batched across conversations; 'rehearse' puts its steps through the CUDA-graph protocol).
+CACHE_KINDS = ["dynamic", "static", "batched"]
+
+
+def new_conversation(model, processor, cache_kind="dynamic", **kwargs):
+    if cache_kind == "batched":
+        batch = LMStepBatch(model.spoken_lm, slots=2, capacity=512, graph_mode="rehearse")
+        return Conversation(model, processor, lm_batch=batch, **kwargs)
+    return Conversation(model, processor, cache_kind=cache_kind, **kwargs)
 
 
 def voiced(seconds=1.5, rate=16000, seed=0):
@@ -236,7 +246,7 @@ def test_greedy_streaming_equals_the_no_cache_loop(model, processor, user_turn, 
         model, conv = forced_choice(model, processor, user_turn, "assistant")
         items = run(model, processor, [], conversation=conv, text_top_p=0.0, extra_words=3)
     else:
-        conv = Conversation(model, processor, prompt_format=fmt, cache_kind=cache_kind)
+        conv = new_conversation(model, processor, cache_kind, prompt_format=fmt)
         items = run(model, processor, [user_turn], conversation=conv, text_top_p=0.0, extra_words=3)
     reply = reply_of(items)
     lm, rvq = model.spoken_lm, model.audio_tower.vq.rvq
@@ -377,7 +387,7 @@ def assert_cache_equals_fresh_build(model, processor, conv):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_turns_reuse_the_prefix_cache(model, processor, user_turn, second_turn, fmt, cache_kind):
     system = text_segment(processor, "system", " be kind")
-    conv = Conversation(model, processor, system=system, prompt_format=fmt, cache_kind=cache_kind)
+    conv = new_conversation(model, processor, cache_kind, system=system, prompt_format=fmt)
     run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
     assert_cache_equals_fresh_build(model, processor, conv)
     fed = []
@@ -401,7 +411,7 @@ def test_turns_reuse_the_prefix_cache(model, processor, user_turn, second_turn, 
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_truncate_to_played_words(model, processor, user_turn, second_turn, fmt, cache_kind):
-    conv = Conversation(model, processor, prompt_format=fmt, cache_kind=cache_kind)
+    conv = new_conversation(model, processor, cache_kind, prompt_format=fmt)
     items = run(model, processor, [user_turn], conversation=conv, text_top_p=0.0, extra_words=4)
     if items[-1]["completion_reason"] != "finished":
         conv.add_turn(TASTESegment("assistant", "audio", user_turn.text_ids, user_turn.taste_ids))
@@ -425,22 +435,29 @@ def test_truncate_to_played_words(model, processor, user_turn, second_turn, fmt,
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 def test_rolling_window_keeps_the_system_segment(model, processor, user_turn, second_turn, cache_kind):
     system = text_segment(processor, "system", " be kind")
-    conv = Conversation(model, processor, system=system, max_turns=3, cache_kind=cache_kind)
+    conv = new_conversation(model, processor, cache_kind, system=system, max_turns=3)
     for turn in [user_turn, second_turn, user_turn, second_turn, user_turn]:
         conv.add_turn(turn)
     assert len(conv.turns) == 3 and conv.system is system
     assert [t.length for t in conv.turns] == [user_turn.length, second_turn.length, user_turn.length]
     assert_cache_equals_fresh_build(model, processor, conv)
-    small = Conversation(model, processor, system=system, max_tokens=2 * user_turn.length + 2, cache_kind=cache_kind)
+    small = new_conversation(model, processor, cache_kind, system=system, max_tokens=2 * user_turn.length + 2)
     for turn in [user_turn, user_turn, user_turn]:
         small.add_turn(turn)
     assert small.state.committed_rows <= small.max_tokens and len(small.turns) == 1
     assert_cache_equals_fresh_build(model, processor, small)
+    if cache_kind == "batched":  # every rebuild gave the old slot back: one slot per conversation
+        assert isinstance(small.state.decode.cache, SlotLMCache) and small.state.decode.cache.batched
+        assert small.lm_batch.slots_in_use == 1
+        small.close()
+        assert small.lm_batch.slots_in_use == 0
+        with pytest.raises(RuntimeError, match="closed"):
+            small.add_turn(user_turn)
 
 
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 def test_snapshot_and_restore(model, processor, user_turn, second_turn, cache_kind):
-    conv = Conversation(model, processor, cache_kind=cache_kind)
+    conv = new_conversation(model, processor, cache_kind)
     run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
     snap = conv.snapshot()
     first = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))
@@ -450,6 +467,9 @@ def test_snapshot_and_restore(model, processor, user_turn, second_turn, cache_ki
     again = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))
     assert torch.equal(first.text_ids, again.text_ids) and torch.equal(first.taste_ids, again.taste_ids)
     assert snap.decode.length < conv.state.decode.length  # the snapshot was not touched
+    if cache_kind == "batched":  # a snapshot holds no slot; the restored cache is a private one
+        assert not isinstance(snap.decode.cache, SlotLMCache)
+        assert conv.lm_batch.slots_in_use == 0
     with pytest.raises(ValueError, match="snapshot"):
         conv.restore({"turns": []})
 

@@ -8,6 +8,10 @@ barge-in (the cache is cropped in place). A rolling window (``max_tokens`` / ``m
 the oldest turns, never the system segment; only then is the cache rebuilt, because every later
 row's position changes. All of it lives in one ``ConversationState`` that ``snapshot()`` copies and
 ``restore()`` puts back.
+
+With ``lm_batch`` (an ``LMStepBatch`` shared by the conversations of one model) the cache is a
+slot of that batch: every decode step runs batched with the other conversations' steps. Such a
+conversation holds its slot until ``close()``.
 """
 
 from __future__ import annotations
@@ -49,12 +53,13 @@ class ConversationState:
 
 class Conversation:
     def __init__(self, model, processor, system: TASTESegment | None = None, prompt_format: str = CONTINUATION,
-                 max_tokens: int = 4096, max_turns: int = 64, cache_kind: str = "auto"):
+                 max_tokens: int = 4096, max_turns: int = 64, cache_kind: str = "auto", lm_batch=None):
         """``model``: a TasteForCausalLM (anything with ``.spoken_lm`` and ``.audio_tower.vq.rvq``);
         ``processor``: anything with ``.llm_tokenizer``. ``max_tokens`` bounds the cached rows
         of the committed history, ``max_turns`` its number of turns (system excluded).
         ``cache_kind``: the LM cache (``TasteSpokenLM.new_cache``; 'auto' = static with CUDA-graph
-        decode steps on CUDA, sized for the window plus a reply)."""
+        decode steps on CUDA, sized for the window plus a reply); ``lm_batch``: an ``LMStepBatch``
+        whose slot holds the cache instead (``cache_kind`` is then unused)."""
         if system is not None and (not isinstance(system, TASTESegment) or system.role != "system"):
             raise ValueError("the system segment must be a TASTESegment with role 'system'")
         if max_tokens < 1 or max_turns < 1:
@@ -66,7 +71,11 @@ class Conversation:
         if cache_kind not in CACHE_KINDS:  # fail here, not in the middle of a call
             raise ValueError(f"cache_kind must be one of {CACHE_KINDS}, got {cache_kind!r}")
         self.cache_kind = cache_kind
+        if lm_batch is not None and lm_batch.lm is not model.spoken_lm:
+            raise ValueError("lm_batch belongs to another model: make it with LMStepBatch(model.spoken_lm)")
+        self.lm_batch = lm_batch
         self.state = ConversationState(system=system)
+        self.closed = False
 
     @property
     def prompt_format(self) -> str:
@@ -89,8 +98,13 @@ class Conversation:
     def _rebuild(self) -> None:
         """Prefill the whole committed history (first use, or after the window moved / a turn in
         the middle changed)."""
+        if self.closed:
+            raise RuntimeError("this conversation was closed: start a new Conversation")
         st = self.state
-        decode = self.lm.new_decode_state(cache=self.lm.new_cache(self.cache_kind, self.max_tokens + REPLY_ROWS))
+        _close_cache(st.decode)
+        cache = (self.lm_batch.open() if self.lm_batch is not None
+                 else self.lm.new_cache(self.cache_kind, self.max_tokens + REPLY_ROWS))
+        decode = self.lm.new_decode_state(cache=cache)
         rows = [self.format.sos_rows()]
         carry = None
         if st.system is not None:
@@ -148,6 +162,7 @@ class Conversation:
         st = self.state
         if segment.role == "system":
             if st.system is None and not st.turns:
+                _close_cache(st.decode)
                 st.system, st.decode = segment, None
                 return
             raise ValueError("a system segment can only open a conversation (pass it as Conversation(system=...))")
@@ -218,6 +233,7 @@ class Conversation:
                 del st.turns[index]
             else:
                 st.turns[index] = kept
+            _close_cache(st.decode)
             st.decode = None
             return kept
         self.ready()
@@ -265,6 +281,22 @@ class Conversation:
         return copy.deepcopy(self.state)
 
     def restore(self, snapshot: ConversationState) -> None:
+        """Put a snapshot back (in a batched conversation the restored cache is a private one)."""
         if not isinstance(snapshot, ConversationState):
             raise ValueError("restore() takes what snapshot() returned")
-        self.state = copy.deepcopy(snapshot)
+        restored = copy.deepcopy(snapshot)
+        _close_cache(self.state.decode)
+        self.state = restored
+
+    def close(self) -> None:
+        """End of the conversation: give its cache's slot back (batched caches; otherwise the
+        cache is just dropped). The history stays readable; feeding it again is an error."""
+        self.closed = True
+        _close_cache(self.state.decode)
+        self.state.decode = None
+
+
+def _close_cache(decode: LMDecodeState | None) -> None:
+    close = getattr(getattr(decode, "cache", None), "close", None)
+    if close is not None:
+        close()

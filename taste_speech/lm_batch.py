@@ -1,0 +1,427 @@
+"""LMStepBatch: the decode steps of many conversations' spoken LM, run as one batched step.
+
+At batch 1 a decode step is bound by kernel launches, not by the GPU (``GPU_NOTES.md``): eight
+calls each replaying their own graphed step cost 8 x 2.9 ms, one step batched over the same
+eight 4.4 ms. So one ``LMStepBatch`` per model (per GPU) keeps the KV rows of up to ``slots``
+conversations side by side, and every decode step that is waiting when a step starts - from
+any call's thread - runs in that one forward (continuous batching without a scheduler thread:
+the first waiting thread runs the step for everyone, the others sleep until their row is done).
+
+Storage: per layer ``(slots, kv_heads, capacity + 1, head_dim)`` keys and values. A slot's rows
+0..length-1 are its conversation; row ``capacity`` is a scratch row. A batched step covers the
+first ``n`` slots (``n`` a power of two, one captured graph per size): a slot in that range
+without a step of its own writes its garbage row to the scratch row and its output is dropped,
+so it never touches its real rows - it may be prefilling them at the same moment. Each row's
+query sees the keys at or before its own position (per-row position, per-row mask).
+
+A conversation uses its slot through ``SlotLMCache`` (the same interface as ``lm_cache``'s
+caches): multi-row feeds (prefill, a new turn) run eagerly on the slot alone, one-row feeds
+join the batch. A cache that finds no free slot, or outgrows ``capacity``, leaves the batch and
+continues in a private ``StaticLMCache`` - slower, never wrong. ``close()`` returns the slot.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from taste_speech.lm_cache import StaticLMCache, _check_crop
+from taste_speech.step_graph import StepGraph, resolve_mode
+
+_EAGER_VIEW_QUANTUM = 64  # eager steps attend to a prefix of the rows rounded up to this (fewer shapes)
+
+
+class _SlotRowsLayer(CacheLayerMixin):
+    """One layer's keys/values of a range of slots, written at per-slot positions (decode) or as
+    one span of one slot (prefill). ``update`` returns the first ``view_rows`` rows of every slot."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.write_positions: torch.Tensor | None = None  # (n,) one row per slot (decode)
+        self.span_start = 0  # first row of a multi-row write (prefill of one slot)
+        self.view_rows = keys.shape[2]
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # storage is preallocated
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.write_positions is not None:
+            slots = torch.arange(key_states.shape[0], device=key_states.device)
+            self.keys[slots, :, self.write_positions] = key_states[:, :, 0]
+            self.values[slots, :, self.write_positions] = value_states[:, :, 0]
+        else:
+            end = self.span_start + key_states.shape[2]
+            self.keys[:, :, self.span_start:end] = key_states
+            self.values[:, :, self.span_start:end] = value_states
+        return self.keys[:, :, :self.view_rows], self.values[:, :, :self.view_rows]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.view_rows, 0
+
+    def get_seq_length(self) -> int:
+        return self.view_rows
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class _SlotRowsCache(Cache):
+    """transformers' ``Cache`` over ``_SlotRowsLayer``s (what the Llama forward writes into)."""
+
+    def __init__(self, layers: list[_SlotRowsLayer]):
+        super().__init__(layers=layers)
+
+    def set_view_rows(self, rows: int) -> None:
+        for layer in self.layers:
+            layer.view_rows = rows
+
+
+class SlotsBusy(RuntimeError):
+    """Every slot of the batch holds a conversation."""
+
+
+class LMStepBatch:
+    def __init__(self, spoken_lm, slots: int = 16, capacity: int = 4608, graph_mode: str = "auto",
+                 gather: float = 0.5):
+        """``spoken_lm``: a ``TasteSpokenLM``; ``slots``: conversations batched at most;
+        ``capacity``: rows per conversation (a conversation's ``max_tokens`` plus a reply and a
+        turn); ``graph_mode``: see ``step_graph`` ('auto' captures the steps on CUDA);
+        ``gather``: how long a step waits for the rows of the conversations that took part in the
+        previous step, as a fraction of that step's time (0: run whatever is waiting at once)."""
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be an integer >= 1 row, got {capacity!r}")
+        if not 0 <= gather <= 1:
+            raise ValueError(f"gather must be a fraction of a step between 0 and 1, got {gather!r}")
+        self.gather = float(gather)
+        self.lm = spoken_lm
+        config = spoken_lm.causal_lm.config
+        self.config, self.slots, self.capacity = config, slots, capacity
+        self.device = spoken_lm.embed_tokens.weight.device
+        self.dtype = spoken_lm.lm_dtype
+        self.graph_mode = resolve_mode(graph_mode, self.device)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (slots, config.num_key_value_heads, capacity + 1, head_dim)  # + the scratch row
+        with torch.inference_mode(False):  # written in place outside inference mode too
+            self._keys = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(config.num_hidden_layers)]
+            self._values = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(config.num_hidden_layers)]
+            self._rows = torch.zeros(slots, 1, config.hidden_size, device=self.device, dtype=self.dtype)
+            self._positions = torch.full((slots,), capacity, dtype=torch.long, device=self.device)
+            self._key_positions = torch.arange(capacity + 1, device=self.device)
+        self.sizes = _step_sizes(slots)
+        self._step_caches = {n: self._cache(slice(0, n)) for n in self.sizes}
+        for n, cache in self._step_caches.items():
+            for layer in cache.layers:
+                layer.write_positions = self._positions[:n]
+        self._graphs: dict[int, StepGraph] = {}
+        # Slot bookkeeping, all under _lock: owner, rows held, steps waiting / being run.
+        self._lock = threading.Condition()
+        self._owners: list[SlotLMCache | None] = [None] * slots
+        self._lengths = [0] * slots
+        self._busy = [0] * slots  # prefills and steps in flight (a slot is freed only when idle)
+        self._waiting: dict[int, torch.Tensor] = {}
+        self._finished: dict[int, torch.Tensor | BaseException] = {}
+        self._stepping = False
+        self._last_batch: set[int] = set()  # slots of the previous step: their next rows are expected
+        self._last_step_s = 0.0
+        self.steps_run = 0  # batched steps so far
+        self.rows_stepped = 0  # conversation steps they served
+
+    # -- slots -----------------------------------------------------------------------------------
+    def open(self) -> "SlotLMCache":
+        """A cache for one conversation: in a free slot, or private when every slot is taken."""
+        return SlotLMCache(self)
+
+    @property
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return sum(owner is not None for owner in self._owners)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"slots": self.slots, "slots_in_use": sum(o is not None for o in self._owners),
+                    "steps": self.steps_run, "rows_stepped": self.rows_stepped,
+                    "mean_batch": round(self.rows_stepped / self.steps_run, 3) if self.steps_run else None,
+                    "graphs": sorted(n for n, g in self._graphs.items() if g.captured)}
+
+    def _acquire(self, owner: "SlotLMCache") -> int:
+        with self._lock:
+            for slot, held in enumerate(self._owners):  # lowest first: steps cover fewer slots
+                if held is None and not self._busy[slot]:
+                    self._owners[slot], self._lengths[slot] = owner, 0
+                    return slot
+        raise SlotsBusy(f"all {self.slots} slots hold a conversation")
+
+    def _release(self, slot: int) -> None:
+        with self._lock:  # a job still writing to the slot frees it when it ends (_leave)
+            self._owners[slot] = _RELEASING if self._busy[slot] else None
+
+    def _enter(self, slot: int, owner: "SlotLMCache") -> None:
+        if self._owners[slot] is not owner:
+            raise RuntimeError("this KV cache was closed (its conversation ended): open a new one")
+        self._busy[slot] += 1
+
+    def _leave(self, slot: int) -> None:
+        self._busy[slot] -= 1
+        if not self._busy[slot] and self._owners[slot] is _RELEASING:
+            self._owners[slot] = None
+
+    # -- feeding -----------------------------------------------------------------------------------
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def set_length(self, slot: int, length: int) -> None:
+        with self._lock:
+            self._lengths[slot] = length
+
+    @torch.no_grad()  # grad mode is per thread: callers' threads may not have turned it off
+    def prefill(self, slot: int, owner: "SlotLMCache", rows: torch.Tensor) -> torch.Tensor:
+        """Rows (1, T, H) after the slot's rows, eagerly, this slot alone; returns the last hidden state."""
+        with self._lock:
+            self._enter(slot, owner)
+            start = self._lengths[slot]
+        try:
+            t = rows.shape[1]
+            cache = self._cache(slice(slot, slot + 1))
+            view = min(self.capacity, _round_up_to(start + t, _EAGER_VIEW_QUANTUM))
+            cache.set_view_rows(view)
+            for layer in cache.layers:
+                layer.span_start = start
+            positions = torch.arange(start, start + t, device=self.device)
+            out = self.lm.backbone(inputs_embeds=rows.to(self.dtype), past_key_values=cache,
+                                   attention_mask=self._visible(positions, view)[None, None], position_ids=positions.unsqueeze(0),
+                                   use_cache=True)
+            hidden = out.last_hidden_state[:, -1]
+            with self._lock:
+                self._lengths[slot] = start + t
+            return hidden
+        finally:
+            with self._lock:
+                self._leave(slot)
+
+    def step(self, slot: int, owner: "SlotLMCache", row: torch.Tensor) -> torch.Tensor:
+        """One row (1, 1, H) after the slot's rows, in the next batched step; returns (1, H).
+
+        The first thread to find no step running runs one for every row waiting; the others wait
+        for their row (a slow step holds everyone: that is what batching trades). Before it runs,
+        it waits a little (``gather``) for the rows of the conversations of the previous step:
+        their threads are still busy with that step's result (sampling), and without the wait
+        the calls would take turns instead of stepping together."""
+        with self._lock:
+            self._enter(slot, owner)
+            self._waiting[slot] = row
+            self._lock.notify_all()  # a step gathering its rows may be waiting for this one
+            try:
+                while slot not in self._finished:
+                    if self._stepping:
+                        self._lock.wait()
+                        continue
+                    self._stepping = True
+                    self._gather_rows()
+                    batch, self._waiting = self._waiting, {}
+                    self._last_batch = set(batch)
+                    self._lock.release()
+                    try:
+                        results = self._run(batch)
+                    except BaseException as error:  # every row of this step fails, the next steps may not
+                        results = {s: error for s in batch}
+                    finally:
+                        self._lock.acquire()
+                        self._stepping = False
+                    self._finished.update(results)
+                    self._lock.notify_all()
+                result = self._finished.pop(slot)
+            finally:
+                self._waiting.pop(slot, None)
+                self._leave(slot)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _gather_rows(self) -> None:
+        """(Lock held.) Wait until every still-open slot of the previous step has its row in,
+        or ``gather`` x the previous step's time has passed."""
+        deadline = time.perf_counter() + self.gather * self._last_step_s
+        while True:
+            missing = [s for s in self._last_batch
+                       if s not in self._waiting and isinstance(self._owners[s], SlotLMCache)]
+            left = deadline - time.perf_counter()
+            if not missing or left <= 0:
+                return
+            self._lock.wait(left)
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Capture every step size now, before calls run (capturing while other threads use the
+        GPU is what ``StepGraph`` must otherwise guard against); a no-op without graphs."""
+        if self.graph_mode == "eager":
+            return
+        with self._lock:
+            if self._stepping or self._waiting:
+                raise RuntimeError("warm_up() must run before any conversation steps")
+            self._stepping = True
+        try:
+            self._positions.fill_(self.capacity)  # every slot writes the scratch row only
+            for n in self.sizes:
+                self._graph(n).run()
+        finally:
+            with self._lock:
+                self._stepping = False
+                self._lock.notify_all()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _cache(self, slots: slice) -> _SlotRowsCache:
+        return _SlotRowsCache([_SlotRowsLayer(k[slots], v[slots]) for k, v in zip(self._keys, self._values)])
+
+    def _visible(self, positions: torch.Tensor, view: int) -> torch.Tensor:
+        """(len(positions), view) additive mask: a query sees the keys at or before its position."""
+        visible = self._key_positions[:view].unsqueeze(0) <= positions.unsqueeze(1)
+        return torch.where(visible, 0.0, torch.finfo(self.dtype).min).to(self.dtype)
+
+    def _decode(self, n: int) -> torch.Tensor:
+        """The batched step over the first ``n`` slots (graph-safe: every input is a static buffer)."""
+        cache = self._step_caches[n]
+        positions = self._positions[:n]
+        mask = self._visible(positions, cache.layers[0].view_rows)[:, None, None]  # one query row per slot
+        out = self.lm.backbone(inputs_embeds=self._rows[:n], past_key_values=cache, attention_mask=mask,
+                               position_ids=positions.unsqueeze(1), use_cache=True)
+        return out.last_hidden_state[:, -1]
+
+    def _graph(self, n: int) -> StepGraph:
+        # Capturing at the first real step is safe too: its warm-up runs write the same rows twice.
+        if n not in self._graphs:
+            self._graphs[n] = StepGraph(lambda: self._decode(n), self.device, self.graph_mode,
+                                        name=f"spoken LM step x{n}")
+        return self._graphs[n]
+
+    @torch.no_grad()
+    def _run(self, batch: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        n = next(size for size in self.sizes if size > max(batch))
+        positions = [self.capacity] * n  # slots without a step write the scratch row
+        for slot in batch:
+            positions[slot] = self._lengths[slot]
+            self._rows[slot].copy_(batch[slot].reshape(1, -1))
+        self._positions[:n].copy_(torch.tensor(positions))
+        if self.graph_mode == "eager":
+            furthest = max(self._lengths[s] for s in batch) + 1
+            self._step_caches[n].set_view_rows(min(self.capacity + 1, _round_up_to(furthest, _EAGER_VIEW_QUANTUM)))
+        started = time.perf_counter()
+        hidden = self._graph(n).run()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time (for gathering) and its outputs are ready
+        self._last_step_s = time.perf_counter() - started
+        self.steps_run += 1
+        self.rows_stepped += len(batch)
+        for slot in batch:  # (each slot's owner is waiting in step(): nobody else moves its length)
+            self._lengths[slot] += 1
+        return {slot: hidden[slot:slot + 1].clone() for slot in batch}
+
+
+class _Releasing:
+    """Owner marker of a slot whose conversation ended while a job still wrote to it."""
+
+
+_RELEASING = _Releasing()
+
+
+class SlotLMCache:
+    """One conversation's KV cache in an ``LMStepBatch`` slot (``lm_cache``'s interface)."""
+
+    def __init__(self, batch: LMStepBatch):
+        self.batch = batch
+        self.private: StaticLMCache | None = None  # where it continues once it left the batch
+        self.closed = False
+        try:
+            self.slot: int | None = batch._acquire(self)
+        except SlotsBusy:
+            self.slot = None
+            self.private = self._new_private(0)
+
+    @property
+    def batched(self) -> bool:
+        """Whether decode steps join the batch (False once it left it)."""
+        return self.private is None and not self.closed
+
+    @property
+    def length(self) -> int:
+        return self.private.length if self.private is not None else self.batch.length(self.slot)
+
+    def feed(self, backbone, rows: torch.Tensor) -> torch.Tensor:
+        if self.closed:
+            raise RuntimeError("this KV cache was closed (its conversation ended): open a new one")
+        if self.private is None and self.length + rows.shape[1] > self.batch.capacity:
+            self._leave_batch()
+        if self.private is not None:
+            return self.private.feed(backbone, rows)
+        if rows.shape[1] == 1:
+            return self.batch.step(self.slot, self, rows)
+        return self.batch.prefill(self.slot, self, rows)
+
+    def crop(self, length: int) -> None:
+        if self.private is not None:
+            self.private.crop(length)
+            return
+        _check_crop(self.length, length)
+        self.batch.set_length(self.slot, length)
+
+    def keys_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.private is not None:
+            return self.private.keys_values()
+        n, s = self.length, self.slot
+        return [(k[s:s + 1, :, :n], v[s:s + 1, :, :n]) for k, v in zip(self.batch._keys, self.batch._values)]
+
+    def close(self) -> None:
+        """Give the slot back (deferred until a step or prefill of this cache still running ends)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.slot is not None and self.private is None:
+            self.batch._release(self.slot)
+        self.private = None
+
+    # -- leaving the batch ---------------------------------------------------------------------------
+    def _new_private(self, rows: int) -> StaticLMCache:
+        b = self.batch
+        return StaticLMCache(b.config, max(rows, b.capacity), device=b.device, dtype=b.dtype, graph_mode=b.graph_mode)
+
+    def _detached_copy(self) -> StaticLMCache:
+        length = self.length
+        private = self._new_private(length + 1)
+        for layer, (keys, values) in zip(private.kv.layers, self.keys_values()):
+            layer.keys[:, :, :length] = keys
+            layer.values[:, :, :length] = values
+        private._set_length(length)
+        return private
+
+    def _leave_batch(self) -> None:
+        self.private = self._detached_copy()
+        self.batch._release(self.slot)
+
+    def __deepcopy__(self, memo):
+        """A snapshot (``Conversation.snapshot``) is a private cache: it holds no slot."""
+        if self.closed:
+            raise RuntimeError("cannot copy a closed KV cache")
+        return copy.deepcopy(self.private, memo) if self.private is not None else self._detached_copy()
+
+
+def _step_sizes(slots: int) -> list[int]:
+    sizes, n = [], 1
+    while n < slots:
+        sizes.append(n)
+        n *= 2
+    return sizes + [slots]
+
+
+def _round_up_to(rows: int, quantum: int) -> int:
+    return -(-int(rows) // quantum) * quantum

@@ -1,0 +1,236 @@
+"""LMStepBatch: the decode steps of several conversations run as one batched step, on CPU.
+
+Every hidden state a conversation gets from its slot must equal what a cache of its own (the
+growing one) gives - whichever other slots take part in a step, sit idle in its range, or are
+being prefilled - through crops, closing, running out of slots and outgrowing the capacity. The
+steps run eagerly and after the warm-up protocol a CUDA-graph capture goes through ('rehearse')."""
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+from taste_speech.lm_batch import LMStepBatch, SlotLMCache
+from taste_speech.lm_cache import StaticLMCache
+from taste_speech.verify.points_spoken_lm import load_golden_spoken_lm
+
+TOLERANCE = 1e-5  # float32 rounding of batched vs single-row matmuls
+
+
+@pytest.fixture(scope="module")
+def lm(taste_lm_tiny_a):
+    return load_golden_spoken_lm(str(taste_lm_tiny_a)).spoken_lm
+
+
+def random_rows(lm, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, n, lm.causal_lm.config.hidden_size, generator=g) * 0.5
+
+
+class Reference:
+    """The same rows through a growing cache of their own."""
+
+    def __init__(self, lm):
+        self.lm, self.state = lm, lm.new_decode_state(cache=lm.new_cache("dynamic"))
+
+    def feed(self, rows):
+        with torch.no_grad():
+            return self.lm.feed(self.state, rows)
+
+
+def feed(lm, state, rows):
+    with torch.no_grad():
+        return lm.feed(state, rows)
+
+
+@pytest.mark.parametrize("graph_mode", ["eager", "rehearse"])
+def test_one_batched_step_equals_each_conversation_alone(lm, graph_mode):
+    """Slots 0 and 2 step together; slot 1 (idle, inside the step's range) and slot 3 keep their
+    rows: their later steps still equal their references."""
+    batch = LMStepBatch(lm, slots=4, capacity=300, graph_mode=graph_mode)
+    batch.warm_up()
+    rows = [random_rows(lm, 60, seed) for seed in range(4)]
+    states = [lm.new_decode_state(cache=batch.open()) for _ in range(4)]
+    refs = [Reference(lm) for _ in range(4)]
+    assert [s.cache.slot for s in states] == [0, 1, 2, 3]
+    for i, (state, ref) in enumerate(zip(states, refs)):  # different history lengths per slot
+        n = 10 + 9 * i
+        assert (feed(lm, state, rows[i][:, :n]) - ref.feed(rows[i][:, :n])).abs().max() < TOLERANCE
+
+    with torch.no_grad():  # one step for slots 0 and 2 only (the step covers slots 0..3)
+        out = batch._run({0: rows[0][:, 10:11], 2: rows[2][:, 28:29]})
+    assert batch.steps_run == 1 and batch.rows_stepped == 2
+    for slot, n in [(0, 10), (2, 28)]:
+        assert states[slot].length == n + 1  # its length moved on by one row
+        assert (out[slot] - refs[slot].feed(rows[slot][:, n:n + 1])).abs().max() < TOLERANCE
+    assert batch.length(1) == 19 and batch.length(3) == 37  # idle slots: untouched
+
+    for i, n in enumerate([11, 19, 29, 37]):  # every slot goes on, one step each
+        for t in range(n, n + 5):
+            got = feed(lm, states[i], rows[i][:, t:t + 1])
+            assert (got - refs[i].feed(rows[i][:, t:t + 1])).abs().max() < TOLERANCE, (i, t)
+
+
+@pytest.mark.parametrize("graph_mode", ["eager", "rehearse"])
+def test_concurrent_conversations_get_their_own_results(lm, graph_mode):
+    """Four threads decode at once (prefill, 40 steps, a crop and re-feed): each gets its
+    reference's hidden states, and every step served some row (steps <= rows stepped)."""
+    batch = LMStepBatch(lm, slots=4, capacity=300, graph_mode=graph_mode)
+    results, errors = {}, []
+    start = threading.Barrier(4)
+
+    def conversation(seed):
+        try:
+            rows = random_rows(lm, 80, seed)
+            state = lm.new_decode_state(cache=batch.open())
+            hidden = [feed(lm, state, rows[:, :12 + seed])]
+            start.wait(timeout=60)  # a thread that failed before it must not hang the others
+            for t in range(12 + seed, 52 + seed):
+                hidden.append(feed(lm, state, rows[:, t:t + 1]))
+            state.crop(30)
+            for t in range(30, 35):
+                hidden.append(feed(lm, state, rows[:, t:t + 1]))
+            state.cache.close()
+            results[seed] = torch.cat(hidden)
+        except Exception as error:  # reported below, not lost in the thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=conversation, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for seed in range(4):
+        rows, ref = random_rows(lm, 80, seed), Reference(lm)
+        expected = [ref.feed(rows[:, :12 + seed])] + [ref.feed(rows[:, t:t + 1]) for t in range(12 + seed, 52 + seed)]
+        ref.state.crop(30)
+        expected += [ref.feed(rows[:, t:t + 1]) for t in range(30, 35)]
+        assert (results[seed] - torch.cat(expected)).abs().max() < TOLERANCE, seed
+    stats = batch.stats()
+    assert stats["rows_stepped"] == 4 * 45 and 1 <= stats["steps"] <= 4 * 45
+    assert stats["slots_in_use"] == 0
+
+
+def test_slots_are_given_back_and_a_full_batch_falls_back_to_a_private_cache(lm):
+    batch = LMStepBatch(lm, slots=2, capacity=300, graph_mode="eager")
+    a, b = batch.open(), batch.open()
+    assert (a.slot, b.slot) == (0, 1) and a.batched and b.batched
+    c = batch.open()  # no slot left: a cache of its own, same results
+    assert not c.batched and isinstance(c.private, StaticLMCache) and batch.slots_in_use == 2
+    rows, ref = random_rows(lm, 20, 5), Reference(lm)
+    state = lm.new_decode_state(cache=c)
+    assert (feed(lm, state, rows[:, :15]) - ref.feed(rows[:, :15])).abs().max() < TOLERANCE
+    assert (feed(lm, state, rows[:, 15:16]) - ref.feed(rows[:, 15:16])).abs().max() < TOLERANCE
+
+    a.close()
+    assert batch.slots_in_use == 1 and batch.open().slot == 0  # the lowest free slot again
+    with pytest.raises(RuntimeError, match="closed"):
+        feed(lm, lm.new_decode_state(cache=a), rows[:, :1])
+    a.close()  # twice is fine
+
+
+def test_outgrowing_the_capacity_leaves_the_batch_without_losing_rows(lm):
+    batch = LMStepBatch(lm, slots=2, capacity=64, graph_mode="eager")
+    rows, ref = random_rows(lm, 100, 7), Reference(lm)
+    state = lm.new_decode_state(cache=batch.open())
+    assert (feed(lm, state, rows[:, :60]) - ref.feed(rows[:, :60])).abs().max() < TOLERANCE
+    for t in range(60, 64):
+        assert (feed(lm, state, rows[:, t:t + 1]) - ref.feed(rows[:, t:t + 1])).abs().max() < TOLERANCE
+    assert state.cache.batched and batch.slots_in_use == 1
+    got = feed(lm, state, rows[:, 64:65])  # row 65 does not fit: continues in a private cache
+    assert (got - ref.feed(rows[:, 64:65])).abs().max() < TOLERANCE
+    assert not state.cache.batched and batch.slots_in_use == 0 and state.length == 65
+    assert (feed(lm, state, rows[:, 65:90]) - ref.feed(rows[:, 65:90])).abs().max() < TOLERANCE
+
+
+def test_a_copy_holds_no_slot_and_equals_the_original(lm):
+    batch = LMStepBatch(lm, slots=1, capacity=128, graph_mode="eager")
+    rows = random_rows(lm, 40, 9)
+    state = lm.new_decode_state(cache=batch.open())
+    feed(lm, state, rows[:, :30])
+    twin = copy.deepcopy(state)
+    assert isinstance(twin.cache, StaticLMCache) and batch.slots_in_use == 1 and twin.length == 30
+    for (ka, va), (kb, vb) in zip(state.cache.keys_values(), twin.cache.keys_values()):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert (feed(lm, state, rows[:, 30:31]) - feed(lm, twin, rows[:, 30:31])).abs().max() < TOLERANCE
+
+
+def test_a_slot_closed_while_its_step_runs_is_freed_when_the_step_ends(lm):
+    batch = LMStepBatch(lm, slots=1, capacity=64, graph_mode="eager")
+    cache = batch.open()
+    rows = random_rows(lm, 8, 3)
+    state = lm.new_decode_state(cache=cache)
+    feed(lm, state, rows[:, :4])
+    inside, release = threading.Event(), threading.Event()
+    original = batch._run
+
+    def slow_run(waiting):  # the step is running (another thread) when the conversation ends
+        inside.set()
+        release.wait(10)
+        return original(waiting)
+
+    batch._run = slow_run
+    worker = threading.Thread(target=feed, args=(lm, state, rows[:, 4:5]))
+    worker.start()
+    assert inside.wait(10)
+    cache.close()
+    other = batch.open()  # the slot is still written to: nobody may take it yet
+    assert not other.batched
+    release.set()
+    worker.join(10)
+    assert batch.slots_in_use == 0 and batch.open().batched
+
+
+def test_a_failing_step_fails_its_rows_and_the_batch_goes_on(lm):
+    batch = LMStepBatch(lm, slots=2, capacity=64, graph_mode="eager")
+    rows, ref = random_rows(lm, 10, 4), Reference(lm)
+    state = lm.new_decode_state(cache=batch.open())
+    feed(lm, state, rows[:, :5])
+    ref.feed(rows[:, :5])
+    with pytest.raises(RuntimeError):
+        feed(lm, state, torch.zeros(1, 1, 3))  # a row of the wrong width
+    assert state.length == 5 and batch.stats()["slots_in_use"] == 1
+    assert (feed(lm, state, rows[:, 5:6]) - ref.feed(rows[:, 5:6])).abs().max() < TOLERANCE
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(slots=0), "slots"), (dict(slots=True), "slots"), (dict(capacity=0), "capacity"),
+    (dict(graph_mode="fast"), "mode"), (dict(graph_mode="graph"), "CUDA"),
+])
+def test_bad_settings_are_refused(lm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LMStepBatch(lm, **kwargs)
+
+
+def test_a_conversation_of_another_model_is_refused(lm, tiny_model):
+    batch = LMStepBatch(lm, slots=1, capacity=64, graph_mode="eager")
+    from taste_speech.streaming import Conversation
+
+    with pytest.raises(ValueError, match="another model"):
+        Conversation(tiny_model[0], tiny_model[1], lm_batch=batch)
+
+
+def test_slot_cache_type(lm):
+    batch = LMStepBatch(lm, slots=1, capacity=64, graph_mode="eager")
+    assert isinstance(batch.open(), SlotLMCache)
+
+
+@pytest.mark.parametrize("gather, steps", [(1.0, 1), (0.0, 2)])
+def test_a_step_waits_for_the_calls_of_the_previous_step(lm, gather, steps):
+    """Slots 0 and 1 stepped together last time; now slot 1's row comes 50 ms after slot 0's.
+    With gather, slot 0's step waits for it (one step serves both); without, they run apart."""
+    batch = LMStepBatch(lm, slots=2, capacity=64, graph_mode="eager", gather=gather)
+    rows = [random_rows(lm, 10, seed) for seed in (0, 1)]
+    states = [lm.new_decode_state(cache=batch.open()) for _ in rows]
+    for state, r in zip(states, rows):
+        feed(lm, state, r[:, :5])
+    batch._last_batch, batch._last_step_s = {0, 1}, 5.0  # as if the previous step took 5 s
+    late = threading.Thread(target=lambda: (time.sleep(0.05), feed(lm, states[1], rows[1][:, 5:6])))
+    late.start()
+    feed(lm, states[0], rows[0][:, 5:6])
+    late.join()
+    assert batch.stats()["steps"] == steps and batch.stats()["rows_stepped"] == 2
+    assert states[0].length == states[1].length == 6
