@@ -17,7 +17,9 @@ Tables (one run each, all figures from the same process):
 2. ms per token of the spoken LM and of the speech decoder at 64 and 1024 rows of context; flow
    and vocoder ms per chunk (first, steady); whole-reply real-time factor;
 3. peak GPU memory per call, and first audio with 1, 2, 4, 8, 16 concurrent calls (one thread
-   each, own states; CUDA only).
+   each, own states; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
+   LM step, and graphed with the LM steps of all calls batched (``taste_speech.lm_batch``, the
+   engine's default on CUDA).
 
 On CPU the 'graphed' path runs the same static caches eagerly (there are no CUDA graphs on a
 CPU), so its figures there only show the harness works - the CPU default stays the eager path.
@@ -58,6 +60,7 @@ class DecodePath:
     """Which implementation the hot loops use: one of the engine's ``decoding`` settings."""
 
     name: str  # 'eager' or 'graphed' (TasteEngine(decoding=...))
+    lm_batch_slots: int | None = None  # TasteEngine(lm_batch_slots=...): None = each call steps alone
 
     @property
     def cache_kind(self) -> str:
@@ -69,6 +72,7 @@ class DecodePath:
 
 EAGER = DecodePath("eager")
 GRAPHED = DecodePath("graphed")
+BATCHED = DecodePath("graphed", lm_batch_slots=16)  # the concurrency table only
 
 
 def sync(device) -> None:
@@ -184,11 +188,15 @@ def asr_after_turn(asr, audio: np.ndarray, clock: "Clock") -> None:
 
 # -- one reply, stage by stage ----------------------------------------------------------------------------
 def path_engine(engine, path: DecodePath):
-    """The same weights behind an engine whose hot loops take ``path``."""
+    """The same weights behind an engine whose hot loops take ``path``, warmed up as taste-agent
+    does at start-up (the shared synthesis graphs, the batched LM steps). Make one per path and
+    share it between calls, as a server does."""
     from pipecat_taste.engine import TasteEngine
 
-    return TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
-                       device=engine.device, asr=None, decoding=path.name)
+    engine = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
+                         device=engine.device, asr=None, decoding=path.name, lm_batch_slots=path.lm_batch_slots)
+    engine.warm_up()
+    return engine
 
 
 def new_session(engine, seed: int = 0):
@@ -209,12 +217,13 @@ def reply_script(engine) -> tuple[list[int], int]:
 
 def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0,
                 whole_reply: bool = False) -> dict:
-    """One user turn -> first audio (and, with ``whole_reply``, the rest), timed per stage."""
+    """One user turn -> first audio (and, with ``whole_reply``, the rest), timed per stage;
+    ``engine``: the path's engine (``path_engine``)."""
     from taste_speech.streaming import every_n_words, streaming_generate
     from taste_speech.streaming.synthesis import speak
 
     device = engine.device
-    session = new_session(path_engine(engine, path), seed)
+    session = new_session(engine, seed)
     script, stop = reply_script(engine)
     forced.script(script)
     clock = Clock(device)
@@ -251,11 +260,13 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
                 stages_at_first = dict(clock.stages)
                 if not whole_reply:
                     items.close()
+                    session.close()
                     return {"first_audio_ms": first_ms, "stages": stages_at_first}
     tail = speak(engine.voice_generator, state.synthesis, None, final=True)
     samples += sum(c.audio.shape[-1] for c in tail)
     clock.mark("synthesis_rest")
     total = sum(clock.stages.values())
+    session.close()
     audio_s = samples / OUT_RATE
     return {"first_audio_ms": first_ms, "stages": stages_at_first, "total_ms": total, "reply_words": words,
             "audio_s": audio_s, "rtf": (total / 1000) / audio_s if audio_s else None}
@@ -410,18 +421,24 @@ def run(args) -> dict:
     data["lm_parity"] = lm_parity(engine)
     with forced:
         for path in (EAGER, GRAPHED):
-            path_engine(engine, path).warm_up()  # the shared synthesis graphs, as taste-agent does at start-up
-            first_audio(engine, asr, path, forced, audio)  # warm-up: allocations, kernel choice
-            runs = [first_audio(engine, asr, path, forced, audio, whole_reply=True) for _ in range(args.repeats)]
+            path_eng = path_engine(engine, path)
+            first_audio(path_eng, asr, path, forced, audio)  # warm-up: allocations, kernel choice
+            runs = [first_audio(path_eng, asr, path, forced, audio, whole_reply=True) for _ in range(args.repeats)]
             best = sorted(runs, key=lambda r: r["first_audio_ms"])[(len(runs) - 1) // 2]
             entry = {"first_audio": best, "first_audio_runs_ms": [r["first_audio_ms"] for r in runs]}
             entry["lm_ms_per_token"] = {c: lm_ms_per_token(engine, path, c, args.steps) for c in args.contexts}
             entry["speech_decoder_ms_per_token"] = {c: speech_decoder_ms_per_token(engine, path, c, args.steps)
                                                     for c in args.contexts}
             entry["synthesis"] = synthesis_ms_per_chunk(engine, path)
-            if torch.device(args.device).type == "cuda":
-                entry["concurrency"] = [concurrent_first_audio(engine, asr, path, forced, n) for n in args.calls]
+            if args.calls:
+                entry["concurrency"] = [concurrent_first_audio(path_eng, asr, path, forced, n) for n in args.calls]
             data["paths"][path.name] = entry
+            del path_eng
+        if args.calls:
+            batched = path_engine(engine, BATCHED)
+            data["paths"]["graphed"]["concurrency_batched"] = [
+                concurrent_first_audio(batched, asr, BATCHED, forced, n) for n in args.calls]
+            data["paths"]["graphed"]["lm_batch"] = batched.lm_batch.stats()
     return data
 
 
@@ -464,12 +481,20 @@ def markdown(data: dict, command: str) -> list[str]:
                    [[name, f"{par[name]['same_argmax']}/{par['steps']}", f"{par[name]['max_logit_diff']:.3g}"]
                     for name in ("eager", "graphed")])
     if "concurrency" in graphed:
+        nan = float("nan")
         rows = [[str(e["calls"]), fmt(e["first_audio_median_ms"]), fmt(g["first_audio_median_ms"]),
-                 fmt(g["first_audio_max_ms"]), fmt(g.get("peak_mib_per_call", float("nan")))]
-                for e, g in zip(eager["concurrency"], graphed["concurrency"])]
-        lines += ["", "Concurrent calls (one thread each):", ""]
-        lines += table_lines(["calls", "eager first audio median", "graphed median", "graphed max",
-                        "graphed peak MiB per call"], rows)
+                 fmt(g["first_audio_max_ms"]), fmt(b["first_audio_median_ms"]), fmt(b["first_audio_max_ms"]),
+                 fmt(g.get("peak_mib_per_call", nan)), fmt(b.get("peak_mib_per_call", nan))]
+                for e, g, b in zip(eager["concurrency"], graphed["concurrency"], graphed["concurrency_batched"])]
+        lines += ["", "Concurrent calls (one thread each; first audio in ms; 'batched': the spoken-LM steps of all "
+                  "calls in one batched step, 16 slots):", ""]
+        lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "batched median",
+                              "batched max", "graphed peak MiB per call", "batched peak MiB per call"], rows)
+        stats = graphed.get("lm_batch") or {}
+        if stats.get("steps"):
+            lines += ["", f"Batched LM steps over the whole table: {stats['steps']} steps served "
+                      f"{stats['rows_stepped']} call steps (mean batch {stats['mean_batch']}); captured sizes "
+                      f"{stats['graphs'] or 'none (no CUDA)'}."]
     return lines
 
 
@@ -479,11 +504,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--size", default="full", choices=["tiny", "full"])
     parser.add_argument("--quick", action="store_true", help="fewer steps and runs (the CPU check of the harness)")
+    parser.add_argument("--calls", type=lambda text: tuple(int(n) for n in text.split(",")), default=None,
+                        help="concurrent calls per row, e.g. 1,2 (default: 1,2,4,8,16 on CUDA, none on a CPU)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_suite.md"))
     args = parser.parse_args(argv)
     args.repeats, args.steps = (1, 8) if args.quick else (5, 50)
     args.contexts = (64, 1024)
-    args.calls = (1, 2, 4, 8, 16)
+    if args.calls is None:
+        args.calls = (1, 2, 4, 8, 16) if torch.device(args.device).type == "cuda" else ()
     command = "python -m benchmarks.gpu_suite " + " ".join(argv if argv is not None else sys.argv[1:])
     data = run(args)
     out = Path(args.out)

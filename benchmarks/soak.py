@@ -279,7 +279,7 @@ def markdown(results: dict, paths: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from taste_agents.cli import parallel_jobs_arg
+    from taste_agents.cli import auto_none_or_count
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="in-process,webrtc,memory-rounds,long-call")
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window-tokens", type=int, default=256, help="rolling history window of the long call")
     parser.add_argument("--decoding", default="auto", choices=["auto", "graphed", "eager"],
                         help="the engine's hot loops (TasteEngine decoding; on a CPU 'auto' is 'eager')")
-    parser.add_argument("--parallel-jobs", default="auto", type=parallel_jobs_arg,
+    parser.add_argument("--parallel-jobs", default="auto", type=auto_none_or_count,
                         help="the engine's compute gate (TasteEngine parallel_jobs): a number, 'none' or 'auto'")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 """The real-time suite's harness (benchmarks/gpu_suite.py) at tiny size on CPU: every stage is
 timed, the first audio is the sum of its stages, the reply is forced to its 12 words, both paths
-agree with float32, and the markdown holds the tables. (Its figures matter on a GPU only.)"""
+agree with float32, concurrent calls run on every path (with the LM steps batched across calls
+too), and the markdown holds the tables. (Its figures matter on a GPU only.)"""
 
 import json
 import sys
@@ -15,7 +16,7 @@ from benchmarks import gpu_suite  # noqa: E402
 def test_quick_tiny_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_suite.md"
     assert gpu_suite.main(["--device", "cpu", "--size", "tiny", "--quick", "--dtype", "float32",
-                           "--out", str(out)]) == 0
+                           "--calls", "1,2", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     for name in ("eager", "graphed"):
         path = data["paths"][name]
@@ -29,6 +30,13 @@ def test_quick_tiny_run_on_cpu(tmp_path):
         assert path["synthesis"]["chunks"] > 2 and 0 < path["synthesis"]["flow_first_ms"] < path["synthesis"]["first_ms"]
         parity = data["lm_parity"][name]
         assert parity["same_argmax"] == data["lm_parity"]["steps"] and parity["max_logit_diff"] < 1e-4
+    graphed = data["paths"]["graphed"]
+    for rows in (data["paths"]["eager"]["concurrency"], graphed["concurrency"], graphed["concurrency_batched"]):
+        assert [r["calls"] for r in rows] == [1, 2]
+        assert all(0 < r["first_audio_median_ms"] <= r["first_audio_max_ms"] for r in rows)
+    stats = graphed["lm_batch"]
+    assert stats["steps"] > 0 and stats["rows_stepped"] >= stats["steps"] and stats["slots_in_use"] == 0
     text = out.read_text()
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
     assert "| graphed | 32/32 |" in text
+    assert "batched median" in text and "Batched LM steps over the whole table" in text

@@ -174,3 +174,64 @@ def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engi
         assert audio.shape == results["eager"][2].shape and np.abs(audio - results["eager"][2]).max() < 2e-4
     with pytest.raises(ValueError, match="decoding must be one of"):
         TasteEngine(engine.model, engine.processor, engine.voice_generator, decoding="fast")
+
+
+def test_batched_lm_steps_give_each_call_its_own_reply(engine, hello):
+    """lm_batch_slots: two calls' spoken-LM steps run in one batch (from their own threads, as the
+    processors run them) and each call gets the words and speech of a call alone; ending a call
+    gives its slot back; on a CPU 'auto' batches nothing."""
+    from taste_speech.lm_batch import SlotLMCache
+
+    def engine_with(**kwargs):
+        return TasteEngine(engine.model, engine.processor, engine.voice_generator,
+                           checkpoint_dir=engine.checkpoint_dir, **kwargs)
+
+    assert engine.lm_batch is None  # 'auto' on a CPU
+    batched = engine_with(lm_batch_slots=2)
+    batched.warm_up()
+    settings = [GenerationSettings(max_reply_tokens=8, seed=seed, text_top_p=0.0) for seed in (0, 1)]
+    alone = []
+    for s in settings:
+        session = engine.new_session(s)
+        alone.append(speak_reply(session, session.user_turn(hello.audio, hello.text)))
+    sessions = [batched.new_session(s) for s in settings]
+    turns = [session.user_turn(hello.audio, hello.text) for session in sessions]
+    assert all(isinstance(s.conversation.ready().cache, SlotLMCache) for s in sessions)
+    results, errors = [None, None], []
+
+    def call(i):
+        try:
+            results[i] = speak_reply(sessions[i], turns[i])
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for got, expected in zip(results, alone):
+        assert got[0] == expected[0] and got[1] == expected[1]
+        assert np.abs(got[2] - expected[2]).max() < 2e-4
+    assert batched.lm_batch.stats()["rows_stepped"] >= 2 and batched.lm_batch.slots_in_use == 2
+    for session in sessions:
+        session.close()
+    assert batched.lm_batch.slots_in_use == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        next(sessions[0].reply(turns[0], threading.Event()))
+    with pytest.raises(ValueError, match="lm_batch_slots"):
+        engine_with(lm_batch_slots=0)
+
+
+async def test_an_ended_call_gives_its_lm_batch_slot_back(engine):
+    from pipecat_taste.call import TasteCall
+
+    batched = TasteEngine(engine.model, engine.processor, engine.voice_generator,
+                          checkpoint_dir=engine.checkpoint_dir, lm_batch_slots=1)
+    call = TasteCall(batched, GenerationSettings(max_reply_tokens=4))
+    session = await call.ensure_session()
+    session.conversation.ready()
+    assert batched.lm_batch.slots_in_use == 1
+    await call.close()
+    assert batched.lm_batch.slots_in_use == 0 and session.conversation.closed

@@ -30,10 +30,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decoding", default="auto", choices=["auto", "graphed", "eager"],
                         help="hot loops: auto (static caches and CUDA graphs on CUDA, eager on CPU), graphed, or "
                              "eager (the reference; for debugging on CUDA) - docs/GPU.md")
-    parser.add_argument("--parallel-jobs", default="auto", type=parallel_jobs_arg,
+    parser.add_argument("--parallel-jobs", default="auto", type=auto_none_or_count,
                         help="model jobs of all calls running at once: a number, 'none' (no limit) or auto (the "
                              "CPU cores on a CPU, no limit on CUDA); the others queue, so the event loop stays "
                              "responsive under load")
+    parser.add_argument("--lm-batch-slots", default="auto", type=auto_none_or_count,
+                        help="calls whose spoken-LM decode steps run as one batched step: a number, 'none' (each "
+                             "call steps alone) or auto (16 on the CUDA fast path, none on a CPU) - docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
@@ -74,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parallel_jobs_arg(value: str) -> int | str | None:
-    """--parallel-jobs: 'auto', 'none' (no limit) or a number >= 1 (TasteEngine's parallel_jobs)."""
+def auto_none_or_count(value: str) -> int | str | None:
+    """--parallel-jobs, --lm-batch-slots: 'auto', 'none' or a number >= 1 (TasteEngine's settings)."""
     if value in ("auto", "none"):
         return None if value == "none" else "auto"
     if not value.isdigit() or int(value) < 1:
@@ -99,7 +102,8 @@ def load_engine(args, say):
     asr = None if args.asr_model == "none" else args.asr_model
     engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr,
                                          decoding=getattr(args, "decoding", "auto"),
-                                         parallel_jobs=getattr(args, "parallel_jobs", "auto"))
+                                         parallel_jobs=getattr(args, "parallel_jobs", "auto"),
+                                         lm_batch_slots=getattr(args, "lm_batch_slots", "auto"))
     engine.warm_up()  # the fast path captures its shared synthesis graphs here, not in the first call
     say(f"model ready in {time.monotonic() - started:.1f} s")
     return engine, path

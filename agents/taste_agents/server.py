@@ -183,8 +183,10 @@ class TasteServer:
         @app.get("/api/status")
         async def status():
             gate = getattr(self.engine, "compute_gate", None)
+            lm_batch = getattr(self.engine, "lm_batch", None)
             return {"active_calls": len(self.calls), "max_calls": self.config.max_calls,
                     "compute_gate": gate.stats() if gate is not None else None,
+                    "lm_batch": lm_batch.stats() if lm_batch is not None else None,
                     "calls": [{"call_id": c.call_id, "kind": c.kind, "seconds": round(time.monotonic() - c.started, 1)}
                               for c in self.calls.values()],
                     "finished": self.finished[-20:]}

@@ -151,6 +151,8 @@ class TasteCall:
                 session = await self.run("think", self.engine.new_session, self.settings, self.voice)
                 await self.run("think", session.warm_up)  # fast path: capture this call's steps now
                 self.session = session
+                if self.closed:  # the call ended while the session was being made
+                    session.close()
         return self.session
 
     def executor(self, stage: str) -> ThreadPoolExecutor:
@@ -189,11 +191,14 @@ class TasteCall:
         return self.active_reply_turn is not None or self.bot_speaking
 
     async def close(self) -> None:
-        """Stop the worker threads (running jobs finish in the background; nothing waits for them)."""
+        """Stop the worker threads (running jobs finish in the background; nothing waits for them)
+        and end the session (a job still running stops at its next model step)."""
         self.closed = True
         executors, self._executors = self._executors, {}
         for executor in executors.values():
             executor.shutdown(wait=False, cancel_futures=True)
+        if self.session is not None:
+            self.session.close()
 
     def worker_threads(self) -> list[threading.Thread]:
         return [t for t in threading.enumerate() if t.name.startswith(f"taste-") and self.call_id[:6] in t.name]

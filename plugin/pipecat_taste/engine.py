@@ -105,14 +105,20 @@ class TasteEngine:
     """Model, processor and voice generator, loaded once and shared by every call."""
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
-                 asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto"):
+                 asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto",
+                 lm_batch_slots: int | str | None = "auto"):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
         own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
         running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
-        this process may use on a CPU; no limit on CUDA, where jobs mostly wait for the GPU)."""
+        this process may use on a CPU; no limit on CUDA, where jobs mostly wait for the GPU).
+        ``lm_batch_slots``: calls whose spoken-LM decode steps run as one batched step
+        (``taste_speech.lm_batch``): a number, None (each call steps alone) or 'auto' (16 on the
+        CUDA fast path, where a step costs its launches, not its batch size; None elsewhere)."""
         if decoding not in DECODING:
             raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
-        self.compute_gate = _compute_gate(parallel_jobs, str(next(model.parameters()).device))  # 'auto' resolved
+        device_name = str(next(model.parameters()).device)
+        self.compute_gate = _compute_gate(parallel_jobs, device_name)  # 'auto' resolved
+        self.lm_batch = _lm_batch(model, lm_batch_slots, device_name, decoding)
         self.model, self.processor, self.voice_generator = model, processor, voice_generator
         self.checkpoint_dir = checkpoint_dir
         self.device = device
@@ -124,7 +130,8 @@ class TasteEngine:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
-                        asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto") -> "TasteEngine":
+                        asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto",
+                        lm_batch_slots: int | str | None = "auto") -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (the random tiny ASR for the tiny checkpoint, none
@@ -155,7 +162,7 @@ class TasteEngine:
 
             asr = WhisperTranscriber.from_pretrained(asr, device=device, dtype=dtype)
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
-                   decoding=decoding, parallel_jobs=parallel_jobs)
+                   decoding=decoding, parallel_jobs=parallel_jobs, lm_batch_slots=lm_batch_slots)
 
     @property
     def max_turn_seconds(self) -> float:
@@ -182,6 +189,8 @@ class TasteEngine:
 
         if resolve_kind(self.cache_kind, next(self.voice_generator.parameters()).device) == "static":
             shared_graphs(self.voice_generator).warm_up()
+        if self.lm_batch is not None:
+            self.lm_batch.warm_up()  # one captured step per batch size
         if hasattr(self.asr, "warm_up"):
             self.asr.warm_up()  # the built-in ASR's decode step (captured on CUDA)
 
@@ -198,6 +207,21 @@ def _compute_gate(parallel_jobs: int | str | None, device: str):
     if isinstance(parallel_jobs, bool) or not isinstance(parallel_jobs, int):
         raise ValueError(f"parallel_jobs must be a number >= 1, None or 'auto', got {parallel_jobs!r}")
     return ComputeGate(parallel_jobs)
+
+
+def _lm_batch(model, slots: int | str | None, device: str, decoding: str):
+    from taste_speech.lm_batch import LMStepBatch
+    from taste_speech.streaming.conversation import REPLY_ROWS
+
+    if slots == "auto":
+        slots = 16 if str(device).startswith("cuda") and decoding != "eager" else None
+    if slots is None:
+        return None
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"lm_batch_slots must be a number >= 1, None or 'auto', got {slots!r}")
+    capacity = GenerationSettings.history_max_tokens + REPLY_ROWS  # a call with a longer window leaves the batch
+    graph_mode = "eager" if decoding == "eager" else "auto"
+    return LMStepBatch(model.spoken_lm, slots=slots, capacity=capacity, graph_mode=graph_mode)
 
 
 class TasteSession:
@@ -219,7 +243,7 @@ class TasteSession:
         self.conversation = Conversation(self.model, self.processor, system=system,
                                          prompt_format=settings.prompt_format,
                                          max_tokens=settings.history_max_tokens, max_turns=settings.history_max_turns,
-                                         cache_kind=engine.cache_kind)
+                                         cache_kind=engine.cache_kind, lm_batch=engine.lm_batch)
         if voice is None:
             voice = engine.speaker_embedding()
         self.voice = torch.as_tensor(voice).float().reshape(1, -1)
@@ -228,6 +252,19 @@ class TasteSession:
         self._speech_cache = None  # the speech decoder's cache, reused by every segment of the call
         self._synthesis_generator = torch.Generator().manual_seed(settings.seed + 2)
         self._last_reply_words = 0  # words of the newest assistant turn in the conversation
+        self._reply_lock = threading.Lock()
+        self._replying = False  # a reply generator is open (close() then waits for its end)
+        self._closed = False
+
+    def close(self) -> None:
+        """End of the call: free what the call holds in shared structures (its LM batch slot). A
+        reply still being generated is cancelled at its next step and closes the conversation
+        when it ends (its thread may still be writing to the slot)."""
+        with self._reply_lock:
+            self._closed = True
+            if self._replying:
+                return
+        self.conversation.close()
 
     # -- listening --------------------------------------------------------------------------------
     def transcribe(self, audio: np.ndarray) -> str:
@@ -261,14 +298,29 @@ class TasteSession:
 
     # -- thinking ---------------------------------------------------------------------------------
     def reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
-        from taste_speech.streaming import TASTESegment, every_n_words, streaming_generate
+        with self._reply_lock:
+            if self._closed:
+                raise RuntimeError("this session was closed (the call ended)")
+            self._replying = True
+        try:
+            yield from self._reply(turn, stop)
+        finally:
+            with self._reply_lock:
+                self._replying = False
+                closed = self._closed
+            if closed:
+                self.conversation.close()
+
+    def _reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
+        from taste_speech.streaming import every_n_words, streaming_generate
 
         s = self.settings
         items = streaming_generate(
             self.model, self.processor, [turn.segment], text_top_p=s.text_top_p, taste_top_p=s.taste_top_p,
             text_temperature=s.text_temperature, repetition_penalty=s.repetition_penalty,
             max_length=s.max_reply_tokens, should_emit_segment=every_n_words(s.words_per_segment),
-            conversation=self.conversation, prompt_format=s.prompt_format, stop=stop, generator=self._lm_generator,
+            conversation=self.conversation, prompt_format=s.prompt_format,
+            stop=lambda: stop.is_set() or self._closed, generator=self._lm_generator,
         )
         decided = False
         if not self.conversation.format.decides_turns:  # instruct / continuation: it always answers
@@ -298,7 +350,7 @@ class TasteSession:
         caller heard before a barge-in). Returns the number of words kept. Runs before the next
         ``reply``, so the history always matches what was heard."""
         total, self._last_reply_words = self._last_reply_words, 0
-        if total == 0 or played_words is None or played_words >= total:
+        if total == 0 or played_words is None or played_words >= total or self.conversation.closed:
             return total
         kept = self.conversation.truncate_last_assistant(max(0, int(played_words)))
         return 0 if kept is None else int(kept.word_starts().sum())

@@ -67,9 +67,13 @@ class FakeSession:
         self._last_reply: list[str] = []
         self.replies_started = 0
         self.threads: set[str] = set()
+        self.closed = False
 
     def warm_up(self) -> None:
         self.threads.add(threading.current_thread().name)  # nothing to capture: the fake has no caches
+
+    def close(self) -> None:
+        self.closed = True
 
     def transcribe(self, audio: np.ndarray) -> str:
         if self.engine.asr_text is None:
