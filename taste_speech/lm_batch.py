@@ -23,12 +23,11 @@ continues in a private ``StaticLMCache`` - slower, never wrong. ``close()`` retu
 from __future__ import annotations
 
 import copy
-import threading
-import time
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from taste_speech.batched_steps import BatchedSteps, SlotsBusy
 from taste_speech.lm_cache import StaticLMCache, _check_crop
 from taste_speech.step_graph import StepGraph, resolve_mode
 
@@ -84,28 +83,20 @@ class _SlotRowsCache(Cache):
             layer.view_rows = rows
 
 
-class SlotsBusy(RuntimeError):
-    """Every slot of the batch holds a conversation."""
-
-
-class LMStepBatch:
+class LMStepBatch(BatchedSteps):
     def __init__(self, spoken_lm, slots: int = 16, capacity: int = 4608, graph_mode: str = "auto",
                  gather: float = 0.5):
         """``spoken_lm``: a ``TasteSpokenLM``; ``slots``: conversations batched at most;
         ``capacity``: rows per conversation (a conversation's ``max_tokens`` plus a reply and a
         turn); ``graph_mode``: see ``step_graph`` ('auto' captures the steps on CUDA);
         ``gather``: how long a step waits for the rows of the conversations that took part in the
-        previous step, as a fraction of that step's time (0: run whatever is waiting at once)."""
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        previous step, as a fraction of that step's time (``batched_steps``)."""
+        super().__init__(slots, gather)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an integer >= 1 row, got {capacity!r}")
-        if not 0 <= gather <= 1:
-            raise ValueError(f"gather must be a fraction of a step between 0 and 1, got {gather!r}")
-        self.gather = float(gather)
         self.lm = spoken_lm
         config = spoken_lm.causal_lm.config
-        self.config, self.slots, self.capacity = config, slots, capacity
+        self.config, self.capacity = config, capacity
         self.device = spoken_lm.embed_tokens.weight.device
         self.dtype = spoken_lm.lm_dtype
         self.graph_mode = resolve_mode(graph_mode, self.device)
@@ -117,80 +108,25 @@ class LMStepBatch:
             self._rows = torch.zeros(slots, 1, config.hidden_size, device=self.device, dtype=self.dtype)
             self._positions = torch.full((slots,), capacity, dtype=torch.long, device=self.device)
             self._key_positions = torch.arange(capacity + 1, device=self.device)
-        self.sizes = _step_sizes(slots)
         self._step_caches = {n: self._cache(slice(0, n)) for n in self.sizes}
         for n, cache in self._step_caches.items():
             for layer in cache.layers:
                 layer.write_positions = self._positions[:n]
         self._graphs: dict[int, StepGraph] = {}
-        # Slot bookkeeping, all under _lock: owner, rows held, steps waiting / being run.
-        self._lock = threading.Condition()
-        self._owners: list[SlotLMCache | None] = [None] * slots
-        self._lengths = [0] * slots
-        self._busy = [0] * slots  # prefills and steps in flight (a slot is freed only when idle)
-        self._waiting: dict[int, torch.Tensor] = {}
-        self._finished: dict[int, torch.Tensor | BaseException] = {}
-        self._stepping = False
-        self._last_batch: set[int] = set()  # slots of the previous step: their next rows are expected
-        self._last_step_s = 0.0
-        self.steps_run = 0  # batched steps so far
-        self.rows_stepped = 0  # conversation steps they served
 
-    # -- slots -----------------------------------------------------------------------------------
     def open(self) -> "SlotLMCache":
         """A cache for one conversation: in a free slot, or private when every slot is taken."""
         return SlotLMCache(self)
 
-    @property
-    def slots_in_use(self) -> int:
-        with self._lock:
-            return sum(owner is not None for owner in self._owners)
-
     def stats(self) -> dict:
-        with self._lock:
-            return {"slots": self.slots, "slots_in_use": sum(o is not None for o in self._owners),
-                    "steps": self.steps_run, "rows_stepped": self.rows_stepped,
-                    "mean_batch": round(self.rows_stepped / self.steps_run, 3) if self.steps_run else None,
-                    "graphs": sorted(n for n, g in self._graphs.items() if g.captured)}
-
-    def _acquire(self, owner: "SlotLMCache") -> int:
-        with self._lock:
-            for slot, held in enumerate(self._owners):  # lowest first: steps cover fewer slots
-                if held is None and not self._busy[slot]:
-                    self._owners[slot], self._lengths[slot] = owner, 0
-                    return slot
-        raise SlotsBusy(f"all {self.slots} slots hold a conversation")
-
-    def _release(self, slot: int) -> None:
-        with self._lock:  # a job still writing to the slot frees it when it ends (_leave)
-            self._owners[slot] = _RELEASING if self._busy[slot] else None
-
-    def _enter(self, slot: int, owner: "SlotLMCache") -> None:
-        if self._owners[slot] is not owner:
-            raise RuntimeError("this KV cache was closed (its conversation ended): open a new one")
-        self._busy[slot] += 1
-
-    def _leave(self, slot: int) -> None:
-        self._busy[slot] -= 1
-        if not self._busy[slot] and self._owners[slot] is _RELEASING:
-            self._owners[slot] = None
+        return {**super().stats(), "graphs": sorted(n for n, g in self._graphs.items() if g.captured)}
 
     # -- feeding -----------------------------------------------------------------------------------
-    def length(self, slot: int) -> int:
-        return self._lengths[slot]
-
-    def set_length(self, slot: int, length: int) -> None:
-        with self._lock:
-            self._lengths[slot] = length
-
     @torch.no_grad()  # grad mode is per thread: callers' threads may not have turned it off
     def prefill(self, slot: int, owner: "SlotLMCache", rows: torch.Tensor) -> torch.Tensor:
         """Rows (1, T, H) after the slot's rows, eagerly, this slot alone; returns the last hidden state."""
-        with self._lock:
-            self._enter(slot, owner)
-            start = self._lengths[slot]
-        try:
-            t = rows.shape[1]
+        with self._using(slot, owner):
+            start, t = self.length(slot), rows.shape[1]
             cache = self._cache(slice(slot, slot + 1))
             view = min(self.capacity, _round_up_to(start + t, _EAGER_VIEW_QUANTUM))
             cache.set_view_rows(view)
@@ -198,66 +134,14 @@ class LMStepBatch:
                 layer.span_start = start
             positions = torch.arange(start, start + t, device=self.device)
             out = self.lm.backbone(inputs_embeds=rows.to(self.dtype), past_key_values=cache,
-                                   attention_mask=self._visible(positions, view)[None, None], position_ids=positions.unsqueeze(0),
-                                   use_cache=True)
-            hidden = out.last_hidden_state[:, -1]
-            with self._lock:
-                self._lengths[slot] = start + t
-            return hidden
-        finally:
-            with self._lock:
-                self._leave(slot)
+                                   attention_mask=self._visible(positions, view)[None, None],
+                                   position_ids=positions.unsqueeze(0), use_cache=True)
+            self.set_length(slot, start + t)
+            return out.last_hidden_state[:, -1]
 
     def step(self, slot: int, owner: "SlotLMCache", row: torch.Tensor) -> torch.Tensor:
-        """One row (1, 1, H) after the slot's rows, in the next batched step; returns (1, H).
-
-        The first thread to find no step running runs one for every row waiting; the others wait
-        for their row (a slow step holds everyone: that is what batching trades). Before it runs,
-        it waits a little (``gather``) for the rows of the conversations of the previous step:
-        their threads are still busy with that step's result (sampling), and without the wait
-        the calls would take turns instead of stepping together."""
-        with self._lock:
-            self._enter(slot, owner)
-            self._waiting[slot] = row
-            self._lock.notify_all()  # a step gathering its rows may be waiting for this one
-            try:
-                while slot not in self._finished:
-                    if self._stepping:
-                        self._lock.wait()
-                        continue
-                    self._stepping = True
-                    self._gather_rows()
-                    batch, self._waiting = self._waiting, {}
-                    self._last_batch = set(batch)
-                    self._lock.release()
-                    try:
-                        results = self._run(batch)
-                    except BaseException as error:  # every row of this step fails, the next steps may not
-                        results = {s: error for s in batch}
-                    finally:
-                        self._lock.acquire()
-                        self._stepping = False
-                    self._finished.update(results)
-                    self._lock.notify_all()
-                result = self._finished.pop(slot)
-            finally:
-                self._waiting.pop(slot, None)
-                self._leave(slot)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def _gather_rows(self) -> None:
-        """(Lock held.) Wait until every still-open slot of the previous step has its row in,
-        or ``gather`` x the previous step's time has passed."""
-        deadline = time.perf_counter() + self.gather * self._last_step_s
-        while True:
-            missing = [s for s in self._last_batch
-                       if s not in self._waiting and isinstance(self._owners[s], SlotLMCache)]
-            left = deadline - time.perf_counter()
-            if not missing or left <= 0:
-                return
-            self._lock.wait(left)
+        """One row (1, 1, H) after the slot's rows, in the next batched step; returns (1, H)."""
+        return self._step(slot, owner, row)
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -265,18 +149,10 @@ class LMStepBatch:
         GPU is what ``StepGraph`` must otherwise guard against); a no-op without graphs."""
         if self.graph_mode == "eager":
             return
-        with self._lock:
-            if self._stepping or self._waiting:
-                raise RuntimeError("warm_up() must run before any conversation steps")
-            self._stepping = True
-        try:
+        with self._exclusive():
             self._positions.fill_(self.capacity)  # every slot writes the scratch row only
             for n in self.sizes:
                 self._graph(n).run()
-        finally:
-            with self._lock:
-                self._stepping = False
-                self._lock.notify_all()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -307,32 +183,20 @@ class LMStepBatch:
 
     @torch.no_grad()
     def _run(self, batch: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        n = next(size for size in self.sizes if size > max(batch))
+        n = self.step_size(batch)
         positions = [self.capacity] * n  # slots without a step write the scratch row
         for slot in batch:
-            positions[slot] = self._lengths[slot]
+            positions[slot] = self.length(slot)
             self._rows[slot].copy_(batch[slot].reshape(1, -1))
         self._positions[:n].copy_(torch.tensor(positions))
         if self.graph_mode == "eager":
-            furthest = max(self._lengths[s] for s in batch) + 1
+            furthest = max(self.length(s) for s in batch) + 1
             self._step_caches[n].set_view_rows(min(self.capacity + 1, _round_up_to(furthest, _EAGER_VIEW_QUANTUM)))
-        started = time.perf_counter()
         hidden = self._graph(n).run()
+        out = {slot: hidden[slot:slot + 1].clone() for slot in batch}
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step's time (for gathering) and its outputs are ready
-        self._last_step_s = time.perf_counter() - started
-        self.steps_run += 1
-        self.rows_stepped += len(batch)
-        for slot in batch:  # (each slot's owner is waiting in step(): nobody else moves its length)
-            self._lengths[slot] += 1
-        return {slot: hidden[slot:slot + 1].clone() for slot in batch}
-
-
-class _Releasing:
-    """Owner marker of a slot whose conversation ended while a job still wrote to it."""
-
-
-_RELEASING = _Releasing()
+            torch.cuda.synchronize(self.device)  # the step's time is what the next one gathers by
+        return out
 
 
 class SlotLMCache:
@@ -413,14 +277,6 @@ class SlotLMCache:
         if self.closed:
             raise RuntimeError("cannot copy a closed KV cache")
         return copy.deepcopy(self.private, memo) if self.private is not None else self._detached_copy()
-
-
-def _step_sizes(slots: int) -> list[int]:
-    sizes, n = [], 1
-    while n < slots:
-        sizes.append(n)
-        n *= 2
-    return sizes + [slots]
 
 
 def _round_up_to(rows: int, quantum: int) -> int:

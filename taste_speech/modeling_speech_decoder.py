@@ -54,6 +54,7 @@ from torch import nn
 from taste_speech.configuration_taste import TasteConfig
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, KVCache, RelPositionTransformer
 from taste_speech.modeling_rvq import ResidualVQ
+from taste_speech.speech_decoder_batch import SlotSpeechCache
 from taste_speech.speech_decoder_cache import CACHE_KINDS, DEFAULT_CAPACITY, StaticSpeechCache
 from taste_speech.step_graph import MODES as GRAPH_MODES
 
@@ -110,7 +111,13 @@ class TopKSampler:
         return int(ids[torch.multinomial(others, 1, generator=self.generator)])
 
 
+def _preallocated(cache) -> bool:
+    """A cache with preallocated slots and a one-token step of its own (static or batched)."""
+    return isinstance(cache, (StaticSpeechCache, SlotSpeechCache))
+
+
 # -- explicit results / state ---------------------------------------------------------------------
+
 @dataclass
 class SpeechConditioning:
     """The pieces of the AR prefix (spec §6.2-§6.3), each (1, n, d)."""
@@ -447,7 +454,7 @@ class TasteSpeechDecoder(nn.Module):
         self._check_prefix(prefix)
         if cache is None:
             cache = self.new_cache()
-        elif isinstance(cache, StaticSpeechCache):
+        elif _preallocated(cache):
             if cache.llm is not self.llm:
                 raise ValueError("this static cache was made by another speech decoder: use this decoder's "
                                  "new_cache()")
@@ -457,8 +464,8 @@ class TasteSpeechDecoder(nn.Module):
                 raise ValueError("this KVCache belongs to a transformer with a different number of blocks")
             cache.truncate(0)
         else:
-            raise TypeError(f"cache must come from new_cache() (KVCache or StaticSpeechCache), got "
-                            f"{type(cache).__name__}")
+            raise TypeError(f"cache must come from new_cache() or a SpeechStepBatch (KVCache, StaticSpeechCache or "
+                            f"SlotSpeechCache), got {type(cache).__name__}")
         default_min, default_max = self.length_limits(prefix.shape[1])
         state = SpeechDecodeState(
             cache=cache, prefix=prefix,
@@ -483,7 +490,7 @@ class TasteSpeechDecoder(nn.Module):
         """Append rows (1, t, d) to the decoder cache; returns the log-probs (V+1,) after the last."""
         self._check_cache_owner(state)
         rows = rows.to(self.dtype)
-        if isinstance(state.cache, StaticSpeechCache):
+        if _preallocated(state.cache):
             hidden = state.cache.forward(rows)  # eager, on the preallocated slots
         else:
             hidden = self.llm.forward_incremental(rows, state.cache)
@@ -497,7 +504,7 @@ class TasteSpeechDecoder(nn.Module):
             return None
         sampler = GreedySampler() if sampler is None else sampler
         if state.next_logp is None:  # feed the previous token only now: no wasted final forward
-            if isinstance(state.cache, StaticSpeechCache):
+            if _preallocated(state.cache):
                 self._check_cache_owner(state)
                 state.next_logp = state.cache.decode_step(state.pending_token)  # the captured step
             else:

@@ -98,6 +98,42 @@ def test_batched_lm_steps_are_captured_and_equal_each_call_alone(loaded):
     assert all(g.captured for g in batch._graphs.values()), [g.fallback_reason for g in batch._graphs.values()]
 
 
+def test_batched_speech_decoder_steps_are_captured_and_equal_each_call_alone(taste_lm_tiny_a):
+    """Three calls' speech decoders step from three threads through one SpeechStepBatch (captured
+    sizes 1, 2, 4): each emits its own growing cache's greedy tokens."""
+    import threading
+
+    from taste_speech.speech_decoder_batch import SpeechStepBatch
+    from test_speech_decoder_batch import greedy, prefixes
+    from test_speech_decoder_static import load_decoder
+
+    decoder = load_decoder(taste_lm_tiny_a).to("cuda")
+    batch = SpeechStepBatch(decoder, slots=4, capacity=128)
+    batch.warm_up()
+    assert batch.stats()["graphs"] == [1, 2, 4]
+    inputs = [p.to("cuda") for p in prefixes(decoder, 3)]
+    expected = [greedy(decoder, p, decoder.new_cache("dynamic")) for p in inputs]
+    results, errors = {}, []
+
+    def call(i):
+        try:
+            cache = batch.open()
+            results[i] = greedy(decoder, inputs[i], cache)
+            cache.close()
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for i, (tokens, logp) in enumerate(expected):
+        assert results[i][0] == tokens and float((results[i][1] - logp).abs().max()) < 1e-3
+    assert all(g.captured for g in batch._graphs.values()), [g.fallback_reason for g in batch._graphs.values()]
+
+
 def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
     from safetensors.torch import load_file
 

@@ -52,15 +52,21 @@ def test_one_batched_step_equals_each_conversation_alone(lm, graph_mode):
     batch = LMStepBatch(lm, slots=4, capacity=300, graph_mode=graph_mode)
     batch.warm_up()
     rows = [random_rows(lm, 60, seed) for seed in range(4)]
-    states = [lm.new_decode_state(cache=batch.open()) for _ in range(4)]
+    states = [lm.new_decode_state(cache=batch.open()) for _ in range(4)]  # slots 0..3
     refs = [Reference(lm) for _ in range(4)]
     assert [s.cache.slot for s in states] == [0, 1, 2, 3]
     for i, (state, ref) in enumerate(zip(states, refs)):  # different history lengths per slot
         n = 10 + 9 * i
         assert (feed(lm, state, rows[i][:, :n]) - ref.feed(rows[i][:, :n])).abs().max() < TOLERANCE
 
-    with torch.no_grad():  # one step for slots 0 and 2 only (the step covers slots 0..3)
-        out = batch._run({0: rows[0][:, 10:11], 2: rows[2][:, 28:29]})
+    # One step for slots 0 and 2 only (it covers slots 0..3): slot 0's step waits for slot 2's
+    # row, as for two calls that stepped together last time.
+    batch._last_batch, batch._last_step_s = {0, 2}, 5.0
+    out = {}
+    other = threading.Thread(target=lambda: out.update({2: feed(lm, states[2], rows[2][:, 28:29])}))
+    other.start()
+    out[0] = feed(lm, states[0], rows[0][:, 10:11])
+    other.join()
     assert batch.steps_run == 1 and batch.rows_stepped == 2
     for slot, n in [(0, 10), (2, 28)]:
         assert states[slot].length == n + 1  # its length moved on by one row

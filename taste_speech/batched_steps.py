@@ -1,0 +1,192 @@
+"""BatchedSteps: slots for many decodes of one model, and their one-row steps run as one batch.
+
+The bookkeeping shared by ``LMStepBatch`` (spoken LM) and ``SpeechStepBatch`` (speech decoder):
+each decode (a call's conversation, a call's speech) holds a slot; a thread that wants one step
+puts its input in the waiting set and the first thread that finds no step running runs one step
+for every waiting input (``_run``, the subclass's batched forward) and wakes the others -
+continuous batching without a scheduler thread. Before it runs it waits a little (``gather``, a
+fraction of the previous step's time) for the inputs of the decodes of the previous step: their
+threads are still busy with that step's result, and without the wait the decodes take turns
+instead of stepping together.
+
+A slot is given back by ``_release``; while a step or a prefill of it is still running (another
+thread) it stays reserved and is freed when that work ends, so nothing writes into a slot that
+a new owner already uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+
+class SlotsBusy(RuntimeError):
+    """Every slot holds a decode."""
+
+
+class _Releasing:
+    """Owner of a slot whose decode ended while work on it was still running."""
+
+
+_RELEASING = _Releasing()
+
+
+class BatchedSteps:
+    def __init__(self, slots: int, gather: float = 0.5):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        if not 0 <= gather <= 1:
+            raise ValueError(f"gather must be a fraction of a step between 0 and 1, got {gather!r}")
+        self.slots, self.gather = slots, float(gather)
+        self.sizes = _step_sizes(slots)  # steps cover the first n slots, n one of these
+        self._lock = threading.Condition()
+        self._owners: list[object | None] = [None] * slots
+        self._lengths = [0] * slots  # positions each slot holds
+        self._busy = [0] * slots  # steps and prefills of the slot in flight
+        self._waiting: dict[int, object] = {}
+        self._finished: dict[int, object] = {}
+        self._stepping = False
+        self._last_batch: set[int] = set()
+        self._last_step_s = 0.0
+        self.steps_run = 0  # batched steps so far
+        self.rows_stepped = 0  # decode steps they served
+
+    # -- to implement ------------------------------------------------------------------------------
+    def _run(self, batch: dict[int, object]) -> dict[int, object]:
+        """One batched step for ``{slot: input}`` (lock not held; each slot's owner is waiting, so
+        nothing else moves its length); returns ``{slot: output}``."""
+        raise NotImplementedError
+
+    # -- slots -------------------------------------------------------------------------------------
+    @property
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return sum(owner is not None for owner in self._owners)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"slots": self.slots, "slots_in_use": sum(o is not None for o in self._owners),
+                    "steps": self.steps_run, "rows_stepped": self.rows_stepped,
+                    "mean_batch": round(self.rows_stepped / self.steps_run, 3) if self.steps_run else None}
+
+    def length(self, slot: int) -> int:
+        return self._lengths[slot]
+
+    def set_length(self, slot: int, length: int) -> None:
+        with self._lock:
+            self._lengths[slot] = length
+
+    def step_size(self, batch) -> int:
+        """The smallest step size covering every slot of ``batch``."""
+        return next(size for size in self.sizes if size > max(batch))
+
+    def _acquire(self, owner) -> int:
+        """The lowest free slot (steps then cover fewer slots); raises SlotsBusy."""
+        with self._lock:
+            for slot, held in enumerate(self._owners):
+                if held is None and not self._busy[slot]:
+                    self._owners[slot], self._lengths[slot] = owner, 0
+                    return slot
+        raise SlotsBusy(f"all {self.slots} slots hold a decode")
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            self._owners[slot] = _RELEASING if self._busy[slot] else None
+
+    def _enter(self, slot: int, owner) -> None:
+        if self._owners[slot] is not owner:
+            raise RuntimeError("this cache was closed (its call ended): open a new one")
+        self._busy[slot] += 1
+
+    def _leave(self, slot: int) -> None:
+        self._busy[slot] -= 1
+        if not self._busy[slot] and self._owners[slot] is _RELEASING:
+            self._owners[slot] = None
+
+    @contextlib.contextmanager
+    def _using(self, slot: int, owner):
+        """Work on one slot outside a batched step (a prefill): the slot cannot be freed meanwhile."""
+        with self._lock:
+            self._enter(slot, owner)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._leave(slot)
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _step(self, slot: int, owner, payload):
+        """One step of ``slot`` in the next batched step; returns its output (or raises the step's error)."""
+        with self._lock:
+            self._enter(slot, owner)
+            self._waiting[slot] = payload
+            self._lock.notify_all()  # a step gathering its inputs may be waiting for this one
+            try:
+                while slot not in self._finished:
+                    if self._stepping:
+                        self._lock.wait()
+                        continue
+                    self._stepping = True
+                    self._gather_inputs()
+                    batch, self._waiting = self._waiting, {}
+                    self._last_batch = set(batch)
+                    self._lock.release()
+                    started = time.perf_counter()
+                    try:
+                        results = self._run(batch)
+                        failed = None
+                    except BaseException as error:  # every input of this step fails; later steps may not
+                        results, failed = {s: error for s in batch}, error
+                    finally:
+                        self._lock.acquire()
+                        self._stepping = False
+                    self._last_step_s = time.perf_counter() - started
+                    if failed is None:
+                        self.steps_run += 1
+                        self.rows_stepped += len(batch)
+                        for s in batch:
+                            self._lengths[s] += 1
+                    self._finished.update(results)
+                    self._lock.notify_all()
+                result = self._finished.pop(slot)
+            finally:
+                self._waiting.pop(slot, None)
+                self._leave(slot)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _gather_inputs(self) -> None:
+        """(Lock held.) Wait until every still-open slot of the previous step has its input in,
+        or ``gather`` x the previous step's time has passed."""
+        deadline = time.perf_counter() + self.gather * self._last_step_s
+        while True:
+            missing = [s for s in self._last_batch if s not in self._waiting
+                       and self._owners[s] is not None and self._owners[s] is not _RELEASING]
+            left = deadline - time.perf_counter()
+            if not missing or left <= 0:
+                return
+            self._lock.wait(left)
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """No step runs inside (e.g. while the subclass captures its step graphs)."""
+        with self._lock:
+            if self._stepping:
+                raise RuntimeError("a step is running: do this before any decode steps")
+            self._stepping = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stepping = False
+                self._lock.notify_all()
+
+
+def _step_sizes(slots: int) -> list[int]:
+    sizes, n = [], 1
+    while n < slots:
+        sizes.append(n)
+        n *= 2
+    return sizes + [slots]
