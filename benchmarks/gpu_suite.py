@@ -18,8 +18,8 @@ Tables (one run each, all figures from the same process):
    and vocoder ms per chunk (first, steady); whole-reply real-time factor;
 3. peak GPU memory per call, and first audio with 1, 2, 4, 8, 16 concurrent calls (one thread
    each, own states; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
-   LM step, and graphed with the LM steps of all calls batched (``taste_speech.lm_batch``, the
-   engine's default on CUDA).
+   steps, and graphed with the spoken-LM and speech-decoder steps of all calls batched
+   (``taste_speech.lm_batch``, ``speech_decoder_batch``: the engine's default on CUDA).
 
 On CPU the 'graphed' path runs the same static caches eagerly (there are no CUDA graphs on a
 CPU), so its figures there only show the harness works - the CPU default stays the eager path.
@@ -60,7 +60,7 @@ class DecodePath:
     """Which implementation the hot loops use: one of the engine's ``decoding`` settings."""
 
     name: str  # 'eager' or 'graphed' (TasteEngine(decoding=...))
-    lm_batch_slots: int | None = None  # TasteEngine(lm_batch_slots=...): None = each call steps alone
+    batch_slots: int | None = None  # TasteEngine(batch_slots=...): None = each call steps alone
 
     @property
     def cache_kind(self) -> str:
@@ -72,7 +72,7 @@ class DecodePath:
 
 EAGER = DecodePath("eager")
 GRAPHED = DecodePath("graphed")
-BATCHED = DecodePath("graphed", lm_batch_slots=16)  # the concurrency table only
+BATCHED = DecodePath("graphed", batch_slots=16)  # the concurrency table only
 
 
 def sync(device) -> None:
@@ -194,7 +194,7 @@ def path_engine(engine, path: DecodePath):
     from pipecat_taste.engine import TasteEngine
 
     engine = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
-                         device=engine.device, asr=None, decoding=path.name, lm_batch_slots=path.lm_batch_slots)
+                         device=engine.device, asr=None, decoding=path.name, batch_slots=path.batch_slots)
     engine.warm_up()
     return engine
 
@@ -439,6 +439,7 @@ def run(args) -> dict:
             data["paths"]["graphed"]["concurrency_batched"] = [
                 concurrent_first_audio(batched, asr, BATCHED, forced, n) for n in args.calls]
             data["paths"]["graphed"]["lm_batch"] = batched.lm_batch.stats()
+            data["paths"]["graphed"]["speech_batch"] = batched.speech_batch.stats()
     return data
 
 
@@ -486,15 +487,16 @@ def markdown(data: dict, command: str) -> list[str]:
                  fmt(g["first_audio_max_ms"]), fmt(b["first_audio_median_ms"]), fmt(b["first_audio_max_ms"]),
                  fmt(g.get("peak_mib_per_call", nan)), fmt(b.get("peak_mib_per_call", nan))]
                 for e, g, b in zip(eager["concurrency"], graphed["concurrency"], graphed["concurrency_batched"])]
-        lines += ["", "Concurrent calls (one thread each; first audio in ms; 'batched': the spoken-LM steps of all "
-                  "calls in one batched step, 16 slots):", ""]
+        lines += ["", "Concurrent calls (one thread each; first audio in ms; 'batched': the spoken-LM and the "
+                  "speech-decoder steps of all calls in batched steps, 16 slots):", ""]
         lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "batched median",
                               "batched max", "graphed peak MiB per call", "batched peak MiB per call"], rows)
-        stats = graphed.get("lm_batch") or {}
-        if stats.get("steps"):
-            lines += ["", f"Batched LM steps over the whole table: {stats['steps']} steps served "
-                      f"{stats['rows_stepped']} call steps (mean batch {stats['mean_batch']}); captured sizes "
-                      f"{stats['graphs'] or 'none (no CUDA)'}."]
+        for key, label in (("lm_batch", "spoken-LM"), ("speech_batch", "speech-decoder")):
+            stats = graphed.get(key) or {}
+            if stats.get("steps"):
+                lines += ["", f"Batched {label} steps over the whole table: {stats['steps']} steps served "
+                          f"{stats['rows_stepped']} call steps (mean batch {stats['mean_batch']}); captured sizes "
+                          f"{stats['graphs'] or 'none (no CUDA)'}."]
     return lines
 
 

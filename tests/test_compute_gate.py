@@ -117,9 +117,9 @@ def test_the_cli_option():
     assert parse(["serve"]).parallel_jobs == "auto"
     assert parse(["serve", "--parallel-jobs", "3"]).parallel_jobs == 3
     assert parse(["call", "--simulate", "--parallel-jobs", "none"]).parallel_jobs is None
-    assert parse(["serve"]).lm_batch_slots == "auto"
-    assert parse(["serve", "--lm-batch-slots", "8"]).lm_batch_slots == 8
-    assert parse(["serve", "--lm-batch-slots", "none"]).lm_batch_slots is None
+    assert parse(["serve"]).batch_slots == "auto"
+    assert parse(["serve", "--batch-slots", "8"]).batch_slots == 8
+    assert parse(["serve", "--batch-slots", "none"]).batch_slots is None
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit):
             parse(["serve", "--parallel-jobs", bad])

@@ -34,9 +34,10 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     for rows in (data["paths"]["eager"]["concurrency"], graphed["concurrency"], graphed["concurrency_batched"]):
         assert [r["calls"] for r in rows] == [1, 2]
         assert all(0 < r["first_audio_median_ms"] <= r["first_audio_max_ms"] for r in rows)
-    stats = graphed["lm_batch"]
-    assert stats["steps"] > 0 and stats["rows_stepped"] >= stats["steps"] and stats["slots_in_use"] == 0
+    for key in ("lm_batch", "speech_batch"):
+        stats = graphed[key]
+        assert stats["steps"] > 0 and stats["rows_stepped"] >= stats["steps"] and stats["slots_in_use"] == 0
     text = out.read_text()
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
     assert "| graphed | 32/32 |" in text
-    assert "batched median" in text and "Batched LM steps over the whole table" in text
+    assert "batched median" in text and "Batched speech-decoder steps over the whole table" in text

@@ -176,18 +176,19 @@ def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engi
         TasteEngine(engine.model, engine.processor, engine.voice_generator, decoding="fast")
 
 
-def test_batched_lm_steps_give_each_call_its_own_reply(engine, hello):
-    """lm_batch_slots: two calls' spoken-LM steps run in one batch (from their own threads, as the
-    processors run them) and each call gets the words and speech of a call alone; ending a call
-    gives its slot back; on a CPU 'auto' batches nothing."""
+def test_batched_steps_give_each_call_its_own_reply(engine, hello):
+    """batch_slots: two calls' spoken-LM and speech-decoder steps run in batches (from their own
+    threads, as the processors run them) and each call gets the words and speech of a call alone;
+    ending a call gives its slots back; on a CPU 'auto' batches nothing."""
     from taste_speech.lm_batch import SlotLMCache
+    from taste_speech.speech_decoder_batch import SlotSpeechCache
 
     def engine_with(**kwargs):
         return TasteEngine(engine.model, engine.processor, engine.voice_generator,
                            checkpoint_dir=engine.checkpoint_dir, **kwargs)
 
-    assert engine.lm_batch is None  # 'auto' on a CPU
-    batched = engine_with(lm_batch_slots=2)
+    assert engine.lm_batch is None and engine.speech_batch is None  # 'auto' on a CPU
+    batched = engine_with(batch_slots=2)
     batched.warm_up()
     settings = [GenerationSettings(max_reply_tokens=8, seed=seed, text_top_p=0.0) for seed in (0, 1)]
     alone = []
@@ -197,6 +198,7 @@ def test_batched_lm_steps_give_each_call_its_own_reply(engine, hello):
     sessions = [batched.new_session(s) for s in settings]
     turns = [session.user_turn(hello.audio, hello.text) for session in sessions]
     assert all(isinstance(s.conversation.ready().cache, SlotLMCache) for s in sessions)
+    assert all(isinstance(s.speech_cache(), SlotSpeechCache) for s in sessions)
     results, errors = [None, None], []
 
     def call(i):
@@ -214,24 +216,39 @@ def test_batched_lm_steps_give_each_call_its_own_reply(engine, hello):
     for got, expected in zip(results, alone):
         assert got[0] == expected[0] and got[1] == expected[1]
         assert np.abs(got[2] - expected[2]).max() < 2e-4
-    assert batched.lm_batch.stats()["rows_stepped"] >= 2 and batched.lm_batch.slots_in_use == 2
+    for batch in (batched.lm_batch, batched.speech_batch):
+        assert batch.stats()["rows_stepped"] >= 2 and batch.slots_in_use == 2
     for session in sessions:
         session.close()
-    assert batched.lm_batch.slots_in_use == 0
+    assert batched.lm_batch.slots_in_use == 0 and batched.speech_batch.slots_in_use == 0
     with pytest.raises(RuntimeError, match="closed"):
         next(sessions[0].reply(turns[0], threading.Event()))
-    with pytest.raises(ValueError, match="lm_batch_slots"):
-        engine_with(lm_batch_slots=0)
+    with pytest.raises(ValueError, match="batch_slots"):
+        engine_with(batch_slots=0)
 
 
-async def test_an_ended_call_gives_its_lm_batch_slot_back(engine):
+async def test_an_ended_call_gives_its_batch_slots_back(engine):
     from pipecat_taste.call import TasteCall
 
     batched = TasteEngine(engine.model, engine.processor, engine.voice_generator,
-                          checkpoint_dir=engine.checkpoint_dir, lm_batch_slots=1)
+                          checkpoint_dir=engine.checkpoint_dir, batch_slots=1)
     call = TasteCall(batched, GenerationSettings(max_reply_tokens=4))
     session = await call.ensure_session()
-    session.conversation.ready()
-    assert batched.lm_batch.slots_in_use == 1
+    session.conversation.ready(), session.speech_cache()
+    assert batched.lm_batch.slots_in_use == 1 and batched.speech_batch.slots_in_use == 1
     await call.close()
-    assert batched.lm_batch.slots_in_use == 0 and session.conversation.closed
+    assert batched.lm_batch.slots_in_use == 0 and batched.speech_batch.slots_in_use == 0
+    assert session.conversation.closed
+
+
+def test_a_call_ending_mid_reply_frees_its_slots_when_the_reply_stops(engine, hello):
+    batched = TasteEngine(engine.model, engine.processor, engine.voice_generator,
+                          checkpoint_dir=engine.checkpoint_dir, batch_slots=1)
+    session = batched.new_session(GenerationSettings(max_reply_tokens=40))
+    events = session.reply(session.user_turn(hello.audio, hello.text), threading.Event())
+    assert next(events).decision == "reply" and next(events).kind == "segment"  # the LM holds its slot
+    session.close()  # the reply's thread may still write to its slot: the slot stays reserved
+    assert batched.lm_batch.slots_in_use == 1
+    rest = list(events)
+    assert rest[-1].kind == "end" and rest[-1].reason == "cancelled"
+    assert batched.lm_batch.slots_in_use == 0

@@ -34,9 +34,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="model jobs of all calls running at once: a number, 'none' (no limit) or auto (the "
                              "CPU cores on a CPU, no limit on CUDA); the others queue, so the event loop stays "
                              "responsive under load")
-    parser.add_argument("--lm-batch-slots", default="auto", type=auto_none_or_count,
-                        help="calls whose spoken-LM decode steps run as one batched step: a number, 'none' (each "
-                             "call steps alone) or auto (16 on the CUDA fast path, none on a CPU) - docs/GPU.md")
+    parser.add_argument("--batch-slots", default="auto", type=auto_none_or_count,
+                        help="calls whose spoken-LM and speech-decoder steps run as batched steps: a number, "
+                             "'none' (each call steps alone) or auto (16 on the CUDA fast path, none on a CPU) - "
+                             "docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def auto_none_or_count(value: str) -> int | str | None:
-    """--parallel-jobs, --lm-batch-slots: 'auto', 'none' or a number >= 1 (TasteEngine's settings)."""
+    """--parallel-jobs, --batch-slots: 'auto', 'none' or a number >= 1 (TasteEngine's settings)."""
     if value in ("auto", "none"):
         return None if value == "none" else "auto"
     if not value.isdigit() or int(value) < 1:
@@ -103,7 +104,7 @@ def load_engine(args, say):
     engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr,
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),
-                                         lm_batch_slots=getattr(args, "lm_batch_slots", "auto"))
+                                         batch_slots=getattr(args, "batch_slots", "auto"))
     engine.warm_up()  # the fast path captures its shared synthesis graphs here, not in the first call
     say(f"model ready in {time.monotonic() - started:.1f} s")
     return engine, path

@@ -20,6 +20,7 @@ model-free engine with the same interface for tests of the processors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -106,19 +107,20 @@ class TasteEngine:
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
                  asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                 lm_batch_slots: int | str | None = "auto"):
+                 batch_slots: int | str | None = "auto"):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
         own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
         running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
         this process may use on a CPU; no limit on CUDA, where jobs mostly wait for the GPU).
-        ``lm_batch_slots``: calls whose spoken-LM decode steps run as one batched step
-        (``taste_speech.lm_batch``): a number, None (each call steps alone) or 'auto' (16 on the
+        ``batch_slots``: calls whose decode steps (spoken LM, speech decoder) run as one batched
+        step (``taste_speech.lm_batch``, ``speech_decoder_batch``): a number, None (each call
+        steps alone) or 'auto' (16 on the
         CUDA fast path, where a step costs its launches, not its batch size; None elsewhere)."""
         if decoding not in DECODING:
             raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
         device_name = str(next(model.parameters()).device)
         self.compute_gate = _compute_gate(parallel_jobs, device_name)  # 'auto' resolved
-        self.lm_batch = _lm_batch(model, lm_batch_slots, device_name, decoding)
+        self.lm_batch, self.speech_batch = _step_batches(model, batch_slots, device_name, decoding)
         self.model, self.processor, self.voice_generator = model, processor, voice_generator
         self.checkpoint_dir = checkpoint_dir
         self.device = device
@@ -131,7 +133,7 @@ class TasteEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
                         asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                        lm_batch_slots: int | str | None = "auto") -> "TasteEngine":
+                        batch_slots: int | str | None = "auto") -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (the random tiny ASR for the tiny checkpoint, none
@@ -162,7 +164,7 @@ class TasteEngine:
 
             asr = WhisperTranscriber.from_pretrained(asr, device=device, dtype=dtype)
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
-                   decoding=decoding, parallel_jobs=parallel_jobs, lm_batch_slots=lm_batch_slots)
+                   decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots)
 
     @property
     def max_turn_seconds(self) -> float:
@@ -189,8 +191,9 @@ class TasteEngine:
 
         if resolve_kind(self.cache_kind, next(self.voice_generator.parameters()).device) == "static":
             shared_graphs(self.voice_generator).warm_up()
-        if self.lm_batch is not None:
-            self.lm_batch.warm_up()  # one captured step per batch size
+        for batch in (self.lm_batch, self.speech_batch):
+            if batch is not None:
+                batch.warm_up()  # one captured step per batch size
         if hasattr(self.asr, "warm_up"):
             self.asr.warm_up()  # the built-in ASR's decode step (captured on CUDA)
 
@@ -209,19 +212,22 @@ def _compute_gate(parallel_jobs: int | str | None, device: str):
     return ComputeGate(parallel_jobs)
 
 
-def _lm_batch(model, slots: int | str | None, device: str, decoding: str):
+def _step_batches(model, slots: int | str | None, device: str, decoding: str):
+    """(LMStepBatch, SpeechStepBatch) shared by all calls, or (None, None)."""
     from taste_speech.lm_batch import LMStepBatch
+    from taste_speech.speech_decoder_batch import SpeechStepBatch
     from taste_speech.streaming.conversation import REPLY_ROWS
 
     if slots == "auto":
         slots = 16 if str(device).startswith("cuda") and decoding != "eager" else None
     if slots is None:
-        return None
+        return None, None
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"lm_batch_slots must be a number >= 1, None or 'auto', got {slots!r}")
+        raise ValueError(f"batch_slots must be a number >= 1, None or 'auto', got {slots!r}")
     capacity = GenerationSettings.history_max_tokens + REPLY_ROWS  # a call with a longer window leaves the batch
     graph_mode = "eager" if decoding == "eager" else "auto"
-    return LMStepBatch(model.spoken_lm, slots=slots, capacity=capacity, graph_mode=graph_mode)
+    return (LMStepBatch(model.spoken_lm, slots=slots, capacity=capacity, graph_mode=graph_mode),
+            SpeechStepBatch(model.speech_decoder, slots=slots, graph_mode=graph_mode))
 
 
 class TasteSession:
@@ -252,19 +258,41 @@ class TasteSession:
         self._speech_cache = None  # the speech decoder's cache, reused by every segment of the call
         self._synthesis_generator = torch.Generator().manual_seed(settings.seed + 2)
         self._last_reply_words = 0  # words of the newest assistant turn in the conversation
-        self._reply_lock = threading.Lock()
-        self._replying = False  # a reply generator is open (close() then waits for its end)
+        self._jobs_lock = threading.Lock()
+        self._open_jobs = 0  # reply and speech-token generators still open (they end what close() cannot)
         self._closed = False
 
     def close(self) -> None:
-        """End of the call: free what the call holds in shared structures (its LM batch slot). A
-        reply still being generated is cancelled at its next step and closes the conversation
-        when it ends (its thread may still be writing to the slot)."""
-        with self._reply_lock:
+        """End of the call: free what the call holds in shared structures (its slots in the
+        engine's step batches). A reply or speech still being generated stops at its next step,
+        and the last one to end frees them (its thread may still be writing to a slot)."""
+        with self._jobs_lock:
             self._closed = True
-            if self._replying:
+            if self._open_jobs:
                 return
+        self._release_shared()
+
+    def _release_shared(self) -> None:
         self.conversation.close()
+        close = getattr(self._speech_cache, "close", None)
+        if close is not None:
+            close()
+
+    @contextlib.contextmanager
+    def _job(self):
+        """One reply or one segment's speech tokens (generators: the call may end while they are open)."""
+        with self._jobs_lock:
+            if self._closed:
+                raise RuntimeError("this session was closed (the call ended)")
+            self._open_jobs += 1
+        try:
+            yield
+        finally:
+            with self._jobs_lock:
+                self._open_jobs -= 1
+                last = self._closed and not self._open_jobs
+            if last:
+                self._release_shared()
 
     # -- listening --------------------------------------------------------------------------------
     def transcribe(self, audio: np.ndarray) -> str:
@@ -298,18 +326,8 @@ class TasteSession:
 
     # -- thinking ---------------------------------------------------------------------------------
     def reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
-        with self._reply_lock:
-            if self._closed:
-                raise RuntimeError("this session was closed (the call ended)")
-            self._replying = True
-        try:
+        with self._job():
             yield from self._reply(turn, stop)
-        finally:
-            with self._reply_lock:
-                self._replying = False
-                closed = self._closed
-            if closed:
-                self.conversation.close()
 
     def _reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
         from taste_speech.streaming import every_n_words, streaming_generate
@@ -370,7 +388,9 @@ class TasteSession:
         """The speech decoder's cache, made once and reused by every segment of the call (on the
         fast path its decode step is captured once per call, not per segment)."""
         if self._speech_cache is None:
-            self._speech_cache = self.model.speech_decoder.new_cache(self.engine.cache_kind)
+            batch = self.engine.speech_batch
+            self._speech_cache = (batch.open() if batch is not None
+                                  else self.model.speech_decoder.new_cache(self.engine.cache_kind))
         return self._speech_cache
 
     def warm_up(self) -> None:
@@ -400,6 +420,10 @@ class TasteSession:
     def speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:
         """Speech tokens of one reply segment, continuing the previous segment of the same reply
         (the speech-decoder half of ``taste_detokenize_stream``; tests check the two agree)."""
+        with self._job():
+            yield from self._speech_tokens(state, segment)
+
+    def _speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:
         import torch
 
         model, processor = self.model, self.processor
@@ -425,6 +449,8 @@ class TasteSession:
                 dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev))
             new: list[int] = []
             while (token := decoder.step(dec_state, state.sampler)) is not None:
+                if self._closed:  # the call ended: nobody will play the rest
+                    return
                 new.append(int(token))
                 if len(new) % 5 == 0:  # hand tokens to the vocoder in small groups
                     yield new[-5:]
