@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 
 import torch  # noqa: E402
 
-from benchmarks import bench_lm_batch, report, soak  # noqa: E402
+from benchmarks import bench_batched_steps, report, soak  # noqa: E402
 from benchmarks.report import fmt, ratio, table  # noqa: E402
 
 SECTIONS = ("first_audio", "lm", "synthesis", "concurrency")
@@ -335,7 +335,7 @@ def write_document(path: Path, command: str, facts: dict, parts: list[list[str]]
            "weights, the tiny checkpoint's tokenizers, float32.", ""]
     for part in parts:
         md += part + [""]
-    md += bench_lm_batch.benchmarks_section() + [""]  # measured by its own command; kept across regenerations
+    md += bench_batched_steps.benchmarks_section() + [""]  # measured by its own command; kept across regenerations
     md += gpu_markdown(args)
     md += [""] + soak.benchmarks_section()  # measured by its own command; kept across regenerations
     path.write_text("\n".join(md).rstrip() + "\n")

@@ -70,22 +70,23 @@ def test_soak_markdown_rows():
     assert "| 1 | 8 | 0 | 620.0 | 470.0 | 140.5 | 45.0 | 1001 | 10 (27.0) |" in text
 
 
-def test_lm_batch_benchmark_measures_both_ways_and_keeps_its_section(tmp_path):
-    from benchmarks import bench_lm_batch, report
+def test_batched_steps_benchmark_measures_both_ways_and_keeps_its_section(tmp_path):
+    from benchmarks import bench_batched_steps, report
 
-    rows = bench_lm_batch.measure(["tiny"], [1, 2], steps=4, log=lambda line: None)
-    assert [r["calls"] for r in rows] == [1, 2]
+    rows = bench_batched_steps.measure(["tiny"], [1, 2], steps=4, log=lambda line: None)
+    assert [(r["decoder"], r["calls"]) for r in rows] == [("spoken LM", 1), ("spoken LM", 2),
+                                                          ("speech decoder", 1), ("speech decoder", 2)]
     for r in rows:
         assert r["alone_ms_per_step"] > 0 and r["batched_ms_per_step"] > 0 and r["mean_batch"] >= 1
         assert abs(r["throughput_ratio"] - r["batched_steps_per_s"] / r["alone_steps_per_s"]) < 1e-9
         assert abs(r["batched_steps_per_s"] - r["calls"] * 1000 / r["batched_ms_per_step"]) < 1e-6
-    assert rows[0]["mean_batch"] == 1.0  # one call: every batched step served it alone
+    assert rows[0]["mean_batch"] == rows[2]["mean_batch"] == 1.0  # one call: every batched step served it alone
     results = tmp_path / "results"
-    bench_lm_batch.write_results(rows, "python benchmarks/bench_lm_batch.py", report.machine_facts(), results)
+    bench_batched_steps.write_results(rows, "python benchmarks/bench_batched_steps.py", report.machine_facts(), results)
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text("# Benchmarks\n\n## 4. Concurrency\n\nfour\n\n## 5. GPU\n\nfive\n")
     for _ in range(2):  # inserted before section 5 once, then replaced in place
-        bench_lm_batch.update_benchmarks_md(doc, results)
+        bench_batched_steps.update_benchmarks_md(doc, results)
     text = doc.read_text()
-    assert text.count(bench_lm_batch.SECTION) == 1 and text.count("| tiny | 2 |") == 1
-    assert text.index("four") < text.index(bench_lm_batch.SECTION) < text.index("## 5. GPU") < text.index("five")
+    assert text.count(bench_batched_steps.SECTION) == 1 and text.count("| tiny | speech decoder | 2 |") == 1
+    assert text.index("four") < text.index(bench_batched_steps.SECTION) < text.index("## 5. GPU") < text.index("five")
