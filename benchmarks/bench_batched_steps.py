@@ -50,7 +50,8 @@ from taste_speech.speech_decoder_batch import SpeechStepBatch  # noqa: E402
 CONTEXT = 64  # rows of history each call's spoken LM prefills (different rows per call)
 PREFIX = 20  # rows of each call's speech-decoder prefix
 RESULTS = ROOT / "benchmarks" / "results"
-SECTION = "## 4b. Decode steps of concurrent calls: each alone vs batched"
+SECTION_NUMBER = "## 4b. "
+SECTION = SECTION_NUMBER + "Decode steps of concurrent calls: each alone vs batched"
 DECODERS = ("spoken LM", "speech decoder")
 
 
@@ -199,18 +200,21 @@ def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:
 
 
 def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path = RESULTS) -> None:
-    """Put the section in place of its old text, or before section 5 (GPU)."""
-    text = path.read_text()
-    section = "\n".join(benchmarks_section(results_dir))
-    if SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        tail = rest[rest.find("\n## "):] if "\n## " in rest else "\n"
-        path.write_text(head + section + "\n" + tail)
-    elif "\n## 5. " in text:
+    """Put the section before section 5 (GPU), in place of any earlier section 4b."""
+    kept, inside = [], False
+    for line in path.read_text().split("\n"):
+        if line.startswith(SECTION_NUMBER):
+            inside = True
+        elif inside and line.startswith("## "):
+            inside = False
+        if not inside:
+            kept.append(line)
+    text, section = "\n".join(kept).rstrip(), "\n".join(benchmarks_section(results_dir))
+    if "\n## 5. " in text:
         head, tail = text.split("\n## 5. ", 1)
-        path.write_text(head.rstrip() + "\n\n" + section + "\n\n## 5. " + tail)
+        path.write_text(head.rstrip() + "\n\n" + section + "\n\n## 5. " + tail + "\n")
     else:
-        path.write_text(text.rstrip() + "\n\n" + section + "\n")
+        path.write_text(text + "\n\n" + section + "\n")
 
 
 def write_results(results: list[dict], command: str, facts: dict, results_dir: Path = RESULTS) -> None:

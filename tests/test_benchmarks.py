@@ -84,9 +84,10 @@ def test_batched_steps_benchmark_measures_both_ways_and_keeps_its_section(tmp_pa
     results = tmp_path / "results"
     bench_batched_steps.write_results(rows, "python benchmarks/bench_batched_steps.py", report.machine_facts(), results)
     doc = tmp_path / "BENCHMARKS.md"
-    doc.write_text("# Benchmarks\n\n## 4. Concurrency\n\nfour\n\n## 5. GPU\n\nfive\n")
-    for _ in range(2):  # inserted before section 5 once, then replaced in place
+    doc.write_text("# Benchmarks\n\n## 4. Concurrency\n\nfour\n\n## 4b. An older title\n\nstale figures\n\n## 5. GPU\n\nfive\n")
+    for _ in range(2):  # in place of the older section 4b, before section 5, once
         bench_batched_steps.update_benchmarks_md(doc, results)
     text = doc.read_text()
     assert text.count(bench_batched_steps.SECTION) == 1 and text.count("| tiny | speech decoder | 2 |") == 1
     assert text.index("four") < text.index(bench_batched_steps.SECTION) < text.index("## 5. GPU") < text.index("five")
+    assert "stale figures" not in text and text.count("## 4b. ") == 1
