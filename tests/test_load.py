@@ -60,6 +60,24 @@ async def test_eight_calls_at_once_in_process(engine):
     assert result.compute_gate["jobs"] > 0 and result.compute_gate["queued"] == 0, result.compute_gate
 
 
+async def test_calls_sharing_batched_steps(engine):
+    """Four calls whose LM and speech-decoder steps run in shared batches (the CUDA default; here
+    on CPU, no compute gate so that their steps can meet): every call works as alone, nothing is
+    lost, and when the calls have ended every slot is free again."""
+    from pipecat_taste.engine import TasteEngine
+
+    batched = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
+                          asr=engine.asr, parallel_jobs=None, batch_slots=4)
+    result = await concurrent_calls(batched, 4, config=agent_config(), rounds=1)
+    assert result.crashes == [], result.crashes
+    assert all(report["summary"]["replies"] >= 1 and report["errors"] == [] for report in result.calls)
+    assert result.audio_intact, [c["checks"]["per_reply"] for c in result.calls]
+    for batch in (batched.lm_batch, batched.speech_batch):
+        stats = batch.stats()
+        assert stats["steps"] > 0 and stats["rows_stepped"] >= stats["steps"], stats
+        assert stats["slots_in_use"] == 0, stats  # every call gave its slots back
+
+
 async def test_calls_at_once_over_webrtc(engine, tmp_path):
     config = ServerConfig(agent=agent_config())
     result = await concurrent_webrtc_calls(engine, N_WEBRTC_CALLS, tmp_path, config=config, rounds=1)
