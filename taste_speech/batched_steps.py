@@ -9,6 +9,10 @@ fraction of the previous step's time) for the inputs of the decodes of the previ
 threads are still busy with that step's result, and without the wait the decodes take turns
 instead of stepping together.
 
+A step covers the first n slots, n a power of two (slots are handed out lowest first); the
+subclass's ``_decode(n)`` runs it from static buffers, replayed as one CUDA graph per n on CUDA
+(``StepGraph``; ``warm_up()`` captures them all before the first call).
+
 A slot is given back by ``_release``; while a step or a prefill of it is still running (another
 thread) it stays reserved and is freed when that work ends, so nothing writes into a slot that
 a new owner already uses.
@@ -19,6 +23,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+
+import torch
+
+from taste_speech.step_graph import StepGraph
 
 
 class SlotsBusy(RuntimeError):
@@ -49,14 +57,44 @@ class BatchedSteps:
         self._stepping = False
         self._last_batch: set[int] = set()
         self._last_step_s = 0.0
+        self._graphs: dict[int, StepGraph] = {}
         self.steps_run = 0  # batched steps so far
         self.rows_stepped = 0  # decode steps they served
 
     # -- to implement ------------------------------------------------------------------------------
+    # Subclasses set ``device``, ``graph_mode``, ``capacity`` and ``_positions`` (a (slots,) device
+    # tensor: each slot's write position in a step; ``capacity`` = the scratch position).
+    name = "step"
+
     def _run(self, batch: dict[int, object]) -> dict[int, object]:
         """One batched step for ``{slot: input}`` (lock not held; each slot's owner is waiting, so
         nothing else moves its length); returns ``{slot: output}``."""
         raise NotImplementedError
+
+    def _decode(self, n: int):
+        """The step over the first ``n`` slots, from static buffers (what a graph captures)."""
+        raise NotImplementedError
+
+    # -- one graph per step size -------------------------------------------------------------------
+    def _graph(self, n: int) -> StepGraph:
+        # Capturing at a first real step is safe too: its warm-up runs write the same rows twice.
+        if n not in self._graphs:
+            self._graphs[n] = StepGraph(lambda: self._decode(n), self.device, self.graph_mode,
+                                        name=f"{self.name} x{n}")
+        return self._graphs[n]
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Capture every step size now, before calls run (capturing while other threads use the
+        GPU is what ``StepGraph`` must otherwise guard against); a no-op without graphs."""
+        if self.graph_mode == "eager":
+            return
+        with self._exclusive():
+            self._positions.fill_(self.capacity)  # every slot writes the scratch position only
+            for n in self.sizes:
+                self._graph(n).run()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- slots -------------------------------------------------------------------------------------
     @property
@@ -68,7 +106,8 @@ class BatchedSteps:
         with self._lock:
             return {"slots": self.slots, "slots_in_use": sum(o is not None for o in self._owners),
                     "steps": self.steps_run, "rows_stepped": self.rows_stepped,
-                    "mean_batch": round(self.rows_stepped / self.steps_run, 3) if self.steps_run else None}
+                    "mean_batch": round(self.rows_stepped / self.steps_run, 3) if self.steps_run else None,
+                    "graphs": sorted(n for n, g in self._graphs.items() if g.captured)}
 
     def length(self, slot: int) -> int:
         return self._lengths[slot]
@@ -182,6 +221,56 @@ class BatchedSteps:
             with self._lock:
                 self._stepping = False
                 self._lock.notify_all()
+
+
+class SlotCache:
+    """A decode's cache in a slot of a ``BatchedSteps``. It continues in a private cache of its
+    own (the subclass's ``_new_private`` / ``_private_copy``) when no slot is free or it would
+    outgrow the batch's ``capacity``: slower, never wrong. ``close()`` gives the slot back."""
+
+    def __init__(self, batch: BatchedSteps):
+        self.batch, self.closed = batch, False
+        self.private = None  # where it continues once it left the batch
+        try:
+            self.slot: int | None = batch._acquire(self)
+        except SlotsBusy:
+            self.slot = None
+            self.private = self._new_private()
+
+    @property
+    def batched(self) -> bool:
+        """Whether its steps join the batch (False once it left it)."""
+        return self.private is None and not self.closed
+
+    @property
+    def length(self) -> int:
+        return self.private.length if self.private is not None else self.batch.length(self.slot)
+
+    def close(self) -> None:
+        """Give the slot back (deferred until a step or prefill of this cache still running ends)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.private is None:
+            self.batch._release(self.slot)
+        self.private = None
+
+    def _use_private(self, t: int) -> bool:
+        """Before feeding ``t`` positions: whether they go to the private cache (leaving the batch
+        now if they would not fit)."""
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed (its call ended): open a new one")
+        if self.private is None and self.length + t > self.batch.capacity:
+            self.private = self._private_copy()
+            self.batch._release(self.slot)
+        return self.private is not None
+
+    def _new_private(self):
+        raise NotImplementedError
+
+    def _private_copy(self):
+        """A private cache holding this slot's positions."""
+        raise NotImplementedError
 
 
 def _step_sizes(slots: int) -> list[int]:

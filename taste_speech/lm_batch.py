@@ -27,9 +27,9 @@ import copy
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from taste_speech.batched_steps import BatchedSteps, SlotsBusy
+from taste_speech.batched_steps import BatchedSteps, SlotCache
 from taste_speech.lm_cache import StaticLMCache, _check_crop
-from taste_speech.step_graph import StepGraph, resolve_mode
+from taste_speech.step_graph import resolve_mode
 
 _EAGER_VIEW_QUANTUM = 64  # eager steps attend to a prefix of the rows rounded up to this (fewer shapes)
 
@@ -84,6 +84,8 @@ class _SlotRowsCache(Cache):
 
 
 class LMStepBatch(BatchedSteps):
+    name = "spoken LM step"
+
     def __init__(self, spoken_lm, slots: int = 16, capacity: int = 4608, graph_mode: str = "auto",
                  gather: float = 0.5):
         """``spoken_lm``: a ``TasteSpokenLM``; ``slots``: conversations batched at most;
@@ -112,14 +114,10 @@ class LMStepBatch(BatchedSteps):
         for n, cache in self._step_caches.items():
             for layer in cache.layers:
                 layer.write_positions = self._positions[:n]
-        self._graphs: dict[int, StepGraph] = {}
 
     def open(self) -> "SlotLMCache":
         """A cache for one conversation: in a free slot, or private when every slot is taken."""
         return SlotLMCache(self)
-
-    def stats(self) -> dict:
-        return {**super().stats(), "graphs": sorted(n for n, g in self._graphs.items() if g.captured)}
 
     # -- feeding -----------------------------------------------------------------------------------
     @torch.no_grad()  # grad mode is per thread: callers' threads may not have turned it off
@@ -143,19 +141,6 @@ class LMStepBatch(BatchedSteps):
         """One row (1, 1, H) after the slot's rows, in the next batched step; returns (1, H)."""
         return self._step(slot, owner, row)
 
-    @torch.no_grad()
-    def warm_up(self) -> None:
-        """Capture every step size now, before calls run (capturing while other threads use the
-        GPU is what ``StepGraph`` must otherwise guard against); a no-op without graphs."""
-        if self.graph_mode == "eager":
-            return
-        with self._exclusive():
-            self._positions.fill_(self.capacity)  # every slot writes the scratch row only
-            for n in self.sizes:
-                self._graph(n).run()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     # -- internals ---------------------------------------------------------------------------------
     def _cache(self, slots: slice) -> _SlotRowsCache:
         return _SlotRowsCache([_SlotRowsLayer(k[slots], v[slots]) for k, v in zip(self._keys, self._values)])
@@ -173,13 +158,6 @@ class LMStepBatch(BatchedSteps):
         out = self.lm.backbone(inputs_embeds=self._rows[:n], past_key_values=cache, attention_mask=mask,
                                position_ids=positions.unsqueeze(1), use_cache=True)
         return out.last_hidden_state[:, -1]
-
-    def _graph(self, n: int) -> StepGraph:
-        # Capturing at the first real step is safe too: its warm-up runs write the same rows twice.
-        if n not in self._graphs:
-            self._graphs[n] = StepGraph(lambda: self._decode(n), self.device, self.graph_mode,
-                                        name=f"spoken LM step x{n}")
-        return self._graphs[n]
 
     @torch.no_grad()
     def _run(self, batch: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -199,34 +177,11 @@ class LMStepBatch(BatchedSteps):
         return out
 
 
-class SlotLMCache:
+class SlotLMCache(SlotCache):
     """One conversation's KV cache in an ``LMStepBatch`` slot (``lm_cache``'s interface)."""
 
-    def __init__(self, batch: LMStepBatch):
-        self.batch = batch
-        self.private: StaticLMCache | None = None  # where it continues once it left the batch
-        self.closed = False
-        try:
-            self.slot: int | None = batch._acquire(self)
-        except SlotsBusy:
-            self.slot = None
-            self.private = self._new_private(0)
-
-    @property
-    def batched(self) -> bool:
-        """Whether decode steps join the batch (False once it left it)."""
-        return self.private is None and not self.closed
-
-    @property
-    def length(self) -> int:
-        return self.private.length if self.private is not None else self.batch.length(self.slot)
-
     def feed(self, backbone, rows: torch.Tensor) -> torch.Tensor:
-        if self.closed:
-            raise RuntimeError("this KV cache was closed (its conversation ended): open a new one")
-        if self.private is None and self.length + rows.shape[1] > self.batch.capacity:
-            self._leave_batch()
-        if self.private is not None:
+        if self._use_private(rows.shape[1]):
             return self.private.feed(backbone, rows)
         if rows.shape[1] == 1:
             return self.batch.step(self.slot, self, rows)
@@ -245,21 +200,17 @@ class SlotLMCache:
         n, s = self.length, self.slot
         return [(k[s:s + 1, :, :n], v[s:s + 1, :, :n]) for k, v in zip(self.batch._keys, self.batch._values)]
 
-    def close(self) -> None:
-        """Give the slot back (deferred until a step or prefill of this cache still running ends)."""
+    def __deepcopy__(self, memo):
+        """A snapshot (``Conversation.snapshot``) is a private cache: it holds no slot."""
         if self.closed:
-            return
-        self.closed = True
-        if self.slot is not None and self.private is None:
-            self.batch._release(self.slot)
-        self.private = None
+            raise RuntimeError("cannot copy a closed KV cache")
+        return copy.deepcopy(self.private, memo) if self.private is not None else self._private_copy()
 
-    # -- leaving the batch ---------------------------------------------------------------------------
-    def _new_private(self, rows: int) -> StaticLMCache:
+    def _new_private(self, rows: int = 0) -> StaticLMCache:
         b = self.batch
         return StaticLMCache(b.config, max(rows, b.capacity), device=b.device, dtype=b.dtype, graph_mode=b.graph_mode)
 
-    def _detached_copy(self) -> StaticLMCache:
+    def _private_copy(self) -> StaticLMCache:
         length = self.length
         private = self._new_private(length + 1)
         for layer, (keys, values) in zip(private.kv.layers, self.keys_values()):
@@ -267,16 +218,6 @@ class SlotLMCache:
             layer.values[:, :, :length] = values
         private._set_length(length)
         return private
-
-    def _leave_batch(self) -> None:
-        self.private = self._detached_copy()
-        self.batch._release(self.slot)
-
-    def __deepcopy__(self, memo):
-        """A snapshot (``Conversation.snapshot``) is a private cache: it holds no slot."""
-        if self.closed:
-            raise RuntimeError("cannot copy a closed KV cache")
-        return copy.deepcopy(self.private, memo) if self.private is not None else self._detached_copy()
 
 
 def _round_up_to(rows: int, quantum: int) -> int:

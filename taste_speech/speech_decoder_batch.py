@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from taste_speech.batched_steps import BatchedSteps, SlotsBusy
+from taste_speech.batched_steps import BatchedSteps, SlotCache
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, sinusoid_encoding
 from taste_speech.speech_decoder_cache import DEFAULT_CAPACITY, StaticSpeechCache, _plain_tensors
-from taste_speech.step_graph import StepGraph, resolve_mode
+from taste_speech.step_graph import resolve_mode
 
 
 class SpeechStepBatch(BatchedSteps):
+    name = "speech decoder step"
+
     def __init__(self, decoder, slots: int = 16, capacity: int = DEFAULT_CAPACITY, graph_mode: str = "auto",
                  gather: float = 0.5):
         """``decoder``: a ``TasteSpeechDecoder``; ``slots``: calls batched at most; ``capacity``:
@@ -55,14 +57,10 @@ class SpeechStepBatch(BatchedSteps):
                 self._pos_keys.append(attn._split_heads(attn.linear_pos(table)))  # (1, H, capacity + 1, d_k)
             self._tokens = torch.zeros(slots, dtype=torch.long, device=self.device)
             self._positions = torch.full((slots,), capacity, dtype=torch.long, device=self.device)
-        self._graphs: dict[int, StepGraph] = {}
 
     def open(self) -> "SlotSpeechCache":
         """A cache for one call's utterances: in a free slot, or private when every slot is taken."""
         return SlotSpeechCache(self)
-
-    def stats(self) -> dict:
-        return {**super().stats(), "graphs": sorted(n for n, g in self._graphs.items() if g.captured)}
 
     # -- feeding -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -85,18 +83,6 @@ class SpeechStepBatch(BatchedSteps):
     def step(self, slot: int, owner: "SlotSpeechCache", token: int) -> torch.Tensor:
         """Feed one speech token in the next batched step; returns the log-probs (V+1,) after it."""
         return self._step(slot, owner, int(token))
-
-    @torch.no_grad()
-    def warm_up(self) -> None:
-        """Capture every step size now (a no-op without graphs)."""
-        if self.graph_mode == "eager":
-            return
-        with self._exclusive():
-            self._positions.fill_(self.capacity)  # every slot writes the scratch column only
-            for n in self.sizes:
-                self._graph(n).run()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # -- internals ---------------------------------------------------------------------------------
     def _decode(self, n: int) -> torch.Tensor:
@@ -121,12 +107,6 @@ class SpeechStepBatch(BatchedSteps):
         hidden = self.llm.after_norm(h)
         return self.decoder.llm_decoder(hidden[:, -1]).float().log_softmax(dim=-1)
 
-    def _graph(self, n: int) -> StepGraph:
-        if n not in self._graphs:  # (a capture at a real step writes the same columns twice: harmless)
-            self._graphs[n] = StepGraph(lambda: self._decode(n), self.device, self.graph_mode,
-                                        name=f"speech decoder step x{n}")
-        return self._graphs[n]
-
     @torch.no_grad()
     def _run(self, batch: dict[int, int]) -> dict[int, torch.Tensor]:
         n = self.step_size(batch)
@@ -142,27 +122,13 @@ class SpeechStepBatch(BatchedSteps):
         return out
 
 
-class SlotSpeechCache:
+class SlotSpeechCache(SlotCache):
     """One call's speech-decoder cache in a ``SpeechStepBatch`` slot (``StaticSpeechCache``'s interface)."""
 
     def __init__(self, batch: SpeechStepBatch):
-        self.batch, self.llm = batch, batch.llm
+        self.llm = batch.llm  # (TasteSpeechDecoder.start checks the cache is its own)
         self.epoch = 0  # bumped by reset(): a decode started before can tell (TasteSpeechDecoder checks it)
-        self.closed = False
-        self.private: StaticSpeechCache | None = None  # where it continues once it left the batch
-        try:
-            self.slot: int | None = batch._acquire(self)
-        except SlotsBusy:
-            self.slot = None
-            self.private = StaticSpeechCache(batch.decoder, graph_mode=batch.graph_mode)
-
-    @property
-    def batched(self) -> bool:
-        return self.private is None and not self.closed
-
-    @property
-    def length(self) -> int:
-        return self.private.length if self.private is not None else self.batch.length(self.slot)
+        super().__init__(batch)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -200,23 +166,8 @@ class SlotSpeechCache:
     def __deepcopy__(self, memo):
         return self.clone()
 
-    def close(self) -> None:
-        """Give the slot back (deferred until a step of this cache still running ends)."""
-        if self.closed:
-            return
-        self.closed = True
-        if self.private is None:
-            self.batch._release(self.slot)
-        self.private = None
-
-    # -- leaving the batch ---------------------------------------------------------------------------
-    def _use_private(self, t: int) -> bool:
-        if self.closed:
-            raise RuntimeError("this speech cache was closed (its call ended): open a new one")
-        if self.private is None and self.length + t > self.batch.capacity:
-            self.private = self._private_copy()
-            self.batch._release(self.slot)
-        return self.private is not None
+    def _new_private(self) -> StaticSpeechCache:
+        return StaticSpeechCache(self.batch.decoder, graph_mode=self.batch.graph_mode)
 
     def _private_copy(self) -> StaticSpeechCache:
         n, slot = self.length, self.slot

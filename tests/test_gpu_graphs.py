@@ -7,6 +7,7 @@ golden tiny checkpoint, and must emit the eager path's greedy ids."""
 import pytest
 import torch
 
+from concurrency_helpers import run_in_threads
 from taste_speech.verify import Golden
 from taste_speech.verify.points_spoken_lm import golden_sampler, load_golden_spoken_lm
 
@@ -59,39 +60,29 @@ def test_batched_lm_steps_are_captured_and_equal_each_call_alone(loaded):
     """Three conversations in an LMStepBatch (4 slots: sizes 1, 2, 4 captured at warm-up) step
     from three threads at once; each equals its own growing cache, and every step size used was
     replayed from a graph."""
-    import threading
-
     from taste_speech.lm_batch import LMStepBatch
 
     lm = loaded.spoken_lm
     batch = LMStepBatch(lm, slots=4, capacity=128)
     batch.warm_up()
     assert batch.stats()["graphs"] == [1, 2, 4]
-    diffs, errors = {}, []
+    diffs = {}
 
     def conversation(seed):
-        try:
-            g = torch.Generator().manual_seed(seed)
-            rows = (torch.randn(1, 60, lm.causal_lm.config.hidden_size, generator=g) * 0.5).to("cuda")
-            state = lm.new_decode_state(cache=batch.open())
-            reference = lm.new_decode_state(cache=lm.new_cache("dynamic"))
-            with torch.no_grad():
-                lm.feed(state, rows[:, :10 + seed]), lm.feed(reference, rows[:, :10 + seed])
-                worst = 0.0
-                for i in range(10 + seed, 50 + seed):
-                    a, b = lm.feed(state, rows[:, i:i + 1]), lm.feed(reference, rows[:, i:i + 1])
-                    worst = max(worst, float((a - b).abs().max()))
-            state.cache.close()
-            diffs[seed] = worst
-        except Exception as error:
-            errors.append(error)
+        g = torch.Generator().manual_seed(seed)
+        rows = (torch.randn(1, 60, lm.causal_lm.config.hidden_size, generator=g) * 0.5).to("cuda")
+        state = lm.new_decode_state(cache=batch.open())
+        reference = lm.new_decode_state(cache=lm.new_cache("dynamic"))
+        with torch.no_grad():
+            lm.feed(state, rows[:, :10 + seed]), lm.feed(reference, rows[:, :10 + seed])
+            worst = 0.0
+            for i in range(10 + seed, 50 + seed):
+                a, b = lm.feed(state, rows[:, i:i + 1]), lm.feed(reference, rows[:, i:i + 1])
+                worst = max(worst, float((a - b).abs().max()))
+        state.cache.close()
+        diffs[seed] = worst
 
-    threads = [threading.Thread(target=conversation, args=(seed,)) for seed in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(conversation, [(seed,) for seed in range(3)])
     assert all(d < 1e-3 for d in diffs.values()), diffs
     stats = batch.stats()
     assert stats["rows_stepped"] == 120 and stats["slots_in_use"] == 0
@@ -101,8 +92,6 @@ def test_batched_lm_steps_are_captured_and_equal_each_call_alone(loaded):
 def test_batched_speech_decoder_steps_are_captured_and_equal_each_call_alone(taste_lm_tiny_a):
     """Three calls' speech decoders step from three threads through one SpeechStepBatch (captured
     sizes 1, 2, 4): each emits its own growing cache's greedy tokens."""
-    import threading
-
     from taste_speech.speech_decoder_batch import SpeechStepBatch
     from test_speech_decoder_batch import greedy, prefixes
     from test_speech_decoder_static import load_decoder
@@ -113,22 +102,14 @@ def test_batched_speech_decoder_steps_are_captured_and_equal_each_call_alone(tas
     assert batch.stats()["graphs"] == [1, 2, 4]
     inputs = [p.to("cuda") for p in prefixes(decoder, 3)]
     expected = [greedy(decoder, p, decoder.new_cache("dynamic")) for p in inputs]
-    results, errors = {}, []
+    results = {}
 
     def call(i):
-        try:
-            cache = batch.open()
-            results[i] = greedy(decoder, inputs[i], cache)
-            cache.close()
-        except Exception as error:
-            errors.append(error)
+        cache = batch.open()
+        results[i] = greedy(decoder, inputs[i], cache)
+        cache.close()
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(call, [(i,) for i in range(3)])
     for i, (tokens, logp) in enumerate(expected):
         assert results[i][0] == tokens and float((results[i][1] - logp).abs().max()) < 1e-3
     assert all(g.captured for g in batch._graphs.values()), [g.fallback_reason for g in batch._graphs.values()]

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from concurrency_helpers import run_in_threads
 from taste_speech.lm_batch import LMStepBatch, SlotLMCache
 from taste_speech.lm_cache import StaticLMCache
 from taste_speech.verify.points_spoken_lm import load_golden_spoken_lm
@@ -84,31 +85,23 @@ def test_concurrent_conversations_get_their_own_results(lm, graph_mode):
     """Four threads decode at once (prefill, 40 steps, a crop and re-feed): each gets its
     reference's hidden states, and every step served some row (steps <= rows stepped)."""
     batch = LMStepBatch(lm, slots=4, capacity=300, graph_mode=graph_mode)
-    results, errors = {}, []
+    results = {}
     start = threading.Barrier(4)
 
     def conversation(seed):
-        try:
-            rows = random_rows(lm, 80, seed)
-            state = lm.new_decode_state(cache=batch.open())
-            hidden = [feed(lm, state, rows[:, :12 + seed])]
-            start.wait(timeout=60)  # a thread that failed before it must not hang the others
-            for t in range(12 + seed, 52 + seed):
-                hidden.append(feed(lm, state, rows[:, t:t + 1]))
-            state.crop(30)
-            for t in range(30, 35):
-                hidden.append(feed(lm, state, rows[:, t:t + 1]))
-            state.cache.close()
-            results[seed] = torch.cat(hidden)
-        except Exception as error:  # reported below, not lost in the thread
-            errors.append(error)
+        rows = random_rows(lm, 80, seed)
+        state = lm.new_decode_state(cache=batch.open())
+        hidden = [feed(lm, state, rows[:, :12 + seed])]
+        start.wait(timeout=60)  # a thread that failed before it must not hang the others
+        for t in range(12 + seed, 52 + seed):
+            hidden.append(feed(lm, state, rows[:, t:t + 1]))
+        state.crop(30)
+        for t in range(30, 35):
+            hidden.append(feed(lm, state, rows[:, t:t + 1]))
+        state.cache.close()
+        results[seed] = torch.cat(hidden)
 
-    threads = [threading.Thread(target=conversation, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(conversation, [(seed,) for seed in range(4)])
     for seed in range(4):
         rows, ref = random_rows(lm, 80, seed), Reference(lm)
         expected = [ref.feed(rows[:, :12 + seed])] + [ref.feed(rows[:, t:t + 1]) for t in range(12 + seed, 52 + seed)]

@@ -13,7 +13,6 @@ import os
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from taste_agents.caller import load_utterances

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from concurrency_helpers import run_in_threads
 from pipecat_taste.engine import GenerationSettings, TasteEngine
 from taste_agents.caller import load_utterances
 
@@ -199,20 +200,12 @@ def test_batched_steps_give_each_call_its_own_reply(engine, hello):
     turns = [session.user_turn(hello.audio, hello.text) for session in sessions]
     assert all(isinstance(s.conversation.ready().cache, SlotLMCache) for s in sessions)
     assert all(isinstance(s.speech_cache(), SlotSpeechCache) for s in sessions)
-    results, errors = [None, None], []
+    results = [None, None]
 
     def call(i):
-        try:
-            results[i] = speak_reply(sessions[i], turns[i])
-        except Exception as error:
-            errors.append(error)
+        results[i] = speak_reply(sessions[i], turns[i])
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(call, [(0,), (1,)])
     for got, expected in zip(results, alone):
         assert got[0] == expected[0] and got[1] == expected[1]
         assert np.abs(got[2] - expected[2]).max() < 2e-4

@@ -6,11 +6,10 @@ range or are prefilled meanwhile - across utterances reusing one cache, forced t
 out of slots, outgrowing the capacity, copies and closing. Eagerly and under the rehearsed
 capture protocol."""
 
-import threading
-
 import pytest
 import torch
 
+from concurrency_helpers import run_in_threads
 from taste_speech.speech_decoder_batch import SlotSpeechCache, SpeechStepBatch
 from taste_speech.speech_decoder_cache import StaticSpeechCache
 from test_speech_decoder_static import load_decoder, max_diff
@@ -46,21 +45,13 @@ def test_concurrent_utterances_decode_as_each_alone(decoder, graph_mode):
     expected = [greedy(decoder, p, decoder.new_cache("dynamic")) for p in inputs]
     caches = [batch.open() for _ in inputs]
     assert [c.slot for c in caches] == [0, 1, 2] and all(isinstance(c, SlotSpeechCache) for c in caches)
-    results, errors = {}, []
+    results = {}
 
     def call(i):
-        try:
-            for _ in range(2):  # two utterances on one cache, as a call's segments
-                results[i] = greedy(decoder, inputs[i], caches[i])
-        except Exception as error:
-            errors.append(error)
+        for _ in range(2):  # two utterances on one cache, as a call's segments
+            results[i] = greedy(decoder, inputs[i], caches[i])
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    run_in_threads(call, [(i,) for i in range(3)])
     for (tokens, logp), (want_tokens, want_logp) in zip((results[i] for i in range(3)), expected):
         assert tokens == want_tokens and max_diff(logp, want_logp) < TOLERANCE
     stats = batch.stats()

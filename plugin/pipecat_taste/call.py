@@ -201,4 +201,4 @@ class TasteCall:
             self.session.close()
 
     def worker_threads(self) -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name.startswith(f"taste-") and self.call_id[:6] in t.name]
+        return [t for t in threading.enumerate() if t.name.startswith("taste-") and self.call_id[:6] in t.name]

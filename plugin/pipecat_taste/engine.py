@@ -24,7 +24,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import numpy as np
 
