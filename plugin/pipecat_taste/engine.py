@@ -13,6 +13,7 @@ threads, one stage per thread:
                 speech_tokens(state, segment) -> iterator of token lists   (speech decoder)
                 vocode(state, tokens, final) -> list of float32 chunks      (flow + HiFT)
                 speech_samples(n_tokens, rate) -> output samples covered by n speech tokens
+    end         close()                                    (the call ended: frees its slots in shared batches)
 
 If the library's signatures drift, this file is what changes. ``pipecat_taste.testing`` has a
 model-free engine with the same interface for tests of the processors.
