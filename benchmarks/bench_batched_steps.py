@@ -5,14 +5,18 @@ decode ``--steps`` positions, for two decoders:
 
 * spoken LM: 64 rows of history, then one row per step (``LMStepBatch``);
 * speech decoder: a 20-row prefix, then one speech token per step, chosen greedily from the
-  step's log-probs as the plugin's sampler does (``SpeechStepBatch``).
+  step's log-probs as the plugin's sampler does (``SpeechStepBatch``);
+* flow + vocoder: each step is one steady chunk of streaming synthesis (an 82-frame flow window,
+  then a 58-frame HiFT window; ``SynthesisGraphs`` on its static path).
 
 Two ways, same inputs, same process, back to back:
 
 * alone: every call feeds its own cache (the growing cache on a CPU, the static one on CUDA:
-  the path each device uses when calls step alone);
+  the path each device uses when calls step alone); synthesis: every call has its own
+  ``SynthesisGraphs`` (one window per step);
 * batched: every call holds a slot of one batch; whatever steps are waiting run as one forward
-  (``taste_speech.batched_steps``; on CUDA one captured graph per batch size).
+  (``taste_speech.batched_steps``; on CUDA one captured graph per batch size); synthesis: one
+  ``SynthesisGraphs(rows=16)`` for all, whose waiting windows run as one step.
 
 Printed per decoder and N: wall time per step as one call sees it, all calls' steps per
 second, the ratio batched / alone, and the mean number of calls a batched step served.
@@ -51,8 +55,8 @@ CONTEXT = 64  # rows of history each call's spoken LM prefills (different rows p
 PREFIX = 20  # rows of each call's speech-decoder prefix
 RESULTS = ROOT / "benchmarks" / "results"
 SECTION_NUMBER = "## 4b. "
-SECTION = SECTION_NUMBER + "Decode steps of concurrent calls: each alone vs batched"
-DECODERS = ("spoken LM", "speech decoder")
+SECTION = SECTION_NUMBER + "Decode and synthesis steps of concurrent calls: each alone vs batched"
+DECODERS = ("spoken LM", "speech decoder", "flow + vocoder")
 
 
 class SpokenLMCalls:
@@ -118,6 +122,64 @@ class SpeechDecoderCalls:
         getattr(state.cache, "close", lambda: None)()
 
 
+class SynthesisCalls:
+    """Streaming synthesis's side: one steady chunk's flow and vocoder windows per step (the
+    voice generator stays float32, as the engine runs it)."""
+
+    FLOW_FRAMES, VOCODER_FRAMES = 82, 58  # a low_latency steady chunk (synthesis_graphs' docstring)
+
+    def __init__(self, model: str, device, dtype, steps: int):
+        from benchmarks.engines import full_voice_generator
+        from taste_speech.streaming.synthesis_graphs import SynthesisGraphs
+        from taste_speech.tiny import default_tiny_checkpoint
+        from taste_speech.voice_generator import VoiceGenerator
+
+        self.vg = (VoiceGenerator.from_pretrained(default_tiny_checkpoint(), device=device) if model == "tiny"
+                   else full_voice_generator(str(device))).eval()
+        self.new_graphs = lambda rows: SynthesisGraphs(self.vg, rows=rows)
+        self.shared = self.new_graphs(16)
+        self.own: list = []  # each call's own graphs when alone (kept: captured once per call index)
+        self.batch, self.device = self, device  # warm_up() and stats() as the decode batches have them
+
+    def warm_up(self) -> None:
+        self.shared.warm_up([self.FLOW_FRAMES], [self.VOCODER_FRAMES])
+
+    def stats(self) -> dict:
+        stats = self.shared.stats()
+        return {"steps": sum(stats[s]["steps"] for s in ("flow", "vocoder")),
+                "rows_stepped": sum(stats[s]["windows"] for s in ("flow", "vocoder"))}
+
+    def inputs(self, calls: int) -> list[tuple]:
+        c, spf = self.vg.flow.output_size, self.vg.hift.samples_per_frame
+        windows = []
+        for i in range(calls):
+            g = torch.Generator().manual_seed(i)
+            mu, cond, noise = (torch.randn(1, c, self.FLOW_FRAMES, generator=g) for _ in range(3))
+            mel = torch.randn(1, self.vg.hift.conv_pre.in_channels, self.VOCODER_FRAMES, generator=g) - 5
+            source = 0.1 * torch.randn(1, 1, self.VOCODER_FRAMES * spf, generator=g)
+            windows.append((i, tuple(x.to(self.device) for x in (mu, torch.randn(1, c, generator=g), cond, noise)),
+                            (mel.to(self.device), source.to(self.device))))
+        return windows
+
+    def start(self, window: tuple, batched: bool):
+        if batched:
+            return self.shared
+        while len(self.own) <= window[0]:
+            self.own.append(self.new_graphs(1))
+            self.own[-1].warm_up([self.FLOW_FRAMES], [self.VOCODER_FRAMES])
+        return self.own[window[0]]
+
+    def step(self, graphs, window: tuple, i: int) -> None:
+        graphs.flow(*window[1], owner=window)  # the window stands for its call's utterance
+        graphs.vocoder(*window[2], owner=window)
+
+    def end(self, graphs) -> None:
+        pass
+
+
+SIDES = {"spoken LM": SpokenLMCalls, "speech decoder": SpeechDecoderCalls, "flow + vocoder": SynthesisCalls}
+
+
 def run_calls(side, inputs: list[torch.Tensor], steps: int, batched: bool) -> float:
     """Seconds from the common start to the last call's last step (prefills before the start)."""
     states = [side.start(x, batched) for x in inputs]
@@ -156,7 +218,7 @@ def measure(models: list[str], calls: list[int], *, steps: int = 40, device: str
     results = []
     for name in models:
         for decoder in decoders:
-            side = (SpokenLMCalls if decoder == "spoken LM" else SpeechDecoderCalls)(name, dev, torch_dtype, steps)
+            side = SIDES[decoder](name, dev, torch_dtype, steps)
             side.batch.warm_up()
             for n in calls:
                 inputs = side.inputs(n)
@@ -219,12 +281,16 @@ def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path 
 
 def write_results(results: list[dict], command: str, facts: dict, results_dir: Path = RESULTS) -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
-    lines = ["# Decode steps of concurrent calls", "",
+    lines = ["# Decode and synthesis steps of concurrent calls", "",
              "N calls (one thread each, as the plugin runs them) prefill their own history (spoken LM: 64 rows; "
              "speech decoder: a 20-row prefix), then decode one position per step (speech decoder: a greedy speech "
              "token). *Alone*: each call feeds its own cache (the growing cache on a CPU, the static one on CUDA). "
              "*Batched*: each call holds a slot of one `LMStepBatch` / `SpeechStepBatch` "
-             "(`taste_speech/batched_steps.py`) and the steps waiting at the same moment run as one forward. ms/step = wall time per step as one call sees "
+             "(`taste_speech/batched_steps.py`) and the steps waiting at the same moment run as one forward. "
+             "Flow + vocoder: a step is one steady synthesis chunk (an 82-frame flow window, then a 58-frame HiFT "
+             "window, padded to their buckets); alone, each call has its own `SynthesisGraphs`; batched, one "
+             "`SynthesisGraphs(rows=16)` runs the windows waiting at the same moment as one step (`taste_speech/"
+             "streaming/synthesis_graphs.py`; mean batch counts both stages' windows per step). ms/step = wall time per step as one call sees "
              "it; steps/s = all calls together; mean batch = call steps per batched forward. Both ways run back to "
              "back in one process; the ratio is the figure to read. On a CPU batching pays only past the core "
              "count: calls stepping alone already run in parallel on the cores, and each call's heads (the text "
@@ -241,7 +307,7 @@ def write_results(results: list[dict], command: str, facts: dict, results_dir: P
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny", help="comma-separated: tiny, full")
-    parser.add_argument("--decoders", default="lm,speech", help="comma-separated: lm, speech")
+    parser.add_argument("--decoders", default="lm,speech,synthesis", help="comma-separated: lm, speech, synthesis")
     parser.add_argument("--calls", default="1,2,4,8", help="comma-separated numbers of concurrent calls")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--device", default="cpu")
@@ -250,7 +316,8 @@ def main(argv=None) -> int:
                         help="save to benchmarks/results/batched_steps.md and update BENCHMARKS.md section 4b")
     args = parser.parse_args(argv)
     calls = [int(n) for n in args.calls.split(",")]
-    decoders = [{"lm": "spoken LM", "speech": "speech decoder"}[d] for d in args.decoders.split(",")]
+    decoders = [{"lm": "spoken LM", "speech": "speech decoder", "synthesis": "flow + vocoder"}[d]
+                for d in args.decoders.split(",")]
     results = measure(args.models.split(","), calls, steps=args.steps, device=args.device, dtype=args.dtype,
                       decoders=decoders)
     print("\n".join(markdown(results)))

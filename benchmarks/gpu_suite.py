@@ -18,8 +18,9 @@ Tables (one run each, all figures from the same process):
    and vocoder ms per chunk (first, steady); whole-reply real-time factor;
 3. peak GPU memory per call, and first audio with 1, 2, 4, 8, 16 concurrent calls (one thread
    each, own states; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
-   steps, and graphed with the spoken-LM and speech-decoder steps of all calls batched
-   (``taste_speech.lm_batch``, ``speech_decoder_batch``: the engine's default on CUDA).
+   steps, and graphed with the spoken-LM and speech-decoder steps of all calls batched, and their
+   flow and vocoder windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``,
+   ``SynthesisGraphs(rows=16)``: the engine's default on CUDA).
 
 On CPU the 'graphed' path runs the same static caches eagerly (there are no CUDA graphs on a
 CPU), so its figures there only show the harness works - the CPU default stays the eager path.
@@ -440,6 +441,7 @@ def run(args) -> dict:
                 concurrent_first_audio(batched, asr, BATCHED, forced, n) for n in args.calls]
             data["paths"]["graphed"]["lm_batch"] = batched.lm_batch.stats()
             data["paths"]["graphed"]["speech_batch"] = batched.speech_batch.stats()
+            data["paths"]["graphed"]["synthesis_batch"] = batched.synthesis_graphs.stats()
     return data
 
 
@@ -488,7 +490,8 @@ def markdown(data: dict, command: str) -> list[str]:
                  fmt(g.get("peak_mib_per_call", nan)), fmt(b.get("peak_mib_per_call", nan))]
                 for e, g, b in zip(eager["concurrency"], graphed["concurrency"], graphed["concurrency_batched"])]
         lines += ["", "Concurrent calls (one thread each; first audio in ms; 'batched': the spoken-LM and the "
-                  "speech-decoder steps of all calls in batched steps, 16 slots):", ""]
+                  "speech-decoder steps of all calls in batched steps, 16 slots, and their flow and vocoder "
+                  "windows in shared steps of up to 16 rows):", ""]
         lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "batched median",
                               "batched max", "graphed peak MiB per call", "batched peak MiB per call"], rows)
         for key, label in (("lm_batch", "spoken-LM"), ("speech_batch", "speech-decoder")):
@@ -497,6 +500,11 @@ def markdown(data: dict, command: str) -> list[str]:
                 lines += ["", f"Batched {label} steps over the whole table: {stats['steps']} steps served "
                           f"{stats['rows_stepped']} call steps (mean batch {stats['mean_batch']}); captured sizes "
                           f"{stats['graphs'] or 'none (no CUDA)'}."]
+        synthesis = graphed.get("synthesis_batch") or {}
+        if synthesis.get("flow", {}).get("steps"):
+            lines += ["", "Batched synthesis over the whole table: " + "; ".join(
+                f"{stage} {synthesis[stage]['steps']} steps served {synthesis[stage]['windows']} windows "
+                f"(mean batch {synthesis[stage]['mean_batch']})" for stage in ("flow", "vocoder")) + "."]
     return lines
 
 

@@ -47,7 +47,7 @@ class BatchedSteps:
         if not 0 <= gather <= 1:
             raise ValueError(f"gather must be a fraction of a step between 0 and 1, got {gather!r}")
         self.slots, self.gather = slots, float(gather)
-        self.sizes = _step_sizes(slots)  # steps cover the first n slots, n one of these
+        self.sizes = step_sizes(slots)  # steps cover the first n slots, n one of these
         self._lock = threading.Condition()
         self._owners: list[object | None] = [None] * slots
         self._lengths = [0] * slots  # positions each slot holds
@@ -273,7 +273,8 @@ class SlotCache:
         raise NotImplementedError
 
 
-def _step_sizes(slots: int) -> list[int]:
+def step_sizes(slots: int) -> list[int]:
+    """1, 2, 4 ... up to ``slots`` (included): the batch sizes a step is built for."""
     sizes, n = [], 1
     while n < slots:
         sizes.append(n)

@@ -75,12 +75,13 @@ def test_batched_steps_benchmark_measures_both_ways_and_keeps_its_section(tmp_pa
 
     rows = bench_batched_steps.measure(["tiny"], [1, 2], steps=4, log=lambda line: None)
     assert [(r["decoder"], r["calls"]) for r in rows] == [("spoken LM", 1), ("spoken LM", 2),
-                                                          ("speech decoder", 1), ("speech decoder", 2)]
+                                                          ("speech decoder", 1), ("speech decoder", 2),
+                                                          ("flow + vocoder", 1), ("flow + vocoder", 2)]
     for r in rows:
         assert r["alone_ms_per_step"] > 0 and r["batched_ms_per_step"] > 0 and r["mean_batch"] >= 1
         assert abs(r["throughput_ratio"] - r["batched_steps_per_s"] / r["alone_steps_per_s"]) < 1e-9
         assert abs(r["batched_steps_per_s"] - r["calls"] * 1000 / r["batched_ms_per_step"]) < 1e-6
-    assert rows[0]["mean_batch"] == rows[2]["mean_batch"] == 1.0  # one call: every batched step served it alone
+    assert rows[0]["mean_batch"] == rows[2]["mean_batch"] == rows[4]["mean_batch"] == 1.0  # one call: alone
     results = tmp_path / "results"
     bench_batched_steps.write_results(rows, "python benchmarks/bench_batched_steps.py", report.machine_facts(), results)
     doc = tmp_path / "BENCHMARKS.md"

@@ -168,3 +168,45 @@ def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a)
         torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
     assert graphs.prepared()["flow"] and graphs.prepared()["vocoder"]
     assert not graphs.fallback_reasons(), graphs.fallback_reasons()  # every bucket was captured
+
+
+def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks(voice_generator_tiny_a):
+    """Three utterances spoken from three threads through one SynthesisGraphs with rows=4 (every
+    bucket and row count captured up front, one shared graph pool): the windows that meet run as
+    one replay, and each utterance gets its dynamic-path chunks (the bounds of the test above)."""
+    from taste_speech.streaming.synthesis import speak, start_speaking
+    from taste_speech.streaming.synthesis_graphs import SynthesisGraphs
+    from taste_speech.voice_generator import VoiceGenerator
+
+    vg = VoiceGenerator.from_golden_dir(voice_generator_tiny_a).to("cuda")
+    g = torch.Generator().manual_seed(11)
+    utterances = [(torch.randint(0, vg.flow.vocab_size, (1, 60), generator=g),
+                   torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)) for _ in range(3)]
+    graphs = SynthesisGraphs(vg, "graph", rows=4)
+    graphs.warm_up()
+
+    def chunks_of(tokens, speaker, **kind):
+        state = start_speaking(vg, speaker, "low_latency", out_sampling_rate=22050,
+                               generator=torch.Generator().manual_seed(0), **kind)
+        chunks = []
+        for i in range(0, tokens.shape[1], 4):
+            chunks += speak(vg, state, tokens[:, i:i + 4])
+        return chunks + speak(vg, state, final=True)
+
+    references = [chunks_of(tokens, speaker, kind="dynamic") for tokens, speaker in utterances]
+    results = [None] * 3
+
+    def speak_one(i):
+        results[i] = chunks_of(*utterances[i], graphs=graphs)
+
+    run_in_threads(speak_one, [(i,) for i in range(3)])
+    for reference, chunks in zip(references, results):
+        assert len(chunks) == len(reference) >= 3
+        for ref, got in zip(reference, chunks):
+            assert got.audio.shape == ref.audio.shape
+            torch.testing.assert_close(got.mel, ref.mel, atol=1e-3, rtol=0)
+            torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
+    assert not graphs.fallback_reasons(), graphs.fallback_reasons()
+    steps = [step for bucket in (*graphs._flow.values(), *graphs._vocoder.values()) for step in bucket.steps.values()]
+    assert steps and all(step.captured for step in steps)
+    print("synthesis batches (stage, windows per step): steps", dict(graphs.batches))

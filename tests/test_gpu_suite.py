@@ -37,7 +37,10 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     for key in ("lm_batch", "speech_batch"):
         stats = graphed[key]
         assert stats["steps"] > 0 and stats["rows_stepped"] >= stats["steps"] and stats["slots_in_use"] == 0
+    synthesis = graphed["synthesis_batch"]
+    assert synthesis["rows"] == 16 and all(synthesis[s]["windows"] >= synthesis[s]["steps"] > 0 for s in ("flow", "vocoder"))
     text = out.read_text()
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
     assert "| graphed | 32/32 |" in text
     assert "batched median" in text and "Batched speech-decoder steps over the whole table" in text
+    assert "Batched synthesis over the whole table: flow " in text

@@ -179,8 +179,10 @@ def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engi
 
 def test_batched_steps_give_each_call_its_own_reply(engine, hello):
     """batch_slots: two calls' spoken-LM and speech-decoder steps run in batches (from their own
-    threads, as the processors run them) and each call gets the words and speech of a call alone;
-    ending a call gives its slots back; on a CPU 'auto' batches nothing."""
+    threads, as the processors run them), their flow and vocoder windows share the engine's
+    synthesis steps (the static path: 'graphed'), and each call gets the words and speech of a
+    call alone on the eager engine; ending a call gives its slots back; on a CPU 'auto' batches
+    nothing."""
     from taste_speech.lm_batch import SlotLMCache
     from taste_speech.speech_decoder_batch import SlotSpeechCache
 
@@ -188,8 +190,10 @@ def test_batched_steps_give_each_call_its_own_reply(engine, hello):
         return TasteEngine(engine.model, engine.processor, engine.voice_generator,
                            checkpoint_dir=engine.checkpoint_dir, **kwargs)
 
-    assert engine.lm_batch is None and engine.speech_batch is None  # 'auto' on a CPU
-    batched = engine_with(batch_slots=2)
+    assert engine.lm_batch is None and engine.speech_batch is None and engine.synthesis_graphs is None  # CPU 'auto'
+    assert engine_with(batch_slots=2).synthesis_graphs is None  # the dynamic synthesis path has no steps to share
+    batched = engine_with(batch_slots=2, decoding="graphed")
+    assert batched.synthesis_graphs.rows == 2
     batched.warm_up()
     settings = [GenerationSettings(max_reply_tokens=8, seed=seed, text_top_p=0.0) for seed in (0, 1)]
     alone = []
@@ -211,6 +215,8 @@ def test_batched_steps_give_each_call_its_own_reply(engine, hello):
         assert np.abs(got[2] - expected[2]).max() < 2e-4
     for batch in (batched.lm_batch, batched.speech_batch):
         assert batch.stats()["rows_stepped"] >= 2 and batch.slots_in_use == 2
+    synthesis = batched.synthesis_graphs.stats()
+    assert synthesis["flow"]["windows"] >= 2 and synthesis["vocoder"]["windows"] >= 2
     for session in sessions:
         session.close()
     assert batched.lm_batch.slots_in_use == 0 and batched.speech_batch.slots_in_use == 0

@@ -110,7 +110,7 @@ async def test_answers_offer_loopback_only_and_limits_concurrent_calls():
                     status = await res.json()
                     assert status["active_calls"] == 1
                     assert status["compute_gate"]["slots"] == 2 and status["compute_gate"]["queued"] == 0
-                    assert status["lm_batch"] is None and status["speech_batch"] is None  # a CPU: no batching
+                    assert status["lm_batch"] is status["speech_batch"] is status["synthesis_batch"] is None  # a CPU: no batching
         finally:
             if pc is not None:
                 await pc.close()

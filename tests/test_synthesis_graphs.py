@@ -15,14 +15,17 @@ A padding leak (a missing mask) changes the mel by 0.1-2 and the audio by far mo
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
 
 from taste_speech.streaming.synthesis import speak, start_speaking
-from taste_speech.streaming.synthesis_graphs import FLOW_BUCKETS, SynthesisGraphs, shared_graphs
+from taste_speech.streaming.synthesis_graphs import FLOW_BUCKETS, SynthesisGraphs, _Window, shared_graphs
 from taste_speech.streaming.synthesis_state import EmissionPolicy, frames_for_tokens
 from taste_speech.voice_generator import VoiceGenerator
+from concurrency_helpers import run_in_threads
 
 MEL_ATOL = 2e-5
 VOCODER_ATOL = 1e-6
@@ -195,6 +198,114 @@ def test_hift_decode_padding_never_reaches_valid_samples(vg, n, bucket):
     if n < bucket:
         leaky = hift.decode(mel_in, source_in)[:, :256 * n]
         assert float((leaky - reference).abs().max()) > 1e-3
+
+
+# -- windows of concurrent calls share batched steps -----------------------------------------------------
+def window(vg, stage: str, frames: int, generator) -> tuple:
+    """Random inputs of one ``frames``-frame window of ``stage``, as ``SynthesisGraphs.flow/vocoder`` take them."""
+    if stage == "flow":
+        c = vg.flow.output_size
+        mu, cond, noise = (torch.randn(1, c, frames, generator=generator) for _ in range(3))
+        return mu, torch.randn(1, c, generator=generator), cond, noise
+    mel = torch.randn(1, vg.hift.conv_pre.in_channels, frames, generator=generator) - 5
+    return mel, torch.randn(1, 1, frames * vg.hift.samples_per_frame, generator=generator)
+
+
+@pytest.mark.parametrize("stage, bucket, frames", [("flow", 48, (30, 48, 41)), ("vocoder", 60, (57, 33, 60))])
+@torch.inference_mode()
+def test_one_batched_step_gives_each_window_its_own_result(vg, stage, bucket, frames):
+    """Three windows of different lengths run as one step over 4 rows (the idle row holding an
+    earlier window) give what each gives alone, and what the unpadded reference gives."""
+    g = torch.Generator().manual_seed(7)
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4)
+    assert graphs.row_counts == [1, 2, 4]
+    steps = graphs._flow_bucket(bucket) if stage == "flow" else graphs._vocoder_bucket(bucket)
+    steps.run([window(vg, stage, bucket, g) for _ in range(4)], 4)  # every row now holds another window
+    windows = [window(vg, stage, n, g) for n in frames]
+    together = steps.run(windows, 4)
+    atol = MEL_ATOL if stage == "flow" else VOCODER_ATOL
+    for w, n, out in zip(windows, frames, together):
+        alone = steps.run([w], 1)[0]
+        reference = graphs._eager(_Window(stage, None, w))
+        assert out.shape == alone.shape == reference.shape and out.shape[-1] == w[-1].shape[-1]
+        torch.testing.assert_close(out, alone, atol=atol, rtol=0)
+        torch.testing.assert_close(out, reference, atol=atol, rtol=0)
+
+
+def test_concurrent_utterances_share_steps_and_each_keeps_its_own_audio(vg):
+    """Three utterances (own tokens, voices and seeds) spoken from three threads through one
+    SynthesisGraphs with rows=4: their windows run in shared steps (the first step waits until
+    the others have queued theirs, so batching surely happens) and each utterance gets the
+    chunks it gets alone on the dynamic path. A vocoder step waits for the vocoder windows of its
+    flow step's utterances, so the windows of one flow step never split over vocoder steps."""
+    g = torch.Generator().manual_seed(11)
+    utterances = [(torch.randint(0, vg.flow.vocab_size, (1, 60), generator=g),
+                   torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)) for _ in range(3)]
+    references = [stream(vg, tokens, speaker, "low_latency", [4] * 15, kind="dynamic")[1]
+                  for tokens, speaker in utterances]
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=1.0)
+    run, first = graphs._run, threading.Event()
+
+    def first_step_waits_for_the_others(batch):
+        if not first.is_set():
+            first.set()
+            deadline = time.monotonic() + 30
+            while len(graphs._queue) < 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        run(batch)
+
+    graphs._run = first_step_waits_for_the_others
+    results = [None] * 3
+
+    def speak_one(i):
+        tokens, speaker = utterances[i]
+        results[i] = stream(vg, tokens, speaker, "low_latency", [4] * 15, graphs=graphs)[1]
+
+    run_in_threads(speak_one, [(i,) for i in range(3)])
+    for reference, chunks in zip(references, results):
+        assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
+    stats = graphs.stats()
+    assert stats["flow"]["windows"] == sum(c for (s, _), c in graphs.counts.items() if s == "flow")
+    assert max(n for (stage, n) in graphs.batches if stage == "flow") >= 2, graphs.batches
+    assert stats["flow"]["mean_batch"] > 1 and stats["flow"]["steps"] < stats["flow"]["windows"]
+    assert stats["vocoder"]["windows"] == stats["flow"]["windows"]  # a vocoder window per chunk
+    # the first chunk's flow windows ran as two steps (see above); their vocoder windows as one
+    assert stats["vocoder"]["steps"] < stats["flow"]["steps"], graphs.batches
+    assert not graphs._queue and not graphs._stepping
+
+
+def test_a_failing_step_fails_its_windows_and_the_next_steps_still_run(vg, utterance):
+    tokens, speaker = utterance
+    graphs = SynthesisGraphs(vg, "eager", rows=2)
+    bucket = graphs._flow_bucket(FLOW_BUCKETS[0])
+    run = bucket.run
+
+    def fails_once(windows, n):
+        bucket.run = run
+        raise RuntimeError("the step failed")
+
+    bucket.run = fails_once
+    state = start_speaking(vg, speaker, out_sampling_rate=22050, graphs=graphs)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        speak(vg, state, tokens[:, :20])
+    _, reference = stream(vg, tokens, speaker, "low_latency", UNEVEN, kind="dynamic")
+    _, chunks = stream(vg, tokens, speaker, "low_latency", UNEVEN, graphs=graphs)
+    assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
+
+
+def test_warm_up_prepares_every_row_count_without_counting_windows(vg):
+    graphs = SynthesisGraphs(vg, "rehearse", rows=3)
+    assert graphs.row_counts == [1, 2, 3]
+    with torch.inference_mode():
+        graphs.warm_up(flow_frames=[20], vocoder_frames=[14, 30])
+    assert graphs.prepared() == {"flow": [24], "vocoder": [16, 60]}
+    for bucket in (graphs._flow[24], graphs._vocoder[16], graphs._vocoder[60]):
+        assert sorted(bucket.steps) == [1, 2, 3]
+    assert not graphs.counts and graphs.stats()["flow"] == {"windows": 0, "steps": 0, "mean_batch": None}
+    with pytest.raises(ValueError, match="rows must be an integer >= 1"):
+        SynthesisGraphs(vg, rows=0)
+    with pytest.raises(ValueError, match="gather must be a fraction"):
+        SynthesisGraphs(vg, rows=2, gather=2)
 
 
 # -- selection and lifecycle ---------------------------------------------------------------------------

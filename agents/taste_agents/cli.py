@@ -35,7 +35,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "CPU cores on a CPU, no limit on CUDA); the others queue, so the event loop stays "
                              "responsive under load")
     parser.add_argument("--batch-slots", default="auto", type=auto_none_or_count,
-                        help="calls whose spoken-LM and speech-decoder steps run as batched steps: a number, "
+                        help="calls whose spoken-LM and speech-decoder steps (and, on the static synthesis "
+                             "path, flow and vocoder windows) run as batched steps: a number, "
                              "'none' (each call steps alone) or auto (16 on the CUDA fast path, none on a CPU) - "
                              "docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],

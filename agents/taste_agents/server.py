@@ -185,10 +185,12 @@ class TasteServer:
             gate = getattr(self.engine, "compute_gate", None)
             lm_batch = getattr(self.engine, "lm_batch", None)
             speech_batch = getattr(self.engine, "speech_batch", None)
+            synthesis = getattr(self.engine, "synthesis_graphs", None)
             return {"active_calls": len(self.calls), "max_calls": self.config.max_calls,
                     "compute_gate": gate.stats() if gate is not None else None,
                     "lm_batch": lm_batch.stats() if lm_batch is not None else None,
                     "speech_batch": speech_batch.stats() if speech_batch is not None else None,
+                    "synthesis_batch": synthesis.stats() if synthesis is not None else None,
                     "calls": [{"call_id": c.call_id, "kind": c.kind, "seconds": round(time.monotonic() - c.started, 1)}
                               for c in self.calls.values()],
                     "finished": self.finished[-20:]}

@@ -114,18 +114,21 @@ class TasteEngine:
         running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
         this process may use on a CPU; no limit on CUDA, where jobs mostly wait for the GPU).
         ``batch_slots``: calls whose decode steps (spoken LM, speech decoder) run as one batched
-        step (``taste_speech.lm_batch``, ``speech_decoder_batch``): a number, None (each call
-        steps alone) or 'auto' (16 on the
-        CUDA fast path, where a step costs its launches, not its batch size; None elsewhere)."""
+        step (``taste_speech.lm_batch``, ``speech_decoder_batch``), and whose flow and vocoder
+        windows share batched steps on the static synthesis path (``synthesis_graphs``, rows):
+        a number, None (each call steps alone) or 'auto' (16 on the CUDA fast path, where a step
+        costs its launches, not its batch size; None elsewhere)."""
         if decoding not in DECODING:
             raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
         device_name = str(next(model.parameters()).device)
         self.compute_gate = _compute_gate(parallel_jobs, device_name)  # 'auto' resolved
-        self.lm_batch, self.speech_batch = _step_batches(model, batch_slots, device_name, decoding)
+        slots = _batch_slots(batch_slots, device_name, decoding)
+        self.lm_batch, self.speech_batch = _step_batches(model, slots, decoding)
         self.model, self.processor, self.voice_generator = model, processor, voice_generator
         self.checkpoint_dir = checkpoint_dir
         self.device = device
         self.decoding, self.cache_kind = decoding, DECODING[decoding]
+        self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind)
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
         # Calls in one process share the weights; every per-call state (KV caches, synthesis
         # continuity) lives in the state objects the session passes to the model.
@@ -185,13 +188,16 @@ class TasteEngine:
         return TasteSession(self, settings or GenerationSettings(), voice)
 
     def warm_up(self) -> None:
-        """Capture the shared synthesis graphs (flow and vocoder, one per window-size bucket) before
-        the first call, on the fast path; a no-op on the eager path. Per-call steps are captured
-        by ``TasteSession.warm_up``."""
+        """Capture the shared synthesis graphs (flow and vocoder, one per window-size bucket and
+        batch size) and the batched decode steps before the first call, on the fast path; a no-op
+        on the eager path. Per-call steps are captured by ``TasteSession.warm_up``."""
         from taste_speech.streaming.synthesis_graphs import resolve_kind, shared_graphs
 
-        if resolve_kind(self.cache_kind, next(self.voice_generator.parameters()).device) == "static":
-            shared_graphs(self.voice_generator).warm_up()
+        graphs = self.synthesis_graphs
+        if graphs is None and resolve_kind(self.cache_kind, next(self.voice_generator.parameters()).device) == "static":
+            graphs = shared_graphs(self.voice_generator)
+        if graphs is not None and graphs.mode != "eager":  # (eager steps have nothing to capture)
+            graphs.warm_up()  # every bucket at every batch size
         for batch in (self.lm_batch, self.speech_batch):
             if batch is not None:
                 batch.warm_up()  # one captured step per batch size
@@ -213,22 +219,37 @@ def _compute_gate(parallel_jobs: int | str | None, device: str):
     return ComputeGate(parallel_jobs)
 
 
-def _step_batches(model, slots: int | str | None, device: str, decoding: str):
+def _batch_slots(slots: int | str | None, device: str, decoding: str) -> int | None:
+    if slots == "auto":
+        return 16 if str(device).startswith("cuda") and decoding != "eager" else None
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+        raise ValueError(f"batch_slots must be a number >= 1, None or 'auto', got {slots!r}")
+    return slots
+
+
+def _step_batches(model, slots: int | None, decoding: str):
     """(LMStepBatch, SpeechStepBatch) shared by all calls, or (None, None)."""
     from taste_speech.lm_batch import LMStepBatch
     from taste_speech.speech_decoder_batch import SpeechStepBatch
     from taste_speech.streaming.conversation import REPLY_ROWS
 
-    if slots == "auto":
-        slots = 16 if str(device).startswith("cuda") and decoding != "eager" else None
     if slots is None:
         return None, None
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise ValueError(f"batch_slots must be a number >= 1, None or 'auto', got {slots!r}")
     capacity = GenerationSettings.history_max_tokens + REPLY_ROWS  # a call with a longer window leaves the batch
     graph_mode = "eager" if decoding == "eager" else "auto"
     return (LMStepBatch(model.spoken_lm, slots=slots, capacity=capacity, graph_mode=graph_mode),
             SpeechStepBatch(model.speech_decoder, slots=slots, graph_mode=graph_mode))
+
+
+def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
+    """The calls' shared flow and vocoder steps, batching the windows of up to ``slots`` calls, on
+    the static synthesis path; None: the voice generator's own (one window per step) or eager."""
+    from taste_speech.streaming.synthesis_graphs import SynthesisGraphs, resolve_kind
+
+    device = next(voice_generator.parameters()).device
+    if slots is None or resolve_kind(cache_kind, device) != "static":
+        return None
+    return SynthesisGraphs(voice_generator, rows=slots)
 
 
 class TasteSession:
@@ -382,7 +403,8 @@ class TasteSession:
         state = SpeechState(out_sample_rate=out_sample_rate)
         state.sampler = TopKSampler(generator=self._speech_generator)
         state.synthesis = start_speaking(self.engine.voice_generator, self.voice, "low_latency", out_sample_rate,
-                                         self._synthesis_generator, kind=self.engine.cache_kind)
+                                         self._synthesis_generator, kind=self.engine.cache_kind,
+                                         graphs=self.engine.synthesis_graphs)
         return state
 
     def speech_cache(self):

@@ -244,7 +244,7 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
         mask = torch.ones(1, 1, n_frames, device=mu.device, dtype=mu.dtype)
         mel_window = flow.decoder(mu, mask, state.spks, cond, noise)
     else:
-        mel_window = state.graphs.flow(mu, state.spks, cond, noise)
+        mel_window = state.graphs.flow(mu, state.spks, cond, noise, owner=state)
 
     new = mel_window[:, :, n_prompt:end - first_frame].clone()
     if state.mel_tail is not None:
@@ -285,7 +285,7 @@ def _vocoder_step(vg: VoiceGenerator, state: SynthesisState, new_mel: torch.Tens
     source_new, cycles = hift.m_source(f0_up, draws, cycle_offset=carried)
     context_source = state.source_history[:, :, -n_context * spf:] if n_context else source_new[:, :, :0]
     source = torch.cat([context_source, source_new], dim=-1)
-    wav = hift.decode(mel, source) if state.graphs is None else state.graphs.vocoder(mel, source)
+    wav = hift.decode(mel, source) if state.graphs is None else state.graphs.vocoder(mel, source, owner=state)
     wav = torch.clamp(wav, -hift.audio_limit, hift.audio_limit)
 
     n_final = (end - state.voc_done) * spf

@@ -26,28 +26,49 @@ What is captured per bucket:
              source stay eager (small, and they depend on the window's context offset).
 Random noise is never drawn inside: the noise tapes' values are copied into the static inputs.
 
+Calls share one :class:`SynthesisGraphs` (threads: each call speaks in its own). Every window
+waits in one queue, and the first thread that finds no step running runs the next one for the
+others too: the oldest window and, up to ``rows``, the windows waiting for the same stage and
+bucket - one batched step (a padded row per window; CFG doubles the flow's rows) instead of a
+replay per call. A chunk's vocoder window follows its flow window after a little eager work (the
+F0 predictor, the harmonic source), so a vocoder step first waits briefly for the vocoder windows
+of the utterances that were in the last flow step (``gather``); without it, the utterances of one
+flow step split over several vocoder steps. Flow windows do not wait: when an utterance's next
+one comes depends on its speech tokens. On a GPU a step costs its launches, not its rows (``GPU_NOTES.md``: the flow
+estimator 1.9 ms for one window, 2.9 ms for sixteen), so calls that speak at the same time stop
+queueing behind each other. Each bucket holds ``rows`` rows of static buffers and a step (a graph)
+per row count n = 1, 2, 4 ... rows; idle rows inside a step hold a harmless window. ``rows=1``
+runs every window alone, in order of arrival.
+
 Lifecycle: a :class:`SynthesisGraphs` belongs to one voice generator on one device and holds the
-static buffers and graphs of the buckets used so far. Steps of several calls (threads) may share
-it: each copy-in / replay / copy-out runs under its lock (all on the calling thread's current
-stream, the default stream unless a caller changes it). ``start_speaking`` takes one explicitly,
-or uses :func:`shared_graphs` (one per voice generator, created on first use). Capturing costs a
-few eager runs per bucket: call :meth:`SynthesisGraphs.warm_up` at start-up to keep it off the
-first reply. Moving or casting the voice generator is detected and the buckets are rebuilt.
+static buffers and graphs of the buckets used so far. ``start_speaking`` takes one explicitly,
+or uses :func:`shared_graphs` (one per voice generator, ``rows=1``, created on first use). On
+CUDA all its graphs share one memory pool (their steps never overlap, and each step's outputs
+are copied out before the next). Capturing costs a few eager runs per bucket and row count: call
+:meth:`SynthesisGraphs.warm_up` at start-up to keep it off the first reply. Moving or casting the
+voice generator is detected and the buckets are rebuilt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import Counter
 from typing import Iterable, Optional
 
 import torch
 
+from taste_speech.batched_steps import step_sizes
 from taste_speech.step_graph import StepGraph, resolve_mode
 
 # Window sizes in mel frames (ascending). See the module docstring for the measured windows.
 FLOW_BUCKETS = (24, 48, 88, 144, 256)
 VOCODER_BUCKETS = (16, 24, 60, 92, 128, 256)
+# The least a vocoder step waits for the windows of its flow step's utterances: on CUDA a step's
+# host time is its launches only (the GPU still works through it), the eager work between the
+# two windows about a millisecond.
+MIN_GATHER_S = 0.003
 SYNTHESIS_KINDS = ("auto", "static", "dynamic")
 
 
@@ -72,64 +93,132 @@ def _valid_mask(mask: torch.Tensor, n: int) -> None:
     mask[..., :n] = 1
 
 
-class _FlowBucket:
-    """Static inputs of a ``frames``-frame flow window and its captured ODE."""
+class _Bucket:
+    """Static inputs of up to ``rows`` windows of ``frames`` frames, and a step per row count."""
 
-    def __init__(self, flow, frames: int, device, dtype, mode: str):
+    def __init__(self, name: str, frames: int, device, mode: str, pool):
+        self.name, self.frames = name, frames
+        self._device, self._mode, self._pool = device, mode, pool
+        self.steps: dict[int, StepGraph] = {}
+
+    def step(self, n: int) -> StepGraph:
+        if n not in self.steps:
+            self.steps[n] = StepGraph(lambda: self._compute(n), self._device, self._mode, pool=self._pool,
+                                      name=f"{self.name} ({self.frames} frames x{n})")
+        return self.steps[n]
+
+    def run(self, windows: list[tuple], n: int) -> list[torch.Tensor]:
+        """The step over the first ``n`` rows (n >= len(windows)) for these windows, one output each."""
+        for row, window in enumerate(windows):
+            self._put_row(row, *window)
+        self.mask[len(windows):n].fill_(1)  # idle rows: any finite window (an empty mask would divide by 0)
+        out = self.step(n).run()
+        # the outputs are overwritten by the next step: clone each window's valid part
+        return [out[row:row + 1, ..., :self._valid(window)].clone() for row, window in enumerate(windows)]
+
+    def _put_row(self, row: int, *window: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _valid(self, window: tuple) -> int:
+        raise NotImplementedError
+
+    def _compute(self, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _FlowBucket(_Bucket):
+    """The flow's ODE on ``frames``-frame windows: mu, cond, noise (rows, 80, frames), spks (rows, 80)."""
+
+    def __init__(self, flow, frames: int, rows: int, device, dtype, mode: str, pool=None):
+        super().__init__("flow ODE", frames, device, mode, pool)
+        self.flow = flow
         c = flow.output_size
-        self.frames = frames
-        self.mu = torch.zeros(1, c, frames, device=device, dtype=dtype)
+        self.mu = torch.zeros(rows, c, frames, device=device, dtype=dtype)
         self.cond = torch.zeros_like(self.mu)
         self.noise = torch.zeros_like(self.mu)
-        self.mask = torch.zeros(1, 1, frames, device=device, dtype=dtype)
-        self.spks = torch.zeros(1, c, device=device, dtype=dtype)
-        self.step = StepGraph(lambda: flow.decoder(self.mu, self.mask, self.spks, self.cond, self.noise, padded=True),
-                              device, mode, name=f"flow ODE ({frames} frames)")
+        self.mask = torch.zeros(rows, 1, frames, device=device, dtype=dtype)
+        self.spks = torch.zeros(rows, c, device=device, dtype=dtype)
 
-    def run(self, mu, spks, cond, noise) -> torch.Tensor:
-        n = mu.shape[-1]
-        _put(self.mu, mu)
-        _put(self.cond, cond)
-        _put(self.noise, noise)
-        _valid_mask(self.mask, n)
-        self.spks.copy_(spks)
-        return self.step.run()[..., :n].clone()  # the output buffer is overwritten by the next replay
+    def _compute(self, n: int) -> torch.Tensor:
+        return self.flow.decoder(self.mu[:n], self.mask[:n], self.spks[:n], self.cond[:n], self.noise[:n],
+                                 padded=True)
+
+    def _put_row(self, row: int, mu, spks, cond, noise) -> None:
+        r = slice(row, row + 1)
+        _put(self.mu[r], mu)
+        _put(self.cond[r], cond)
+        _put(self.noise[r], noise)
+        _valid_mask(self.mask[r], mu.shape[-1])
+        self.spks[r].copy_(spks)
+
+    def _valid(self, window: tuple) -> int:
+        return window[0].shape[-1]
 
 
-class _VocoderBucket:
-    """Static inputs of a ``frames``-frame HiFT window and its captured decode."""
+class _VocoderBucket(_Bucket):
+    """HiFT's decode on ``frames``-frame windows: mel (rows, 80, frames), source (rows, 1, 256 frames)."""
 
-    def __init__(self, hift, frames: int, device, dtype, mode: str):
-        self.frames = frames
-        self.mel = torch.zeros(1, hift.conv_pre.in_channels, frames, device=device, dtype=dtype)
-        self.source = torch.zeros(1, 1, frames * hift.samples_per_frame, device=device, dtype=dtype)
-        self.mask = torch.zeros(1, 1, frames, device=device, dtype=dtype)
-        self.step = StepGraph(lambda: hift.decode(self.mel, self.source, frame_mask=self.mask),
-                              device, mode, name=f"HiFT decode ({frames} frames)")
+    def __init__(self, hift, frames: int, rows: int, device, dtype, mode: str, pool=None):
+        super().__init__("HiFT decode", frames, device, mode, pool)
+        self.hift = hift
+        self.mel = torch.zeros(rows, hift.conv_pre.in_channels, frames, device=device, dtype=dtype)
+        self.source = torch.zeros(rows, 1, frames * hift.samples_per_frame, device=device, dtype=dtype)
+        self.mask = torch.zeros(rows, 1, frames, device=device, dtype=dtype)
 
-    def run(self, mel, source) -> torch.Tensor:
-        n = mel.shape[-1]
-        _put(self.mel, mel)
-        _put(self.source, source)
-        _valid_mask(self.mask, n)
-        return self.step.run()[..., :source.shape[-1]].clone()
+    def _compute(self, n: int) -> torch.Tensor:
+        return self.hift.decode(self.mel[:n], self.source[:n], frame_mask=self.mask[:n])
+
+    def _put_row(self, row: int, mel, source) -> None:
+        r = slice(row, row + 1)
+        _put(self.mel[r], mel)
+        _put(self.source[r], source)
+        _valid_mask(self.mask[r], mel.shape[-1])
+
+    def _valid(self, window: tuple) -> int:
+        return window[1].shape[-1]
+
+
+class _Window:
+    """One call's window waiting for a step: its stage, bucket (None: too large, eager) and inputs."""
+
+    __slots__ = ("stage", "bucket", "inputs", "owner", "output")
+
+    def __init__(self, stage: str, bucket: Optional[int], inputs: tuple, owner=None):
+        self.stage, self.bucket, self.inputs = stage, bucket, inputs
+        self.owner = owner  # the utterance (its SynthesisState), or None
+        self.output = None  # the result, or the exception the step raised
 
 
 class SynthesisGraphs:
     def __init__(self, vg, graph_mode: str = "auto", flow_buckets: Iterable[int] = FLOW_BUCKETS,
-                 vocoder_buckets: Iterable[int] = VOCODER_BUCKETS):
+                 vocoder_buckets: Iterable[int] = VOCODER_BUCKETS, rows: int = 1, gather: float = 0.5):
         """Bucketed steps for ``vg`` on its current device. ``graph_mode`` (see ``step_graph``):
         'auto' captures CUDA graphs on CUDA and runs the padded steps eagerly elsewhere; 'eager' and
-        'rehearse' (the capture protocol without a graph) work on any device."""
+        'rehearse' (the capture protocol without a graph) work on any device. ``rows``: the most
+        windows (of concurrent calls) one step runs. ``gather``: how long a vocoder step waits for
+        the windows of the last flow step's other utterances, as a fraction of that step's time
+        (at least ``MIN_GATHER_S``; 0: no waiting)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
+        if not 0 <= gather <= 1:
+            raise ValueError(f"gather must be a fraction of a step between 0 and 1, got {gather!r}")
+        self.gather = float(gather)
         self.vg = vg
         self.graph_mode = graph_mode
+        self.rows = rows
+        self.row_counts = step_sizes(rows)  # a step runs the first n rows of a bucket, n one of these
         self.flow_buckets = tuple(sorted(int(b) for b in flow_buckets))
         self.vocoder_buckets = tuple(sorted(int(b) for b in vocoder_buckets))
         if not self.flow_buckets or not self.vocoder_buckets or min(self.flow_buckets + self.vocoder_buckets) < 1:
             raise ValueError("bucket sizes must be positive frame counts, at least one per stage")
-        self.counts: Counter = Counter()  # steps per ('flow' | 'vocoder', bucket frames or None = eager fallback)
+        self.counts: Counter = Counter()  # windows per ('flow' | 'vocoder', bucket frames or None = eager fallback)
         self.padded_frames: Counter = Counter()  # padding frames computed per stage (how much padding occurred)
-        self._lock = threading.Lock()
+        self.batches: Counter = Counter()  # steps per ('flow' | 'vocoder', windows in the step)
+        self._queue: list[_Window] = []
+        self._lock = threading.Condition()
+        self._stepping = False  # a thread is running a step (or capturing)
+        self._awaited: set[int] = set()  # id(owner) of the utterances whose vocoder window is due
+        self._flow_step_s = 0.0  # the last flow step's time
         self._fingerprint = None
         self._reset()
 
@@ -153,66 +242,178 @@ class SynthesisGraphs:
         return {"flow": sorted(self._flow), "vocoder": sorted(self._vocoder)}
 
     def fallback_reasons(self) -> dict[str, str]:
-        """Buckets whose capture failed (they run eagerly), with the reason."""
-        steps = [*self._flow.values(), *self._vocoder.values()]
-        return {b.step.name: b.step.fallback_reason for b in steps if b.step.fallback_reason}
+        """Steps whose capture failed (they run eagerly), with the reason."""
+        steps = [step for b in (*self._flow.values(), *self._vocoder.values()) for step in b.steps.values()]
+        return {step.name: step.fallback_reason for step in steps if step.fallback_reason}
 
-    @torch.inference_mode()
-    def flow(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """The flow's ODE on one window: mu, cond, noise (1, 80, n), spks (1, 80) -> mel (1, 80, n)."""
-        n = mu.shape[-1]
+    def stats(self) -> dict:
+        """Windows and steps per stage, and the mean windows per step (how much batching occurred)."""
         with self._lock:
-            self._check_weights()
-            size = self.bucket_for("flow", n)
-            self.counts["flow", size] += 1
-            self.padded_frames["flow"] += 0 if size is None else size - n
-            if size is None:
-                mask = torch.ones(1, 1, n, device=mu.device, dtype=mu.dtype)
-                return self.vg.flow.decoder(mu, mask, spks, cond, noise)
-            return self._flow_bucket(size).run(mu, spks, cond, noise)
+            out = {"rows": self.rows, "mode": self._mode}
+            for stage in ("flow", "vocoder"):
+                steps = sum(c for (s, _), c in self.batches.items() if s == stage)
+                windows = sum(n * c for (s, n), c in self.batches.items() if s == stage)
+                out[stage] = {"windows": windows, "steps": steps,
+                              "mean_batch": round(windows / steps, 3) if steps else None}
+            return out
 
-    @torch.inference_mode()
-    def vocoder(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    def flow(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor,
+             owner=None) -> torch.Tensor:
+        """The flow's ODE on one window: mu, cond, noise (1, 80, n), spks (1, 80) -> mel (1, 80, n).
+        ``owner``: the utterance (its state), whose vocoder window is then awaited by the next
+        vocoder step (None: no waiting for it)."""
+        return self._submit(_Window("flow", self.bucket_for("flow", mu.shape[-1]), (mu, spks, cond, noise), owner))
+
+    def vocoder(self, mel: torch.Tensor, source: torch.Tensor, owner=None) -> torch.Tensor:
         """HiFT's decode on one window: mel (1, 80, n), source (1, 1, 256 n) -> waveform (1, 256 n), unclamped."""
-        n = mel.shape[-1]
-        with self._lock:
-            self._check_weights()
-            size = self.bucket_for("vocoder", n)
-            self.counts["vocoder", size] += 1
-            self.padded_frames["vocoder"] += 0 if size is None else size - n
-            if size is None:
-                return self.vg.hift.decode(mel, source)
-            return self._vocoder_bucket(size).run(mel, source)
+        return self._submit(_Window("vocoder", self.bucket_for("vocoder", mel.shape[-1]), (mel, source), owner))
 
     @torch.inference_mode()
     def warm_up(self, flow_frames: Optional[Iterable[int]] = None,
                 vocoder_frames: Optional[Iterable[int]] = None) -> None:
-        """Capture the buckets holding these window sizes now (default: every bucket), so that no
-        live step pays for a capture. Not counted in ``counts``."""
+        """Capture the steps of the buckets holding these window sizes now (default: every bucket),
+        each row count, so that no live step pays for a capture. Not counted in ``counts``."""
         flow_frames = self.flow_buckets if flow_frames is None else flow_frames
         vocoder_frames = self.vocoder_buckets if vocoder_frames is None else vocoder_frames
-        with self._lock:
-            self._check_weights()
+        with self._exclusive():
             zeros = lambda *shape: torch.zeros(*shape, device=self._device, dtype=self._dtype)  # noqa: E731
             c = self.vg.flow.output_size
-            for size in {self.bucket_for("flow", n) for n in flow_frames} - {None}:
-                self._flow_bucket(size).run(zeros(1, c, size), zeros(1, c), zeros(1, c, size), zeros(1, c, size))
-            for size in {self.bucket_for("vocoder", n) for n in vocoder_frames} - {None}:
-                bucket = self._vocoder_bucket(size)
-                bucket.run(zeros(*bucket.mel.shape), zeros(*bucket.source.shape))
+            n_mel = self.vg.hift.conv_pre.in_channels
+            spf = self.vg.hift.samples_per_frame
+            # largest first: later captures reuse the shared pool's memory instead of growing it
+            for n in reversed(self.row_counts):
+                for size in sorted({self.bucket_for("flow", f) for f in flow_frames} - {None}, reverse=True):
+                    window = (zeros(1, c, size), zeros(1, c), zeros(1, c, size), zeros(1, c, size))
+                    self._flow_bucket(size).run([window] * n, n)
+                for size in sorted({self.bucket_for("vocoder", f) for f in vocoder_frames} - {None}, reverse=True):
+                    self._vocoder_bucket(size).run([(zeros(1, n_mel, size), zeros(1, 1, size * spf))] * n, n)
 
     def __deepcopy__(self, memo):
         return self  # scratch buffers and graphs, no per-utterance state: a copied state shares them
 
+    # -- steps ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _submit(self, window: _Window) -> torch.Tensor:
+        """Queue the window; the first thread to find no step running runs steps until its own
+        window is done (serving the windows it batches with), the others wait for theirs."""
+        with self._lock:
+            self._queue.append(window)
+            self._lock.notify_all()  # a vocoder step may be gathering its windows
+            while window.output is None:
+                if self._stepping:
+                    self._lock.wait()
+                    continue
+                self._stepping = True
+                try:
+                    self._check_weights()
+                    self._gather_vocoder_windows()
+                    batch = self._next_batch()
+                    self._lock.release()
+                    started = time.perf_counter()
+                    try:
+                        self._run(batch)
+                    finally:
+                        self._lock.acquire()
+                    self._after_step(batch, time.perf_counter() - started)
+                finally:
+                    self._stepping = False
+                    self._lock.notify_all()
+        if isinstance(window.output, BaseException):
+            raise window.output
+        return window.output
+
+    def _gather_vocoder_windows(self) -> None:
+        """(Lock held.) If the oldest window is a vocoder window: wait until every utterance of the
+        last flow step has its vocoder window queued, or gather x that step's time has passed."""
+        if self._queue[0].stage != "vocoder" or not self._awaited or not self.gather:
+            return
+        deadline = time.perf_counter() + max(self.gather * self._flow_step_s, MIN_GATHER_S)
+        while True:
+            queued = {id(w.owner) for w in self._queue if w.stage == "vocoder"}
+            if self._awaited <= queued or (left := deadline - time.perf_counter()) <= 0:
+                break
+            self._lock.wait(left)
+        self._awaited.clear()  # once per flow step: an utterance that did not come is not waited for again
+
+    def _after_step(self, batch: list[_Window], seconds: float) -> None:
+        """(Lock held.) Statistics; after a flow step, its utterances' vocoder windows are awaited."""
+        stage = batch[0].stage
+        self.batches[stage, len(batch)] += 1
+        for w in batch:
+            if w.owner is None:
+                continue
+            if stage == "flow" and not isinstance(w.output, BaseException):
+                self._awaited.add(id(w.owner))
+            else:
+                self._awaited.discard(id(w.owner))
+        if stage == "flow":
+            self._flow_step_s = seconds
+
+    def _next_batch(self) -> list[_Window]:
+        """(Lock held.) The oldest window and the windows waiting for the same stage and bucket,
+        up to ``rows``, taken off the queue; a window larger than every bucket runs alone."""
+        first = self._queue[0]
+        if first.bucket is None:
+            batch = [first]
+        else:
+            same = [w for w in self._queue if (w.stage, w.bucket) == (first.stage, first.bucket)]
+            batch = same[:self.rows]
+        taken = set(map(id, batch))
+        self._queue = [w for w in self._queue if id(w) not in taken]
+        for w in batch:
+            self.counts[w.stage, w.bucket] += 1
+            frames = w.inputs[0].shape[-1]
+            self.padded_frames[w.stage] += 0 if w.bucket is None else w.bucket - frames
+        return batch
+
+    def _run(self, batch: list[_Window]) -> None:
+        """One step for ``batch`` (one stage, one bucket); each window gets its output or the error."""
+        first = batch[0]
+        try:
+            if first.bucket is None:  # the unpadded reference path, at the window's own size
+                outputs = [self._eager(first)]
+            else:
+                bucket = (self._flow_bucket if first.stage == "flow" else self._vocoder_bucket)(first.bucket)
+                n = next(n for n in self.row_counts if n >= len(batch))
+                outputs = bucket.run([w.inputs for w in batch], n)
+        except BaseException as error:  # every window of this step fails; the next steps may not
+            outputs = [error] * len(batch)
+        for w, output in zip(batch, outputs):
+            w.output = output
+
+    def _eager(self, window: _Window) -> torch.Tensor:
+        if window.stage == "vocoder":
+            return self.vg.hift.decode(*window.inputs)
+        mu, spks, cond, noise = window.inputs
+        mask = torch.ones(1, 1, mu.shape[-1], device=mu.device, dtype=mu.dtype)
+        return self.vg.flow.decoder(mu, mask, spks, cond, noise)
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """No step runs inside (captures, rebuilding after the weights moved)."""
+        with self._lock:
+            while self._stepping:
+                self._lock.wait()
+            self._stepping = True
+            self._check_weights()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._stepping = False
+                self._lock.notify_all()
+
     # -- internals ------------------------------------------------------------------------------
     def _flow_bucket(self, size: int) -> _FlowBucket:
         if size not in self._flow:
-            self._flow[size] = _FlowBucket(self.vg.flow, size, self._device, self._dtype, self._mode)
+            self._flow[size] = _FlowBucket(self.vg.flow, size, self.rows, self._device, self._dtype, self._mode,
+                                           self._pool)
         return self._flow[size]
 
     def _vocoder_bucket(self, size: int) -> _VocoderBucket:
         if size not in self._vocoder:
-            self._vocoder[size] = _VocoderBucket(self.vg.hift, size, self._device, self._dtype, self._mode)
+            self._vocoder[size] = _VocoderBucket(self.vg.hift, size, self.rows, self._device, self._dtype,
+                                                 self._mode, self._pool)
         return self._vocoder[size]
 
     def _weights(self):
@@ -224,6 +425,8 @@ class SynthesisGraphs:
         self._fingerprint = self._weights()
         self._device, self._dtype = self._fingerprint[0], self._fingerprint[1]
         self._mode = resolve_mode(self.graph_mode, self._device)
+        # one pool for every graph: their steps never overlap and their outputs are copied out at once
+        self._pool = torch.cuda.graph_pool_handle() if self._mode == "graph" else None
         self._flow: dict[int, _FlowBucket] = {}
         self._vocoder: dict[int, _VocoderBucket] = {}
 
