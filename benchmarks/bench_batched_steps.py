@@ -242,13 +242,17 @@ def measure(models: list[str], calls: list[int], *, steps: int = 40, device: str
     return results
 
 
+def rate(steps_per_s: float) -> str:
+    return f"{steps_per_s:.0f}" if steps_per_s >= 10 else f"{steps_per_s:.2f}"
+
+
 def markdown(results: list[dict]) -> list[str]:
     lines = ["| model | decoder | calls | alone ms/step | batched ms/step | alone steps/s | batched steps/s | "
              "batched / alone | mean batch |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['model']} | {r['decoder']} | {r['calls']} | {r['alone_ms_per_step']:.2f} | "
                      f"{r['batched_ms_per_step']:.2f} | "
-                     f"{r['alone_steps_per_s']:.0f} | {r['batched_steps_per_s']:.0f} | {r['throughput_ratio']:.2f}x | "
+                     f"{rate(r['alone_steps_per_s'])} | {rate(r['batched_steps_per_s'])} | {r['throughput_ratio']:.2f}x | "
                      f"{r['mean_batch']:.2f} |")
     return lines
 
