@@ -411,15 +411,33 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 
 
+def progress(message: str) -> None:
+    """A line on stderr as each part ends (a run cut off by a time limit still shows how far it got)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def rounded(value):
+    """``value`` with every float rounded to 0.1 (for progress lines)."""
+    if isinstance(value, float):
+        return round(value, 1)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v) for v in value]
+    return value
+
+
 def run(args) -> dict:
     torch.set_grad_enabled(False)
     dtype = None if args.dtype == "float32" else args.dtype
     engine = build_engine(args.size, args.device, dtype)
     asr = build_asr(args.size, engine, args.device, dtype)
+    progress(f"built the {args.size} model and ASR on {args.device}")
     forced = ForcedReply(engine.model.spoken_lm)
     audio = user_audio()
     data = {"size": args.size, "device": device_name(args.device), "dtype": args.dtype, "paths": {}}
     data["lm_parity"] = lm_parity(engine)
+    progress(f"bf16 parity: {rounded(data['lm_parity'])}")
     with forced:
         for path in (EAGER, GRAPHED):
             path_eng = path_engine(engine, path)
@@ -427,18 +445,27 @@ def run(args) -> dict:
             runs = [first_audio(path_eng, asr, path, forced, audio, whole_reply=True) for _ in range(args.repeats)]
             best = sorted(runs, key=lambda r: r["first_audio_ms"])[(len(runs) - 1) // 2]
             entry = {"first_audio": best, "first_audio_runs_ms": [r["first_audio_ms"] for r in runs]}
+            progress(f"{path.name}: first audio {rounded(entry['first_audio_runs_ms'])} ms, "
+                     f"stages {rounded(best['stages'])}")
             entry["lm_ms_per_token"] = {c: lm_ms_per_token(engine, path, c, args.steps) for c in args.contexts}
             entry["speech_decoder_ms_per_token"] = {c: speech_decoder_ms_per_token(engine, path, c, args.steps)
                                                     for c in args.contexts}
             entry["synthesis"] = synthesis_ms_per_chunk(engine, path)
+            progress(f"{path.name}: LM ms/token {rounded(entry['lm_ms_per_token'])}, speech decoder "
+                     f"{rounded(entry['speech_decoder_ms_per_token'])}, synthesis {rounded(entry['synthesis'])}")
             if args.calls:
-                entry["concurrency"] = [concurrent_first_audio(path_eng, asr, path, forced, n) for n in args.calls]
+                entry["concurrency"] = []
+                for n in args.calls:
+                    entry["concurrency"].append(concurrent_first_audio(path_eng, asr, path, forced, n))
+                    progress(f"{path.name}: {rounded(entry['concurrency'][-1])}")
             data["paths"][path.name] = entry
             del path_eng
         if args.calls:
             batched = path_engine(engine, BATCHED)
-            data["paths"]["graphed"]["concurrency_batched"] = [
-                concurrent_first_audio(batched, asr, BATCHED, forced, n) for n in args.calls]
+            rows = data["paths"]["graphed"]["concurrency_batched"] = []
+            for n in args.calls:
+                rows.append(concurrent_first_audio(batched, asr, BATCHED, forced, n))
+                progress(f"batched: {rounded(rows[-1])}")
             data["paths"]["graphed"]["lm_batch"] = batched.lm_batch.stats()
             data["paths"]["graphed"]["speech_batch"] = batched.speech_batch.stats()
             data["paths"]["graphed"]["synthesis_batch"] = batched.synthesis_graphs.stats()
