@@ -19,6 +19,7 @@ from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
 
 from pipecat_taste import TasteSpeechToSpeech
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
+from pipecat_taste.playout import PlayoutParams
 from pipecat_taste.testing import FakeEngine
 from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig
@@ -135,6 +136,39 @@ async def test_barge_in_keeps_only_the_words_that_were_heard(u):
     assert history[2][0] == "user" and history[3][0] == "assistant"  # committed before the next reply
     assert result.report["checks"]["barge_in_within_100ms"]
     assert result.report["checks"]["talk_over_ms_outside_barge_in"] == 0
+
+
+async def test_segment_markers_never_stall_the_audio(u):
+    # The vocoder holds back 500 ms, more than a word (like the real synthesis, whose lookahead and
+    # chunks are longer than a word), so each word's marker arrives well before the end of the
+    # audio ahead of it; the audio must still flow without a gap.
+    engine = FakeEngine(reply_words=tuple(f"w{i}" for i in range(8)), lookahead_tokens=25)
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=6, end_silence_s=0.8)]
+    result = await run(engine, script)
+    record = result.log.turns[1]
+    assert record.underruns == 0
+    assert record.played_samples == record.synthesized_samples == 8 * 0.2 * 16000  # 200 ms per word
+    texts = [(t, f.text) for t, f in result.frames if isinstance(f, TTSTextFrame)]
+    assert "".join(text for _, text in texts).split() == list(engine.reply_words)
+    # each word's text goes out with its audio (200 ms per word), not before
+    for i, (t, _) in enumerate(texts):
+        assert t >= record.first_audio_at + 0.2 * i - 0.1, (i, t - record.first_audio_at)
+
+
+async def test_the_playout_learns_to_hold_replies_whose_second_chunk_comes_late(u):
+    # The second word's audio comes 450 ms after the first word's 200 ms: a gap after the first
+    # syllable, as on slow hardware. The first reply has it; the next is held instead.
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=6, end_silence_s=0.8),
+              Say(u["hello"]), WaitForReply(timeout_s=6, end_silence_s=0.8)]
+    result = await run(FakeEngine(first_gap=0.45), script)
+    first, second = result.log.turns[1], result.log.turns[2]
+    assert first.underruns >= 1 and first.start_hold_s == 0.0
+    assert second.underruns == 0 and 0.2 < second.start_hold_s <= 0.4
+    assert second.played_samples == second.synthesized_samples  # nothing lost by holding
+    # without the hold the gap comes back
+    plain = await simulate_call(FakeEngine(first_gap=0.45), script, tail_s=1.0,
+                                config=config(playout=PlayoutParams(start_hold_max_ms=0)))
+    assert plain.log.turns[2].underruns >= 1 and plain.log.turns[2].start_hold_s == 0.0
 
 
 async def test_calls_release_their_worker_threads(u):

@@ -186,7 +186,10 @@ def _summary(report: dict, paths: dict) -> str:
     for turn in report["turns"]:
         line = f"  {turn['utterance']:8s} decision={turn['decision']}"
         if turn.get("first_audio_latency_ms") is not None:
-            line += f"  first audio {turn['first_audio_latency_ms']:.0f} ms  reply {turn.get('reply_duration_ms', 0):.0f} ms"
+            line += f"  first audio {turn['first_audio_latency_ms']:.0f} ms"
+            if turn.get("start_hold_ms"):
+                line += f" (held {turn['start_hold_ms']:.0f} ms)"
+            line += f"  reply {turn.get('reply_duration_ms', 0):.0f} ms"
         if turn.get("asr_after_end_ms") is not None:
             line += f"  ASR after end {turn['asr_after_end_ms']:.0f} ms ({turn['asr_partials']} partials)"
         if "barge_in_stop_ms" in turn:

@@ -145,6 +145,7 @@ def build_report(result, meta: dict) -> dict:
                 "reply_duration_ms": round(1000 * (last - first) / sr, 1),
                 "reply_text": reply.reply_text, "played_text": reply.played_text,
                 "interrupted": reply.interrupted, "underruns": reply.underruns,
+                "start_hold_ms": round(1000 * reply.start_hold_s, 1),
             })
         elif reply is not None:
             entry.update({"first_audio_latency_ms": None, "reply_text": reply.reply_text, "interrupted": reply.interrupted})

@@ -61,6 +61,7 @@ class TurnRecord:
     played_samples: int = 0  # reply audio handed to the transport (incl. the fade-out)
     dropped_samples: int = 0  # synthesized but never played (barge-in)
     underruns: int = 0
+    start_hold_s: float = 0.0  # the playout's learned start hold when this reply began (part of its latency)
     errors: list[str] = field(default_factory=list)
 
     @property

@@ -13,6 +13,15 @@ What it has released is exactly what the caller hears; that makes three things p
   least half of its audio was released (``TastePlaybackFrame`` upstream to the generator);
 * per-turn metrics: end of user speech -> first bot audio, barge-in -> last bot audio.
 
+A reply's first chunk is short (it is made as soon as the first speech tokens exist) while the
+next one takes as long to make as any steady chunk, so on slower hardware the first chunk can
+end before the second arrives: a gap right after the first syllable of every reply. The playout
+measures, for each reply, how late each chunk of its first ``start_window_ms`` arrived against
+when it was heard, and holds the first audio of the next replies for as long as the last few
+replies needed (at most ``start_hold_max_ms``; less again when chunks arrive with time to spare).
+On a GPU fast enough for the first chunks the hold stays at 0. The hold is part of the reported
+first-audio latency, and each turn's record says how long it was (``start_hold_s``).
+
 It also paces ``TTSTextFrame`` (one per segment) with the audio, brackets every reply with
 ``TTSStartedFrame``/``TTSStoppedFrame`` (one pair per reply, also when it is cut off: the
 transport reports one BotStarted/BotStopped pair), and counts underruns (the synthesizer not
@@ -67,13 +76,19 @@ class PlayoutParams:
     lead_ms: float = 30.0  # how far ahead of the heard audio frames are released
     fade_out_ms: float = 10.0  # fade on barge-in
     prebuffer_ms: float = 0.0  # audio to collect before a reply starts (0: play the first chunk at once)
+    start_hold_max_ms: float = 400.0  # the longest the learned start hold may be (0: never hold)
+    start_window_ms: float = 1000.0  # the start of a reply whose gaps the hold is learned from
+    start_memory: int = 3  # replies the hold is learned from (the largest need among them)
     heard_fraction: float = 0.5  # a segment counts as heard when this much of its audio played
     interruption_hold_secs: float = 0.5  # longest wait for the transport's BotStopped on barge-in
 
     def __post_init__(self):
-        if self.frame_ms <= 0 or min(self.lead_ms, self.fade_out_ms, self.prebuffer_ms, self.interruption_hold_secs) < 0:
+        if self.frame_ms <= 0 or min(self.lead_ms, self.fade_out_ms, self.prebuffer_ms, self.interruption_hold_secs,
+                                     self.start_hold_max_ms, self.start_window_ms) < 0:
             raise ValueError("PlayoutParams: frame_ms must be > 0 and lead_ms, fade_out_ms, prebuffer_ms, "
-                             "interruption_hold_secs >= 0")
+                             "interruption_hold_secs, start_hold_max_ms, start_window_ms >= 0")
+        if self.start_memory < 1:
+            raise ValueError("PlayoutParams.start_memory must be >= 1 (replies to learn the start hold from)")
         if not 0.0 < self.heard_fraction <= 1.0:
             raise ValueError("PlayoutParams.heard_fraction must be in (0, 1]")
 
@@ -88,6 +103,10 @@ class _Reply:
     ended: bool = False  # the synthesizer's TTSStoppedFrame has arrived
     segments: dict[int, TasteSegmentAudioFrame] = field(default_factory=dict)
     queued_samples: int = 0
+    texts: collections.deque = field(default_factory=collections.deque)  # segment markers whose text is not out yet
+    received: int = 0  # samples that arrived from the synthesizer
+    arrivals: list[tuple[int, float]] = field(default_factory=list)  # (first sample, time) of each chunk at the start
+    first_release: float | None = None  # when its first audio was released (the origin before any underrun)
 
 
 class TastePlayout(FrameProcessor):
@@ -104,6 +123,9 @@ class TastePlayout(FrameProcessor):
         self._cancelled_upto = 0
         self._held_interruption: tuple[InterruptionFrame, FrameDirection] | None = None
         self._hold_task: asyncio.Task | None = None
+        # The start hold (module docstring): what each recent reply would have needed
+        self._start_needs: collections.deque = collections.deque(maxlen=self._params.start_memory)
+        self.start_hold_s = 0.0
         call.has_playout = True
 
     def can_generate_metrics(self) -> bool:
@@ -174,12 +196,17 @@ class TastePlayout(FrameProcessor):
             self._queue.append(("start", reply, frame))
         elif isinstance(frame, TTSAudioRawFrame):
             samples = pcm16_to_float(frame.audio)
+            if reply.received < samples_for_ms(self._params.start_window_ms, self._rate) and samples.size:
+                reply.arrivals.append((reply.received, time.monotonic()))
+            reply.received += samples.size
             for piece in reply.slicer.push(samples):
                 self._queue.append(("audio", reply, piece))
                 reply.queued_samples += piece.size
         elif isinstance(frame, TasteSegmentAudioFrame):
+            # Not queued with the audio: a segment's marker can come before the end of the audio
+            # that precedes it (the synthesizer holds back a lookahead), and would stall it.
             reply.segments[frame.index] = frame
-            self._queue.append(("text", reply, frame))
+            reply.texts.append(frame)
         elif isinstance(frame, TTSStoppedFrame):
             tail = reply.slicer.flush()  # the last partial frame, padded with zeros
             if tail is not None:
@@ -204,21 +231,18 @@ class TastePlayout(FrameProcessor):
                 self._playing = reply
                 reply.started = True
                 await self.push_frame(TTSStartedFrame(context_id=payload.context_id))
-            elif kind == "text":
-                due = self._due(reply, payload.start_sample, now)
-                if due > now:
-                    await self._sleep_or_wake(due - now)
-                    continue
-                self._queue.popleft()
-                await self.push_frame(TTSTextFrame(payload.text, text_type=TextType.WORD,
-                                                   context_id=context_id_for(reply.turn_id)))
             elif kind == "audio":
                 if reply.origin is None:
                     if not self._prebuffered(reply):
                         self._wake.clear()
                         await self._sleep_or_wake(0.02)
                         continue
-                    reply.origin = now
+                    held_until = reply.arrivals[0][1] + self.start_hold_s if reply.arrivals else now
+                    if held_until > now and not reply.ended:
+                        await self._sleep_or_wake(held_until - now)
+                        continue
+                    reply.origin = reply.first_release = now
+                    self._call.log.turn(reply.turn_id).start_hold_s = self.start_hold_s
                     self._first_audio(reply, now)
                 heard_at = reply.origin + reply.released / self._rate
                 if heard_at - lead > now:
@@ -237,13 +261,9 @@ class TastePlayout(FrameProcessor):
                     await asyncio.sleep(heard_until - lead - now)
                     continue
                 self._queue.popleft()
+                await self._push_texts(reply, reply.released)  # markers that came after their audio
                 await self.push_frame(TTSStoppedFrame(context_id=payload.context_id))
                 await self._finish(reply, interrupted=False, extra_samples=0)
-
-    def _due(self, reply: _Reply, sample: int, now: float) -> float:
-        if reply.origin is None:
-            return now
-        return reply.origin + sample / self._rate - self._params.lead_ms / 1000.0
 
     def _prebuffered(self, reply: _Reply) -> bool:
         need = samples_for_ms(self._params.prebuffer_ms, self._rate)
@@ -256,7 +276,17 @@ class TastePlayout(FrameProcessor):
             pass
         self._wake.clear()
 
-    async def _release(self, reply: _Reply, samples: np.ndarray):
+    async def _push_texts(self, reply: _Reply, until_sample: int):
+        """A ``TTSTextFrame`` for each segment whose audio starts before ``until_sample``: the text
+        goes out with the first frame of its audio."""
+        while reply.texts and reply.texts[0].start_sample <= until_sample:
+            segment = reply.texts.popleft()
+            await self.push_frame(TTSTextFrame(segment.text, text_type=TextType.WORD,
+                                               context_id=context_id_for(reply.turn_id)))
+
+    async def _release(self, reply: _Reply, samples: np.ndarray, texts: bool = True):
+        if texts:
+            await self._push_texts(reply, reply.released + samples.size - 1)
         pcm = float_to_pcm16(samples)
         frame = TTSAudioRawFrame(pcm, self._rate, 1, context_id=context_id_for(reply.turn_id))
         frame.interruptible = False  # the playout decides what gets dropped, not the transport
@@ -296,7 +326,7 @@ class TastePlayout(FrameProcessor):
         transport_speaking = reply is not None and reply.released > 0 and self._call.bot_speaking
         if reply is not None and reply.started:
             if fade.size:
-                await self._release(reply, fade)
+                await self._release(reply, fade, texts=False)  # a word cut off by the fade was not heard
             await self.push_frame(TTSStoppedFrame(context_id=context_id_for(reply.turn_id)))
         if transport_speaking:
             self._held_interruption = (frame, direction)
@@ -326,6 +356,19 @@ class TastePlayout(FrameProcessor):
             await self.push_frame(*held)
 
     # -- end of a reply ----------------------------------------------------------------------------------
+    def _learn_start_hold(self, reply: _Reply) -> None:
+        """The hold this reply needed: how much later than its first chunk each chunk at its start
+        arrived, beyond the audio ahead of it (negative: time to spare). The next replies are held
+        for the largest need among the last ``start_memory``, plus ``lead_ms``, capped."""
+        if reply.first_release is None or len(reply.arrivals) < 2:
+            return  # never played, or one chunk only: nothing to learn
+        first = reply.arrivals[0][1]
+        late = [arrived - first - sample / self._rate for sample, arrived in reply.arrivals[1:]]
+        self._start_needs.append(max(late))
+        need = max(self._start_needs)
+        cap = self._params.start_hold_max_ms / 1000.0
+        self.start_hold_s = min(cap, need + self._params.lead_ms / 1000.0) if need > 0 else 0.0
+
     async def _finish(self, reply: _Reply, interrupted: bool, extra_samples: int):
         call, record = self._call, self._call.log.turn(reply.turn_id)
         played = reply.released + extra_samples
@@ -339,6 +382,7 @@ class TastePlayout(FrameProcessor):
             texts.append(segment.text)
         total = sum(s.n_words for s in reply.segments.values())
         now = time.monotonic()
+        self._learn_start_hold(reply)
         record.played_samples = played
         record.played_words = words
         record.played_text = "".join(texts).strip()

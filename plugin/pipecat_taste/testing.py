@@ -34,8 +34,10 @@ class FakeEngine:
     tokens_per_word: int = 2  # LLM tokens per word
     speech_tokens_per_word: int = 10  # 200 ms of audio per word
     word_delay: float = 0.0  # generation cost per word (s)
+    first_gap: float = 0.0  # extra cost of the reply's second word (s): its audio comes late, as on slow hardware
     decode_delay: float = 0.0  # speech-decoder cost per word (s)
     vocode_delay: float = 0.0  # vocoder cost per call (s)
+    lookahead_tokens: int = 0  # tokens the vocoder holds back until more arrive (like the real synthesis)
     fail_on: tuple[str, ...] = ("explode",)  # a transcript containing one of these fails in user_turn
     fail_vocode_on: tuple[str, ...] = ()  # reply words whose synthesis fails
     asr_text: str | None = None  # what transcribe() returns (None: no built-in ASR)
@@ -105,11 +107,11 @@ class FakeSession:
             return
         produced: list[str] = []
         reason = "finished"
-        for word in self.engine.reply_words:
+        for i, word in enumerate(self.engine.reply_words):
             if stop.is_set():
                 reason = "cancelled"
                 break
-            time.sleep(self.engine.word_delay)
+            time.sleep(self.engine.word_delay + (self.engine.first_gap if i == 1 else 0.0))
             produced.append(word)
             yield ReplyEvent("segment", text=" " + word, n_words=1,
                              segment=FakeSegment([word], self.engine.tokens_per_word))
@@ -132,7 +134,7 @@ class FakeSession:
     # -- speaking: each speech token is 20 ms of a tone; the phase carries across chunks --------
     def start_speech(self, out_sample_rate: int) -> SpeechState:
         state = SpeechState(out_sample_rate=out_sample_rate)
-        state.synthesis = {"phase": 0.0, "tokens": 0}
+        state.synthesis = {"phase": 0.0, "tokens": 0, "held": []}
         return state
 
     def speech_tokens(self, state: SpeechState, segment: FakeSegment) -> Iterator[list[int]]:
@@ -151,6 +153,9 @@ class FakeSession:
     def vocode(self, state: SpeechState, tokens: list[int], final: bool = False) -> list[np.ndarray]:
         self.threads.add(threading.current_thread().name)
         time.sleep(self.engine.vocode_delay)
+        tokens = state.synthesis["held"] + list(tokens)
+        keep = 0 if final else min(len(tokens), self.engine.lookahead_tokens)
+        tokens, state.synthesis["held"] = tokens[:len(tokens) - keep], tokens[len(tokens) - keep:]
         if not tokens:
             return []
         rate = state.out_sample_rate
