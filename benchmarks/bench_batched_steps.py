@@ -140,6 +140,7 @@ class SynthesisCalls:
         self.shared = self.new_graphs(16)
         self.own: list = []  # each call's own graphs when alone (kept: captured once per call index)
         self.batch, self.device = self, device  # warm_up() and stats() as the decode batches have them
+        self.steps = steps
 
     def warm_up(self) -> None:
         self.shared.warm_up([self.FLOW_FRAMES], [self.VOCODER_FRAMES])
@@ -171,7 +172,7 @@ class SynthesisCalls:
 
     def step(self, graphs, window: tuple, i: int) -> None:
         graphs.flow(*window[1], owner=window)  # the window stands for its call's utterance
-        graphs.vocoder(*window[2], owner=window)
+        graphs.vocoder(*window[2], owner=window, more=i < self.steps - 1)  # the next chunk's tokens are there
 
     def end(self, graphs) -> None:
         pass

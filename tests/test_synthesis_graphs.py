@@ -274,6 +274,36 @@ def test_concurrent_utterances_share_steps_and_each_keeps_its_own_audio(vg):
     assert not graphs._queue and not graphs._stepping
 
 
+def test_utterances_whose_tokens_are_at_hand_step_together(vg):
+    """Three utterances whose speech tokens are all there, spoken from three threads: after a
+    vocoder step each has its next flow window at once (``more``), so the next flow step waits
+    for the three of them instead of starting with whichever came first. Each utterance still
+    gets the chunks it gets alone."""
+    g = torch.Generator().manual_seed(12)
+    utterances = [(torch.randint(0, vg.flow.vocab_size, (1, 150), generator=g),
+                   torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)) for _ in range(3)]
+    references = [stream(vg, tokens, speaker, "low_latency", [150], kind="dynamic")[1]
+                  for tokens, speaker in utterances]
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=1.0)
+    start = threading.Barrier(3)
+    results = [None] * 3
+
+    def speak_one(i):
+        tokens, speaker = utterances[i]
+        start.wait()
+        results[i] = stream(vg, tokens, speaker, "low_latency", [150], graphs=graphs)[1]
+
+    run_in_threads(speak_one, [(i,) for i in range(3)])
+    for reference, chunks in zip(references, results):
+        assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
+    flow_steps = sum(c for (stage, _), c in graphs.batches.items() if stage == "flow")
+    chunks = len(references[0])
+    # the first chunk (nobody is awaited yet) and the final flush (its tokens came in a later
+    # call) may split; every steady chunk's flow windows run as one step
+    assert chunks >= 6 and graphs.batches["flow", 3] >= chunks - 2, (chunks, graphs.batches)
+    assert flow_steps <= chunks + 2 and graphs.batches["vocoder", 3] == chunks
+
+
 def test_a_failing_step_fails_its_windows_and_the_next_steps_still_run(vg, utterance):
     tokens, speaker = utterance
     graphs = SynthesisGraphs(vg, "eager", rows=2)

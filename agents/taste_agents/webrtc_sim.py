@@ -166,6 +166,7 @@ def compare_with_in_process(webrtc_report: dict, in_process_report: dict) -> dic
                      "in_process_barge_in_stop_ms": b.get("barge_in_stop_ms")})
     w = [r["webrtc_ms"] for r in rows if r["webrtc_ms"] is not None]
     i = [r["in_process_ms"] for r in rows if r["in_process_ms"] is not None]
-    added = float(np.median(w) - np.median(i)) if w and i else None
-    return {"per_utterance": rows, "median_webrtc_ms": float(np.median(w)) if w else None,
-            "median_in_process_ms": float(np.median(i)) if i else None, "webrtc_added_latency_ms": added}
+    median = lambda values: round(float(np.median(values)), 1) if values else None  # noqa: E731
+    added = round(median(w) - median(i), 1) if w and i else None
+    return {"per_utterance": rows, "median_webrtc_ms": median(w), "median_in_process_ms": median(i),
+            "webrtc_added_latency_ms": added}

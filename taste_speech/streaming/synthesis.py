@@ -196,7 +196,9 @@ def _step(vg: VoiceGenerator, state: SynthesisState, target: int, last: bool) ->
         torch.cuda.synchronize(mel.device)  # the flow's kernels run asynchronously: wait to time it
     flow_s = time.perf_counter() - started
     first_sample = state.voc_done * SAMPLES_PER_FRAME
-    wav, source = _vocoder_step(vg, state, mel, last)
+    # whether the next chunk's tokens are already here (its flow window follows at once)
+    more = not last and state.n_tokens >= target + state.policy.chunk_tokens + state.policy.lookahead_tokens
+    wav, source = _vocoder_step(vg, state, mel, last, more)
     if state.skip_until_sample > first_sample:  # context re-synthesised only to continue from it
         cut = min(wav.shape[-1], state.skip_until_sample - first_sample)
         wav, source, first_sample = wav[:, cut:], source[:, cut:], first_sample + cut
@@ -262,7 +264,7 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
 
 
 def _vocoder_step(vg: VoiceGenerator, state: SynthesisState, new_mel: torch.Tensor,
-                  last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  last: bool, more: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Append final mel; return the newly final waveform samples (1, n) at 22.05 kHz and their source (1, n)."""
     policy, hift, spf = state.policy, vg.hift, SAMPLES_PER_FRAME
     if state.voc_mel is None:
@@ -285,7 +287,10 @@ def _vocoder_step(vg: VoiceGenerator, state: SynthesisState, new_mel: torch.Tens
     source_new, cycles = hift.m_source(f0_up, draws, cycle_offset=carried)
     context_source = state.source_history[:, :, -n_context * spf:] if n_context else source_new[:, :, :0]
     source = torch.cat([context_source, source_new], dim=-1)
-    wav = hift.decode(mel, source) if state.graphs is None else state.graphs.vocoder(mel, source, owner=state)
+    if state.graphs is None:
+        wav = hift.decode(mel, source)
+    else:
+        wav = state.graphs.vocoder(mel, source, owner=state, more=more)
     wav = torch.clamp(wav, -hift.audio_limit, hift.audio_limit)
 
     n_final = (end - state.voc_done) * spf

@@ -33,10 +33,11 @@ bucket - one batched step (a padded row per window; CFG doubles the flow's rows)
 replay per call. A chunk's vocoder window follows its flow window after a little eager work (the
 F0 predictor, the harmonic source), so a vocoder step first waits briefly for the vocoder windows
 of the utterances that were in the last flow step (``gather``); without it, the utterances of one
-flow step split over several vocoder steps. Flow windows do not wait: when an utterance's next
-one comes depends on its speech tokens. On a GPU a step costs its launches, not its rows (``GPU_NOTES.md``: the flow
-estimator 1.9 ms for one window, 2.9 ms for sixteen), so calls that speak at the same time stop
-queueing behind each other. Each bucket holds ``rows`` rows of static buffers and a step (a graph)
+flow step split over several vocoder steps. Likewise a flow step waits for the utterances of the
+last vocoder step that said their next flow window follows at once (``more``: its speech tokens
+are already there); the others come when their tokens do. On a GPU a step costs its launches,
+not its rows (``GPU_NOTES.md``: the flow estimator 1.9 ms for one window, 2.9 ms for sixteen),
+so calls that speak at the same time stop queueing behind each other. Each bucket holds ``rows`` rows of static buffers and a step (a graph)
 per row count n = 1, 2, 4 ... rows; idle rows inside a step hold a harmless window. ``rows=1``
 runs every window alone, in order of arrival.
 
@@ -181,11 +182,12 @@ class _VocoderBucket(_Bucket):
 class _Window:
     """One call's window waiting for a step: its stage, bucket (None: too large, eager) and inputs."""
 
-    __slots__ = ("stage", "bucket", "inputs", "owner", "output")
+    __slots__ = ("stage", "bucket", "inputs", "owner", "more", "output")
 
-    def __init__(self, stage: str, bucket: Optional[int], inputs: tuple, owner=None):
+    def __init__(self, stage: str, bucket: Optional[int], inputs: tuple, owner=None, more: bool = False):
         self.stage, self.bucket, self.inputs = stage, bucket, inputs
         self.owner = owner  # the utterance (its SynthesisState), or None
+        self.more = more  # (vocoder) the owner's next flow window follows at once
         self.output = None  # the result, or the exception the step raised
 
 
@@ -197,7 +199,8 @@ class SynthesisGraphs:
         'rehearse' (the capture protocol without a graph) work on any device. ``rows``: the most
         windows (of concurrent calls) one step runs. ``gather``: how long a vocoder step waits for
         the windows of the last flow step's other utterances, as a fraction of that step's time
-        (at least ``MIN_GATHER_S``; 0: no waiting)."""
+        (at least ``MIN_GATHER_S``; 0: no waiting), and a flow step for the next windows of the
+        last vocoder step's utterances that have more to say."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
         if not 0 <= gather <= 1:
@@ -217,7 +220,8 @@ class SynthesisGraphs:
         self._queue: list[_Window] = []
         self._lock = threading.Condition()
         self._stepping = False  # a thread is running a step (or capturing)
-        self._awaited: set[int] = set()  # id(owner) of the utterances whose vocoder window is due
+        # id(owner) of the utterances whose next window of each stage is due at once
+        self._awaited: dict[str, set[int]] = {"flow": set(), "vocoder": set()}
         self._flow_step_s = 0.0  # the last flow step's time
         self._fingerprint = None
         self._reset()
@@ -264,9 +268,11 @@ class SynthesisGraphs:
         vocoder step (None: no waiting for it)."""
         return self._submit(_Window("flow", self.bucket_for("flow", mu.shape[-1]), (mu, spks, cond, noise), owner))
 
-    def vocoder(self, mel: torch.Tensor, source: torch.Tensor, owner=None) -> torch.Tensor:
-        """HiFT's decode on one window: mel (1, 80, n), source (1, 1, 256 n) -> waveform (1, 256 n), unclamped."""
-        return self._submit(_Window("vocoder", self.bucket_for("vocoder", mel.shape[-1]), (mel, source), owner))
+    def vocoder(self, mel: torch.Tensor, source: torch.Tensor, owner=None, more: bool = False) -> torch.Tensor:
+        """HiFT's decode on one window: mel (1, 80, n), source (1, 1, 256 n) -> waveform (1, 256 n), unclamped.
+        ``more``: the owner's next flow window follows at once (the next flow step waits for it)."""
+        window = _Window("vocoder", self.bucket_for("vocoder", mel.shape[-1]), (mel, source), owner, more)
+        return self._submit(window)
 
     @torch.inference_mode()
     def warm_up(self, flow_frames: Optional[Iterable[int]] = None,
@@ -298,7 +304,7 @@ class SynthesisGraphs:
         window is done (serving the windows it batches with), the others wait for theirs."""
         with self._lock:
             self._queue.append(window)
-            self._lock.notify_all()  # a vocoder step may be gathering its windows
+            self._lock.notify_all()  # a step may be gathering its windows
             while window.output is None:
                 if self._stepping:
                     self._lock.wait()
@@ -306,7 +312,7 @@ class SynthesisGraphs:
                 self._stepping = True
                 try:
                     self._check_weights()
-                    self._gather_vocoder_windows()
+                    self._gather_windows()
                     batch = self._next_batch()
                     self._lock.release()
                     started = time.perf_counter()
@@ -322,30 +328,35 @@ class SynthesisGraphs:
             raise window.output
         return window.output
 
-    def _gather_vocoder_windows(self) -> None:
-        """(Lock held.) If the oldest window is a vocoder window: wait until every utterance of the
-        last flow step has its vocoder window queued, or gather x that step's time has passed."""
-        if self._queue[0].stage != "vocoder" or not self._awaited or not self.gather:
+    def _gather_windows(self) -> None:
+        """(Lock held.) Wait until every utterance awaited by the oldest window's stage has its
+        window queued, or ``gather`` x the last flow step's time has passed (at least
+        ``MIN_GATHER_S``). Once per step: an utterance that did not come is not waited for again."""
+        stage = self._queue[0].stage
+        awaited = self._awaited[stage]
+        if not awaited or not self.gather or self.rows == 1:  # one row: nothing to batch with
+            awaited.clear()
             return
         deadline = time.perf_counter() + max(self.gather * self._flow_step_s, MIN_GATHER_S)
         while True:
-            queued = {id(w.owner) for w in self._queue if w.stage == "vocoder"}
-            if self._awaited <= queued or (left := deadline - time.perf_counter()) <= 0:
+            queued = {id(w.owner) for w in self._queue if w.stage == stage}
+            if awaited <= queued or (left := deadline - time.perf_counter()) <= 0:
                 break
             self._lock.wait(left)
-        self._awaited.clear()  # once per flow step: an utterance that did not come is not waited for again
+        awaited.clear()
 
     def _after_step(self, batch: list[_Window], seconds: float) -> None:
-        """(Lock held.) Statistics; after a flow step, its utterances' vocoder windows are awaited."""
+        """(Lock held.) Statistics; the utterances whose next window (of the other stage) is due at
+        once are awaited by the next step of that stage."""
         stage = batch[0].stage
         self.batches[stage, len(batch)] += 1
         for w in batch:
-            if w.owner is None:
+            if w.owner is None or isinstance(w.output, BaseException):
                 continue
-            if stage == "flow" and not isinstance(w.output, BaseException):
-                self._awaited.add(id(w.owner))
-            else:
-                self._awaited.discard(id(w.owner))
+            if stage == "flow":
+                self._awaited["vocoder"].add(id(w.owner))
+            elif w.more:
+                self._awaited["flow"].add(id(w.owner))
         if stage == "flow":
             self._flow_step_s = seconds
 
