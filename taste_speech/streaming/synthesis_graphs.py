@@ -37,9 +37,9 @@ flow step split over several vocoder steps. Likewise a flow step waits for the u
 last vocoder step that said their next flow window follows at once (``more``: its speech tokens
 are already there); the others come when their tokens do. On a GPU a step costs its launches,
 not its rows (``GPU_NOTES.md``: the flow estimator 1.9 ms for one window, 2.9 ms for sixteen),
-so calls that speak at the same time stop queueing behind each other. Each bucket holds ``rows`` rows of static buffers and a step (a graph)
-per row count n = 1, 2, 4 ... rows; idle rows inside a step hold a harmless window. ``rows=1``
-runs every window alone, in order of arrival.
+so calls that speak at the same time stop queueing behind each other. Each bucket holds ``rows``
+rows of static buffers and a step (a graph) per row count n = 1, 2, 4 ... rows; idle rows inside
+a step hold a harmless window. ``rows=1`` runs every window alone, in order of arrival.
 
 Lifecycle: a :class:`SynthesisGraphs` belongs to one voice generator on one device and holds the
 static buffers and graphs of the buckets used so far. ``start_speaking`` takes one explicitly,
