@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from taste_speech.verify import Golden
 from taste_speech.verify.__main__ import verify

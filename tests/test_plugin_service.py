@@ -20,6 +20,7 @@ from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
 from pipecat_taste import TasteSpeechToSpeech
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
 from pipecat_taste.playout import PlayoutParams
+from pipecat_taste.start_hold import StartNeeds
 from pipecat_taste.testing import FakeEngine
 from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig
@@ -169,6 +170,30 @@ async def test_the_playout_learns_to_hold_replies_whose_second_chunk_comes_late(
     plain = await simulate_call(FakeEngine(first_gap=0.45), script, tail_s=1.0,
                                 config=config(playout=PlayoutParams(start_hold_max_ms=0)))
     assert plain.log.turns[2].underruns >= 1 and plain.log.turns[2].start_hold_s == 0.0
+
+
+async def test_a_new_call_starts_with_what_the_engine_learned_from_earlier_calls(u):
+    # The start hold is the engine's, not the call's: the hardware decides it. The second call's
+    # first reply is held as the first call's reply needed, so it has no gap.
+    engine = FakeEngine(first_gap=0.45)
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=6, end_silence_s=0.8)]
+    first = await run(engine, script)
+    assert first.log.turns[1].underruns >= 1 and first.log.turns[1].start_hold_s == 0.0
+    assert 0.2 < engine.start_needs.largest() < 0.4
+    second = await run(engine, script)
+    record = second.log.turns[1]
+    assert record.underruns == 0 and 0.2 < record.start_hold_s <= 0.4
+    assert record.played_samples == record.synthesized_samples
+
+
+def test_start_needs_follow_the_largest_of_the_recent_replies():
+    needs = StartNeeds(memory=2)
+    assert needs.largest() == 0.0
+    for need, largest in [(0.3, 0.3), (-0.1, 0.3), (-0.2, -0.1), (0.1, 0.1)]:
+        needs.record(need)
+        assert needs.largest() == pytest.approx(largest)
+    with pytest.raises(ValueError, match="memory must be >= 1"):
+        StartNeeds(memory=0)
 
 
 async def test_calls_release_their_worker_threads(u):

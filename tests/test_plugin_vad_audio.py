@@ -1,6 +1,5 @@
 """WebRTCVADAnalyzer on real speech, and the audio helpers (fades, framing, PCM)."""
 
-import asyncio
 
 import numpy as np
 import pytest

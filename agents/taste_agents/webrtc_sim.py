@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from taste_agents.caller import CallerEvent
-from taste_agents.report import build_report, plot_timeline, write_wav
+from taste_agents.report import build_report, plot_timeline
 from taste_agents.server import ServerConfig, TasteServer
 
 SR = 16000

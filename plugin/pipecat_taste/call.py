@@ -4,7 +4,7 @@ A call owns its engine session (Conversation, voice), one worker thread per stag
 thinking, speech tokens, vocoding: stages of different turns or of one reply run concurrently,
 stages of the same kind run in order), the back-pressure between generation and synthesis, and
 the record of every turn. Nothing here is global: two calls in one process share only the
-engine's weights.
+engine (its weights, batched steps and ``StartNeeds``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipecat_taste.engine import GenerationSettings
+from pipecat_taste.start_hold import StartNeeds
 
 STAGES = ("listen", "think", "speech_tokens", "vocode")
 
@@ -127,6 +128,10 @@ class TasteCall:
         self.call_id = uuid.uuid4().hex  # random: ids never collide across processes
         self.log = log or CallLog()
         self.session = None
+        # What the starts of recent replies needed (the playout's start hold): kept by the engine,
+        # whose hardware and load decide it; a call of an engine without one learns on its own.
+        shared = getattr(engine, "start_needs", None)
+        self.start_needs = shared if shared is not None else StartNeeds()
         self.max_pending_segments = max_pending_segments
         self._session_lock: asyncio.Lock | None = None
         self._executors: dict[str, ThreadPoolExecutor] = {}

@@ -29,6 +29,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from pipecat_taste.start_hold import StartNeeds
+
 INPUT_SAMPLE_RATE = 16000
 
 
@@ -130,6 +132,7 @@ class TasteEngine:
         self.decoding, self.cache_kind = decoding, DECODING[decoding]
         self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind)
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
+        self.start_needs = StartNeeds()  # how late recent replies' second chunks came (the playout's start hold)
         # Calls in one process share the weights; every per-call state (KV caches, synthesis
         # continuity) lives in the state objects the session passes to the model.
         self.input_sample_rate = INPUT_SAMPLE_RATE

@@ -19,8 +19,10 @@ end before the second arrives: a gap right after the first syllable of every rep
 measures, for each reply, how late each chunk of its first ``start_window_ms`` arrived against
 when it was heard, and holds the first audio of the next replies for as long as the last few
 replies needed (at most ``start_hold_max_ms``; less again when chunks arrive with time to spare).
-On a GPU fast enough for the first chunks the hold stays at 0. The hold is part of the reported
-first-audio latency, and each turn's record says how long it was (``start_hold_s``).
+The needs are remembered by the engine (``StartNeeds``), so a new call's first reply is held as
+the engine's recent replies needed. On a GPU fast enough for the first chunks the hold stays at
+0. The hold is part of the reported first-audio latency, and each turn's record says how long it
+was (``start_hold_s``).
 
 It also paces ``TTSTextFrame`` (one per segment) with the audio, brackets every reply with
 ``TTSStartedFrame``/``TTSStoppedFrame`` (one pair per reply, also when it is cut off: the
@@ -78,7 +80,6 @@ class PlayoutParams:
     prebuffer_ms: float = 0.0  # audio to collect before a reply starts (0: play the first chunk at once)
     start_hold_max_ms: float = 400.0  # the longest the learned start hold may be (0: never hold)
     start_window_ms: float = 1000.0  # the start of a reply whose gaps the hold is learned from
-    start_memory: int = 3  # replies the hold is learned from (the largest need among them)
     heard_fraction: float = 0.5  # a segment counts as heard when this much of its audio played
     interruption_hold_secs: float = 0.5  # longest wait for the transport's BotStopped on barge-in
 
@@ -87,8 +88,6 @@ class PlayoutParams:
                                      self.start_hold_max_ms, self.start_window_ms) < 0:
             raise ValueError("PlayoutParams: frame_ms must be > 0 and lead_ms, fade_out_ms, prebuffer_ms, "
                              "interruption_hold_secs, start_hold_max_ms, start_window_ms >= 0")
-        if self.start_memory < 1:
-            raise ValueError("PlayoutParams.start_memory must be >= 1 (replies to learn the start hold from)")
         if not 0.0 < self.heard_fraction <= 1.0:
             raise ValueError("PlayoutParams.heard_fraction must be in (0, 1]")
 
@@ -123,10 +122,16 @@ class TastePlayout(FrameProcessor):
         self._cancelled_upto = 0
         self._held_interruption: tuple[InterruptionFrame, FrameDirection] | None = None
         self._hold_task: asyncio.Task | None = None
-        # The start hold (module docstring): what each recent reply would have needed
-        self._start_needs: collections.deque = collections.deque(maxlen=self._params.start_memory)
-        self.start_hold_s = 0.0
         call.has_playout = True
+
+    @property
+    def start_hold_s(self) -> float:
+        """How long a reply starting now is held (module docstring): the largest recent need plus
+        ``lead_ms``, capped; 0 while the recent replies had time to spare."""
+        need = self._call.start_needs.largest()
+        if need <= 0:
+            return 0.0
+        return min(self._params.start_hold_max_ms, 1000.0 * need + self._params.lead_ms) / 1000.0
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -237,12 +242,13 @@ class TastePlayout(FrameProcessor):
                         self._wake.clear()
                         await self._sleep_or_wake(0.02)
                         continue
-                    held_until = reply.arrivals[0][1] + self.start_hold_s if reply.arrivals else now
+                    hold = self.start_hold_s
+                    held_until = reply.arrivals[0][1] + hold if reply.arrivals else now
                     if held_until > now and not reply.ended:
                         await self._sleep_or_wake(held_until - now)
                         continue
                     reply.origin = reply.first_release = now
-                    self._call.log.turn(reply.turn_id).start_hold_s = self.start_hold_s
+                    self._call.log.turn(reply.turn_id).start_hold_s = hold
                     self._first_audio(reply, now)
                 heard_at = reply.origin + reply.released / self._rate
                 if heard_at - lead > now:
@@ -358,16 +364,12 @@ class TastePlayout(FrameProcessor):
     # -- end of a reply ----------------------------------------------------------------------------------
     def _learn_start_hold(self, reply: _Reply) -> None:
         """The hold this reply needed: how much later than its first chunk each chunk at its start
-        arrived, beyond the audio ahead of it (negative: time to spare). The next replies are held
-        for the largest need among the last ``start_memory``, plus ``lead_ms``, capped."""
+        arrived, beyond the audio ahead of it (negative: time to spare)."""
         if reply.first_release is None or len(reply.arrivals) < 2:
             return  # never played, or one chunk only: nothing to learn
         first = reply.arrivals[0][1]
-        late = [arrived - first - sample / self._rate for sample, arrived in reply.arrivals[1:]]
-        self._start_needs.append(max(late))
-        need = max(self._start_needs)
-        cap = self._params.start_hold_max_ms / 1000.0
-        self.start_hold_s = min(cap, need + self._params.lead_ms / 1000.0) if need > 0 else 0.0
+        self._call.start_needs.record(max(arrived - first - sample / self._rate
+                                          for sample, arrived in reply.arrivals[1:]))
 
     async def _finish(self, reply: _Reply, interrupted: bool, extra_samples: int):
         call, record = self._call, self._call.log.turn(reply.turn_id)

@@ -24,7 +24,6 @@ reply is dropped (a computation already running on a worker thread finishes and 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 import numpy as np

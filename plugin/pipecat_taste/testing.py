@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from pipecat_taste.engine import INPUT_SAMPLE_RATE, GenerationSettings, ReplyEvent, SpeechState, UserTurn
+from pipecat_taste.start_hold import StartNeeds
 
 TOKEN_SECONDS = 0.02
 
@@ -45,6 +46,7 @@ class FakeEngine:
     amplitude: float = 0.3
     sessions: list = field(default_factory=list)
     input_sample_rate: int = INPUT_SAMPLE_RATE
+    start_needs: StartNeeds = field(default_factory=StartNeeds)  # shared by its calls, as TasteEngine's
 
     @property
     def has_asr(self) -> bool:

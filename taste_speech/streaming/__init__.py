@@ -5,6 +5,7 @@ per-call ``Conversation``) and speak (``taste_detokenize``).
 """
 
 from taste_speech.streaming.conversation import Conversation, ConversationState
+from taste_speech.streaming.detokenize import taste_detokenize
 from taste_speech.streaming.generate import (
     PendingWord,
     at_punctuation,
@@ -20,13 +21,5 @@ from taste_speech.streaming.tokenize import taste_tokenize
 __all__ = [
     "TASTESegment", "taste_tokenize", "streaming_generate", "Conversation", "ConversationState", "PendingWord",
     "every_word", "every_n_words", "at_punctuation", "vocabulary_tables",
-    "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS",
+    "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS", "taste_detokenize",
 ]
-
-try:  # the speaking side lives in its own modules (taste_speech/streaming/detokenize.py)
-    from taste_speech.streaming.detokenize import taste_detokenize  # noqa: F401
-except ModuleNotFoundError as exc:  # pragma: no cover - only while that module is absent
-    if exc.name != "taste_speech.streaming.detokenize":
-        raise
-else:
-    __all__.append("taste_detokenize")
