@@ -18,7 +18,7 @@ from pipecat.utils.time import time_now_iso8601
 
 from pipecat_taste import TasteCall, TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
 from pipecat_taste.audio import float_to_pcm16, resample
-from pipecat_taste.frames import TasteTurnDecisionFrame, TasteUserTurnFrame
+from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
 from pipecat_taste.testing import FakeEngine
 from taste_agents.caller import load_utterances
 
@@ -153,3 +153,84 @@ async def test_quiet_telephone_speech_is_still_a_turn(utterances):
         audio_frames(silence(1.0), 8000)
     _, down, _ = await run_capture(frames, rate=8000)
     assert len(of(down, TasteUserTurnFrame)) == 1
+
+
+# -- early replies ------------------------------------------------------------------------------------------
+def paced(frames):
+    """Audio in real time (20 ms per frame): the early hand-over races the VAD's confirmation."""
+    out = []
+    for frame in frames:
+        out += [frame, SleepFrame(0.02)] if isinstance(frame, InputAudioRawFrame) else [frame]
+    return out
+
+
+def statuses(down):
+    return [(f.turn_id, f.status) for f in of(down, TasteTurnStatusFrame)]
+
+
+async def test_a_turn_is_handed_on_early_and_confirmed_by_the_vad(utterances):
+    """After early_reply_secs of silence the turn goes on as tentative; the VAD's end (stop_secs
+    later) confirms it, and only then does its transcript go upstream."""
+    hello = utterances["hello"]
+    frames = paced(audio_frames(np.concatenate([silence(0.5), hello.audio, silence(1.2)])))
+    call, down, up = await run_capture(frames, engine=FakeEngine(asr_text="hello there"),
+                                       params=TurnCaptureParams(transcripts="asr"))
+    turns = of(down, TasteUserTurnFrame)
+    assert [(t.turn_id, t.tentative) for t in turns] == [(1, True)]
+    assert statuses(down) == [(1, "confirmed")]
+    record = call.log.turns[1]
+    vad_params = WebRTCVADAnalyzer().params
+    # handed on after about early_reply_secs of silence, stop_secs - early_reply_secs before the VAD's end
+    assert 0.15 < record.vad_stop_at - record.early_end_at < vad_params.stop_secs
+    assert record.tokenized_at < record.vad_stop_at  # the reply can start while the VAD makes sure
+    assert [t.text for t in of(up, TranscriptionFrame)] == ["hello there"]
+    assert not call.log.retracted
+
+
+async def test_the_caller_going_on_retracts_the_early_turn(utterances):
+    """A pause longer than early_reply_secs but shorter than the VAD's stop_secs: the early turn is
+    taken back and the whole speech becomes one turn; nothing about the retracted one goes out."""
+    hello, time_u = utterances["hello"], utterances["time"]
+    frames = paced(audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.35), time_u.audio,
+                                                silence(1.2)])))
+    call, down, up = await run_capture(frames, engine=FakeEngine(asr_text="hello there"),
+                                       params=TurnCaptureParams(transcripts="asr"))
+    turns = of(down, TasteUserTurnFrame)
+    assert [(t.turn_id, t.tentative) for t in turns] == [(1, True), (2, True)]
+    assert statuses(down) == [(1, "retracted"), (2, "confirmed")]
+    assert list(call.log.retracted) == [1] and list(call.log.turns) == [2]
+    whole = call.log.turns[2]
+    assert whole.early_retracted == 1
+    assert whole.audio_seconds >= hello.seconds + 0.35 + time_u.seconds  # one turn: both utterances
+    assert whole.speech_start == call.log.retracted[1].speech_start
+    assert turns[1].turn.audio_seconds > turns[0].turn.audio_seconds + time_u.seconds
+    assert len(of(up, TranscriptionFrame)) == 1  # only the confirmed turn's
+
+
+async def test_early_replies_can_be_turned_off(utterances):
+    hello = utterances["hello"]
+    frames = paced(audio_frames(np.concatenate([silence(0.5), hello.audio, silence(1.2)])))
+    call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="hello there"),
+                                      params=TurnCaptureParams(transcripts="asr", early_reply_secs=None))
+    assert [(t.turn_id, t.tentative) for t in of(down, TasteUserTurnFrame)] == [(1, False)]
+    assert not statuses(down) and call.log.turns[1].early_end_at is None
+    assert call.log.turns[1].tokenized_at > call.log.turns[1].vad_stop_at
+
+
+async def test_after_a_retraction_the_turn_waits_for_the_transcript_of_the_rest(utterances):
+    """An upstream STT that transcribes the speech before the pause: the early turn takes that
+    transcript and is retracted when the caller goes on; the whole turn then waits for the
+    transcript of the rest instead of going on with the first part's alone."""
+    hello, time_u = utterances["hello"], utterances["time"]
+    frames = (paced(audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.26)])))
+              + [TranscriptionFrame(hello.text, "caller", time_now_iso8601(), finalized=True)]
+              + paced(audio_frames(np.concatenate([silence(0.1), time_u.audio, silence(0.7)])))  # the VAD's end too
+              + [TranscriptionFrame(time_u.text, "caller", time_now_iso8601(), finalized=True)]
+              + paced(audio_frames(silence(0.5))))
+    call, down, up = await run_capture(frames, params=TurnCaptureParams(transcripts="upstream",
+                                                                        transcript_timeout_secs=1.0))
+    turns = of(down, TasteUserTurnFrame)
+    assert [(t.turn_id, t.tentative, t.transcript) for t in turns] == \
+        [(1, True, hello.text), (2, False, f"{hello.text} {time_u.text}")]  # 2: confirmed before its transcript came
+    assert statuses(down) == [(1, "retracted")]
+    assert [t.text for t in of(up, TranscriptionFrame)] == [f"{hello.text} {time_u.text}"]

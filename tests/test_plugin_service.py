@@ -18,6 +18,7 @@ from pipecat.frames.frames import (
 from pipecat.metrics.metrics import ProcessingMetricsData, TTFBMetricsData
 
 from pipecat_taste import TasteSpeechToSpeech
+from pipecat_taste.capture import TurnCaptureParams
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
 from pipecat_taste.playout import PlayoutParams
 from pipecat_taste.start_hold import StartNeeds
@@ -45,6 +46,11 @@ def frames_of(result, cls):
 
 async def run(engine, script, **kw):
     return await simulate_call(engine, script, config=config(), tail_s=1.0, **kw)
+
+
+# The start-hold tests look at the hold alone: an early reply (made while the VAD makes sure the
+# turn ended) would already have its second chunk when it starts.
+WAIT_FOR_VAD = TurnCaptureParams(early_reply_secs=None)
 
 
 async def test_no_speech_decision_keeps_listening(u):
@@ -161,14 +167,14 @@ async def test_the_playout_learns_to_hold_replies_whose_second_chunk_comes_late(
     # syllable, as on slow hardware. The first reply has it; the next is held instead.
     script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=6, end_silence_s=0.8),
               Say(u["hello"]), WaitForReply(timeout_s=6, end_silence_s=0.8)]
-    result = await run(FakeEngine(first_gap=0.45), script)
+    result = await simulate_call(FakeEngine(first_gap=0.45), script, tail_s=1.0, config=config(capture=WAIT_FOR_VAD))
     first, second = result.log.turns[1], result.log.turns[2]
     assert first.underruns >= 1 and first.start_hold_s == 0.0
     assert second.underruns == 0 and 0.2 < second.start_hold_s <= 0.4
     assert second.played_samples == second.synthesized_samples  # nothing lost by holding
     # without the hold the gap comes back
     plain = await simulate_call(FakeEngine(first_gap=0.45), script, tail_s=1.0,
-                                config=config(playout=PlayoutParams(start_hold_max_ms=0)))
+                                config=config(playout=PlayoutParams(start_hold_max_ms=0), capture=WAIT_FOR_VAD))
     assert plain.log.turns[2].underruns >= 1 and plain.log.turns[2].start_hold_s == 0.0
 
 
@@ -177,6 +183,10 @@ async def test_a_new_call_starts_with_what_the_engine_learned_from_earlier_calls
     # first reply is held as the first call's reply needed, so it has no gap.
     engine = FakeEngine(first_gap=0.45)
     script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=6, end_silence_s=0.8)]
+
+    async def run(engine, script):
+        return await simulate_call(engine, script, tail_s=1.0, config=config(capture=WAIT_FOR_VAD))
+
     first = await run(engine, script)
     assert first.log.turns[1].underruns >= 1 and first.log.turns[1].start_hold_s == 0.0
     assert 0.2 < engine.start_needs.largest() < 0.4
@@ -184,6 +194,38 @@ async def test_a_new_call_starts_with_what_the_engine_learned_from_earlier_calls
     record = second.log.turns[1]
     assert record.underruns == 0 and 0.2 < record.start_hold_s <= 0.4
     assert record.played_samples == record.synthesized_samples
+
+
+async def test_an_early_reply_is_made_while_the_vad_makes_sure_and_heard_after(u):
+    engine = FakeEngine(lookahead_tokens=25)
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8)]
+    result = await run(engine, script)
+    record = result.log.turns[1]
+    assert record.early_end_at < record.vad_stop_at
+    assert record.first_segment_at < record.vad_stop_at  # generated while the VAD made sure
+    assert record.first_audio_at >= record.vad_stop_at  # heard only once the turn was confirmed
+    starts = [t for t, f in result.frames if isinstance(f, LLMFullResponseStartFrame)]
+    assert len(starts) == 1 and starts[0] >= record.vad_stop_at  # announced once confirmed too
+    assert record.played_samples == record.synthesized_samples and record.underruns == 0
+
+
+async def test_a_pause_shorter_than_the_vads_end_takes_the_early_reply_back(u):
+    """The caller pauses (longer than early_reply_secs, shorter than stop_secs) and goes on: the
+    reply begun to the first part is never heard, the conversation forgets it, and the whole
+    speech is answered once."""
+    engine = FakeEngine(asr_text="hello there", word_delay=0.1)
+    script = [Pause(0.3), Say(u["hello"]), Pause(0.42), Say(u["time"]), WaitForReply(timeout_s=5, end_silence_s=0.8)]
+    result = await simulate_call(engine, script, tail_s=1.0, config=config(capture=TurnCaptureParams(transcripts="asr")))
+    assert list(result.log.retracted) == [1] and list(result.log.turns) == [2]
+    session = engine.sessions[0]
+    assert session.forgotten == ["hello there"]  # the early turn had been answered: taken back
+    assert session.history == [("user", "hello there"), ("assistant", " ".join(engine.reply_words))]
+    assert [(f.turn_id, f.decision) for f in frames_of(result, TasteTurnDecisionFrame)] == [(2, "reply")]
+    assert len(frames_of(result, LLMFullResponseStartFrame)) == len(frames_of(result, TTSStartedFrame)) == 1
+    assert [e.kind for e in result.caller.events if e.kind in ("no_reply", "reply_heard")] == ["reply_heard"]
+    record = result.log.turns[2]
+    assert record.early_retracted == 1 and record.first_audio_at >= record.vad_stop_at
+    assert result.report["checks"]["talk_over_ms_outside_barge_in"] == 0
 
 
 def test_start_needs_follow_the_largest_of_the_recent_replies():

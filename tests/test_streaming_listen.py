@@ -433,6 +433,39 @@ def test_truncate_to_played_words(model, processor, user_turn, second_turn, fmt,
 
 
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forget_a_turn_answered_too_early(model, processor, user_turn, second_turn, fmt, cache_kind):
+    """The caller went on speaking: the early user turn and the reply begun to it go, and the
+    conversation answers the whole turn exactly as if the early one had never been there."""
+    conv = new_conversation(model, processor, cache_kind, prompt_format=fmt)
+    run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+    before = (list(conv.turns), conv.state.committed_rows, list(conv.state.decode.input_ids))
+    early = TASTESegment("user", "audio", second_turn.text_ids[:, :2], second_turn.taste_ids[:, :2])
+    stop = threading.Event()
+    items = streaming_generate(model, processor, [early], conversation=conv, text_top_p=0.0, extra_words=4,
+                               stop=stop)
+    next(items)  # the reply has begun (or the model kept listening)
+    stop.set()
+    for _ in items:
+        pass
+    assert conv.turns[len(before[0])] is early
+    added = len(conv.turns) - len(before[0])
+    assert conv.forget_from(early) == added >= 1
+    assert conv.turns == before[0] and conv.state.committed_rows == before[1]
+    assert conv.state.decode.input_ids == before[2]
+    assert_cache_equals_fresh_build(model, processor, conv)
+    assert conv.forget_from(early) == 0  # no longer there: nothing to do
+    answered = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))
+    fresh = new_conversation(model, processor, cache_kind, prompt_format=fmt)
+    run(model, processor, [user_turn], conversation=fresh, text_top_p=0.0)
+    expected = reply_of(run(model, processor, [second_turn], conversation=fresh, text_top_p=0.0))
+    if expected is None:
+        assert answered is None
+    else:
+        assert torch.equal(answered.text_ids, expected.text_ids) and torch.equal(answered.taste_ids, expected.taste_ids)
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 def test_rolling_window_keeps_the_system_segment(model, processor, user_turn, second_turn, cache_kind):
     system = text_segment(processor, "system", " be kind")
     conv = new_conversation(model, processor, cache_kind, system=system, max_turns=3)

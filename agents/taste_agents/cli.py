@@ -53,6 +53,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "it, else the built-in ASR), asr (always the built-in ASR) or upstream")
     parser.add_argument("--no-incremental-asr", action="store_true",
                         help="built-in ASR only at the end of each turn (default: also while the caller speaks)")
+    parser.add_argument("--early-reply-ms", default=200, type=ms_or_none,
+                        help="start answering after this much silence, before the VAD confirms the end of the "
+                             "turn (its stop_secs, 500 ms); the reply is heard only once it does, and taken back "
+                             "unheard if the caller goes on; 'none' waits for the VAD (default: 200)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -88,6 +92,19 @@ def auto_none_or_count(value: str) -> int | str | None:
     return int(value)
 
 
+def ms_or_none(value) -> float | None:
+    """--early-reply-ms: milliseconds > 0, or 'none'."""
+    if value in (None, "none"):
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = 0.0
+    if not ms > 0:
+        raise argparse.ArgumentTypeError(f"must be milliseconds > 0 or 'none', got {value!r}")
+    return ms
+
+
 def load_engine(args, say):
     from pipecat_taste.engine import TasteEngine
 
@@ -117,9 +134,14 @@ def agent_config(args):
 
     max_tokens = args.max_reply_tokens or (6 if args.model is None else 48)
     capture = TurnCaptureParams(transcripts=getattr(args, "transcripts", "auto"),
-                                incremental_asr=not getattr(args, "no_incremental_asr", False))
+                                incremental_asr=not getattr(args, "no_incremental_asr", False),
+                                early_reply_secs=_secs(getattr(args, "early_reply_ms", 200)))
     return PhoneAgentConfig(prompt_format=args.prompt_format, max_reply_tokens=max_tokens, seed=args.seed,
                             voice=args.voice, capture=capture)
+
+
+def _secs(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
 
 
 def simulated_call(args, engine=None):
@@ -189,6 +211,8 @@ def _summary(report: dict, paths: dict) -> str:
             line += f"  first audio {turn['first_audio_latency_ms']:.0f} ms"
             if turn.get("start_hold_ms"):
                 line += f" (held {turn['start_hold_ms']:.0f} ms)"
+            if turn.get("early_by_ms"):
+                line += f" (begun {turn['early_by_ms']:.0f} ms before the VAD's end)"
             line += f"  reply {turn.get('reply_duration_ms', 0):.0f} ms"
         if turn.get("asr_after_end_ms") is not None:
             line += f"  ASR after end {turn['asr_after_end_ms']:.0f} ms ({turn['asr_partials']} partials)"
@@ -202,7 +226,9 @@ def _summary(report: dict, paths: dict) -> str:
                  f"{c['talk_over_ms_outside_barge_in']:.0f} ms, audio synthesized==released=="
                  f"{c.get('released_equals_synthesized', 'n/a')}, released==written=={c.get('written_equals_released', 'n/a')}"
                  f", barge-in<=100ms={c['barge_in_within_100ms']}")
-    lines.append(f"  underruns: {report['summary']['underruns']}, errors: {report['summary']['errors']}")
+    s = report["summary"]
+    lines.append(f"  underruns: {s['underruns']}, errors: {s['errors']}, early replies: {s.get('early_replies', 0)}, "
+                 f"early turns taken back (the caller went on): {s.get('early_turns_retracted', 0)}")
     for name, path in paths.items():
         lines.append(f"  {name}: {path}")
     return "\n".join(lines)

@@ -146,6 +146,10 @@ def build_report(result, meta: dict) -> dict:
                 "reply_text": reply.reply_text, "played_text": reply.played_text,
                 "interrupted": reply.interrupted, "underruns": reply.underruns,
                 "start_hold_ms": round(1000 * reply.start_hold_s, 1),
+                # handed on this long before the VAD confirmed the end of the turn (early reply)
+                "early_by_ms": (None if reply.early_end_at is None or reply.vad_stop_at is None
+                                else round(1000 * (reply.vad_stop_at - reply.early_end_at), 1)),
+                "early_turns_retracted": reply.early_retracted,
             })
         elif reply is not None:
             entry.update({"first_audio_latency_ms": None, "reply_text": reply.reply_text, "interrupted": reply.interrupted})
@@ -184,6 +188,7 @@ def build_report(result, meta: dict) -> dict:
     stops = [u["barge_in_stop_ms"] for u in utterances if "barge_in_stop_ms" in u]
     latencies = [u["first_audio_latency_ms"] for u in utterances if u.get("first_audio_latency_ms") is not None]
     asr_after_end = [r.asr_after_end_ms for r in records if r.asr_after_end_ms is not None]
+    log_dict = log.to_dict()
     report = {
         **meta,
         "call_id": meta.get("call_id"),
@@ -201,6 +206,8 @@ def build_report(result, meta: dict) -> dict:
                                  "median": float(np.median(asr_after_end)) if asr_after_end else None},
             "barge_in_stop_ms": stops,
             "underruns": sum(r.underruns for r in records),
+            "early_replies": sum(1 for r in records if r.early_end_at is not None),
+            "early_turns_retracted": len(log.retracted),
             "errors": len(result.errors),
         },
         "checks": {
@@ -210,7 +217,8 @@ def build_report(result, meta: dict) -> dict:
             "barge_in_within_100ms": bool(stops) and all(s <= 100.0 for s in stops),
             **path,
         },
-        "agent_turns": log.to_dict()["turns"],
+        "agent_turns": log_dict["turns"],
+        "retracted_agent_turns": log_dict["retracted_turns"],  # handed on early, then taken back
         "metrics": result.metrics,
         "errors": result.errors,
         "caller_events": [{"t": sec(e.sample), "kind": e.kind, "name": e.name} for e in caller.events],

@@ -63,6 +63,8 @@ class TurnRecord:
     dropped_samples: int = 0  # synthesized but never played (barge-in)
     underruns: int = 0
     start_hold_s: float = 0.0  # the playout's learned start hold when this reply began (part of its latency)
+    early_end_at: float | None = None  # handed on early, after a short silence (the VAD confirmed later)
+    early_retracted: int = 0  # earlier early hand-overs of this speech that the caller's speech took back
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -84,6 +86,7 @@ class CallLog:
     def __init__(self, keep_audio: bool = False):
         self.t0 = time.monotonic()
         self.turns: dict[int, TurnRecord] = {}
+        self.retracted: dict[int, TurnRecord] = {}  # turns handed on early and taken back (the caller went on)
         self.events: list[dict[str, Any]] = []
         # With keep_audio, the exact PCM the synthesizer produced and the playout released per
         # turn (for checks that nothing is lost or duplicated on the way to the caller).
@@ -92,9 +95,18 @@ class CallLog:
         self.released_audio: dict[int, list[bytes]] = {}
 
     def turn(self, turn_id: int) -> TurnRecord:
+        if turn_id in self.retracted:
+            return self.retracted[turn_id]
         if turn_id not in self.turns:
             self.turns[turn_id] = TurnRecord(turn_id)
         return self.turns[turn_id]
+
+    def retract(self, turn_id: int) -> TurnRecord:
+        """Move a turn that was handed on early and taken back out of ``turns`` (later writes to it
+        still find it)."""
+        record = self.turn(turn_id)
+        self.retracted[turn_id] = self.turns.pop(turn_id, record)
+        return record
 
     def event(self, kind: str, turn_id: int | None = None, **data) -> None:
         self.events.append({"t": time.monotonic() - self.t0, "kind": kind, "turn_id": turn_id, **data})
@@ -103,16 +115,19 @@ class CallLog:
         return None if t is None else round(t - self.t0, 4)
 
     def to_dict(self) -> dict:
-        turns = []
-        for record in sorted(self.turns.values(), key=lambda r: r.turn_id):
-            d = asdict(record)
-            for key, value in list(d.items()):
-                if key.endswith("_at") or key in ("speech_start", "speech_end"):
-                    d[key] = self.rel(value)
-            d["user_to_bot_s"] = record.user_to_bot_s
-            d["barge_in_stop_s"] = record.barge_in_stop_s
-            turns.append(d)
-        return {"turns": turns, "events": self.events}
+        return {"turns": [self._record_dict(r) for r in sorted(self.turns.values(), key=lambda r: r.turn_id)],
+                "retracted_turns": [self._record_dict(r) for r in sorted(self.retracted.values(),
+                                                                         key=lambda r: r.turn_id)],
+                "events": self.events}
+
+    def _record_dict(self, record: TurnRecord) -> dict:
+        d = asdict(record)
+        for key, value in list(d.items()):
+            if key.endswith("_at") or key in ("speech_start", "speech_end"):
+                d[key] = self.rel(value)
+        d["user_to_bot_s"] = record.user_to_bot_s
+        d["barge_in_stop_s"] = record.barge_in_stop_s
+        return d
 
 
 class TasteCall:

@@ -18,6 +18,17 @@ Each turn's record gets ``asr_after_end_ms``: the built-in ASR's compute on the 
 thread after the VAD confirmed the end of the turn (the rest of an in-flight partial plus the
 final transcription).
 
+Early replies (``early_reply_secs``, with the capture's own VAD): the VAD confirms the end of a
+turn only after ``stop_secs`` of silence (0.5 s by default), most of the time the caller waits
+for an answer. After ``early_reply_secs`` of that silence the turn is already transcribed,
+tokenized and handed on as a tentative ``TasteUserTurnFrame``, so the reply is generated and
+synthesized while the VAD is still making sure; its announcement and audio are held until the
+VAD confirms (``TasteTurnStatusFrame`` 'confirmed'). If the caller goes on speaking instead, the
+turn is retracted ('retracted': the reply is dropped unheard and the conversation forgets both)
+and the speech continues as a new turn. The transcript goes upstream, and a decision not to
+answer goes downstream, only once the turn is confirmed. The turn's record says when it was
+handed on (``early_end_at``); retracted ones are kept apart (``CallLog.retracted``).
+
 VAD: give ``vad_analyzer`` (e.g. :class:`~pipecat_taste.vad.WebRTCVADAnalyzer`) and the capture
 runs it and broadcasts ``VADUserStarted/StoppedSpeakingFrame`` and ``UserStarted/Stopped
 SpeakingFrame``; or leave it None and put a ``VADProcessor`` upstream - the capture then follows
@@ -56,7 +67,7 @@ from pipecat.utils.time import time_now_iso8601
 
 from pipecat_taste.audio import pcm16_to_float, resample
 from pipecat_taste.call import TasteCall
-from pipecat_taste.frames import TasteTurnDecisionFrame, TasteUserTurnFrame
+from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
 
 
 @dataclass
@@ -69,7 +80,9 @@ class TurnCaptureParams:
     would otherwise lose the whole timeout on every turn). interrupt_on_speech: barge-in. transcripts: 'auto'
     (upstream if one arrives, else built-in ASR), 'upstream' or 'asr'. incremental_asr: transcribe
     with the built-in ASR while the user speaks, every incremental_asr_every_secs of new audio
-    (in 'auto' only until the call's first upstream transcript arrives)."""
+    (in 'auto' only until the call's first upstream transcript arrives). early_reply_secs: hand
+    the turn on after this much silence, before the VAD confirms its end (module docstring; None:
+    wait for the VAD; needs the capture's own VAD and less than its stop_secs)."""
 
     pre_roll_secs: float = 0.3
     post_roll_secs: float = 0.2
@@ -81,6 +94,7 @@ class TurnCaptureParams:
     user_id: str = "user"
     incremental_asr: bool = True
     incremental_asr_every_secs: float = 0.8
+    early_reply_secs: float | None = 0.2
 
     def __post_init__(self):
         if self.transcripts not in ("auto", "upstream", "asr"):
@@ -89,6 +103,8 @@ class TurnCaptureParams:
                      "first_transcript_grace_secs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TurnCaptureParams.{name} must be >= 0")
+        if self.early_reply_secs is not None and self.early_reply_secs <= 0:
+            raise ValueError("TurnCaptureParams.early_reply_secs must be > 0 (or None: wait for the VAD)")
         if self.incremental_asr_every_secs <= 0:
             raise ValueError("TurnCaptureParams.incremental_asr_every_secs must be > 0 (or set incremental_asr=False)")
 
@@ -128,6 +144,14 @@ class _CapturedTurn:
     transcript_parts: list[str]
     transcript_ready: asyncio.Event
     asr: _TurnASR | None = None
+    # Upstream transcripts of speech before a retracted early hand-over: this turn waits for more.
+    transcript_parts_before: int = 0
+    # Early hand-over: until the VAD confirms, frames meant for others wait in ``deferred``.
+    tentative: bool = False
+    confirmed: bool = False
+    retracted: asyncio.Event = field(default_factory=asyncio.Event)
+    pushed: bool = False  # its TasteUserTurnFrame went downstream
+    deferred: list = field(default_factory=list)  # coroutine functions to run on confirmation
 
 
 class TasteTurnCapture(FrameProcessor):
@@ -148,6 +172,7 @@ class TasteTurnCapture(FrameProcessor):
         self._vad_start_at = 0.0
         self._transcript_parts: list[str] = []
         self._transcript_event: asyncio.Event | None = None
+        self._transcript_parts_before = 0
         self._early_transcript: tuple[float, str] | None = None
         self._finish_queue: asyncio.Queue | None = None
         self._finisher: asyncio.Task | None = None
@@ -159,6 +184,11 @@ class TasteTurnCapture(FrameProcessor):
         self._partial_task: asyncio.Task | None = None
         self._turns_finishing = 0
         self._upstream_transcripts = False
+        # Early replies: where the current pause began (input samples), the turn handed on early,
+        # and a lock that keeps a turn's frame before what is said about it.
+        self._silence_from: int | None = None
+        self._early: _CapturedTurn | None = None
+        self._turn_frames_lock = asyncio.Lock()
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -261,6 +291,24 @@ class TasteTurnCapture(FrameProcessor):
         elif state == VADState.QUIET and previous in (VADState.SPEAKING, VADState.STOPPING):
             await self.broadcast_frame(VADUserStoppedSpeakingFrame, stop_secs=self._vad.params.stop_secs)
             await self._speech_stopped(now)
+        else:
+            await self._follow_pause(state, samples.size, now)
+
+    async def _follow_pause(self, state: VADState, new_samples: int, now: float):
+        """Early replies: hand the turn on after ``early_reply_secs`` of a pause; take it back if
+        the caller speaks again before the VAD confirms the end."""
+        if state == VADState.STOPPING:
+            if self._silence_from is None:
+                self._silence_from = self._samples_seen - new_samples
+            early = self._params.early_reply_secs
+            silence = (self._samples_seen - self._silence_from) / self._sample_rate
+            if (self._capturing and self._early is None and early is not None and early < self._stop_secs()
+                    and silence >= early):
+                await self._end_early(now, silence)
+        elif state == VADState.SPEAKING:
+            self._silence_from = None
+            if self._early is not None:
+                await self._retract(now)
 
     def _max_turn_seconds(self) -> float:
         session = self._call.session
@@ -280,11 +328,13 @@ class TasteTurnCapture(FrameProcessor):
         if self._capturing:
             return
         self._capturing = True
+        self._silence_from = None
         self._turn_id = self._call.new_turn_id()
         self._vad_start_at = now
         self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
         self._transcript_parts = []
         self._transcript_event = asyncio.Event()
+        self._transcript_parts_before = 0
         self._turn_asr = self._new_turn_asr()
         if self._early_transcript is not None and now - self._early_transcript[0] < 1.0:
             self._add_transcript(self._early_transcript[1])
@@ -318,30 +368,96 @@ class TasteTurnCapture(FrameProcessor):
         if not self._capturing:
             return
         self._capturing = False
+        self._silence_from = None
         stop_secs = 0.0 if forced else self._stop_secs()
-        speech_end = now - stop_secs
-        # Keep post_roll_secs after the estimated end of speech, drop the rest of the silence.
-        audio = np.concatenate(self._turn_chunks) if self._turn_chunks else np.zeros(0, np.float32)
-        trim = int(max(0.0, stop_secs - self._params.post_roll_secs) * self._sample_rate)
-        if trim and audio.size > trim:
-            audio = audio[: audio.size - trim]
+        early, self._early = self._early, None
+        if early is None:
+            turn = self._close_turn(now, stop_secs)
+        else:  # handed on early: the VAD now confirms it
+            record = self._call.log.turn(early.turn_id)
+            record.vad_stop_at, record.speech_end = now, now - stop_secs
         self._turn_chunks, self._turn_samples = [], 0
-        record = self._call.log.turn(self._turn_id)
-        record.vad_stop_at = now
-        record.speech_end = speech_end
-        record.audio_seconds = audio.size / self._sample_rate
-        end_sample = self._samples_seen - int(stop_secs * self._sample_rate)
-        record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
+        self._turn_asr = None
         self._call.log.event("user_speech_stopped", self._turn_id)
         if not forced:
             await self.broadcast_frame(UserStoppedSpeakingFrame)
-        turn = _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
-                             record.speech_start, speech_end, record.speech_seconds, self._transcript_parts,
-                             self._transcript_event, self._turn_asr)
-        self._turn_asr = None
+        if early is not None:
+            await self._confirm(early)
+        else:
+            self._enqueue(turn)
+
+    def _close_turn(self, now: float, silence_secs: float) -> _CapturedTurn:
+        """The current turn's audio up to ``post_roll_secs`` after its estimated end (``silence_secs``
+        before ``now``), and its record."""
+        audio = np.concatenate(self._turn_chunks) if self._turn_chunks else np.zeros(0, np.float32)
+        trim = int(max(0.0, silence_secs - self._params.post_roll_secs) * self._sample_rate)
+        if trim and audio.size > trim:
+            audio = audio[: audio.size - trim]
+        record = self._call.log.turn(self._turn_id)
+        record.vad_stop_at = now
+        record.speech_end = now - silence_secs
+        record.audio_seconds = audio.size / self._sample_rate
+        end_sample = self._samples_seen - int(silence_secs * self._sample_rate)
+        record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
+        return _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
+                             record.speech_start, record.speech_end, record.speech_seconds, self._transcript_parts,
+                             self._transcript_event, self._turn_asr, self._transcript_parts_before)
+
+    def _enqueue(self, turn: _CapturedTurn) -> None:
         if self._finish_queue is not None:
             self._turns_finishing += 1
             self._finish_queue.put_nowait(turn)
+
+    # -- early replies ------------------------------------------------------------------------------------
+    async def _end_early(self, now: float, silence_secs: float):
+        """Hand the turn on before the VAD confirms its end (it goes on capturing meanwhile)."""
+        speech = (self._silence_from - self._start_sample) / self._sample_rate
+        if speech < self._params.min_speech_secs:
+            return  # the VAD's end decides what to do with it
+        turn = self._close_turn(now, silence_secs)
+        turn.tentative = True
+        self._call.log.turn(turn.turn_id).early_end_at = now
+        self._call.log.event("user_turn_early", turn.turn_id, silence_ms=round(1000 * silence_secs))
+        if self._turn_asr is not None:
+            self._turn_asr.requested_samples = self._turn_samples  # no partial of the pause
+        self._early = turn
+        self._enqueue(turn)
+
+    async def _retract(self, now: float):
+        """The caller speaks again: take the early turn back; the speech goes on as a new turn."""
+        early, self._early = self._early, None
+        early.retracted.set()
+        old = self._call.log.retract(early.turn_id)
+        self._call.log.event("user_turn_retracted", early.turn_id)
+        self._turn_id = self._call.new_turn_id()
+        record = self._call.log.turn(self._turn_id)
+        record.vad_start_at, record.speech_start = old.vad_start_at, old.speech_start
+        record.early_retracted = old.early_retracted + 1
+        # An upstream STT may have transcribed the speech before the pause: the rest of the turn
+        # waits for the transcript of what follows, not only for a first one.
+        self._transcript_event = asyncio.Event()
+        self._transcript_parts_before = len(self._transcript_parts)
+        async with self._turn_frames_lock:
+            if early.pushed:
+                await self.push_frame(TasteTurnStatusFrame(early.turn_id, "retracted"))
+
+    async def _confirm(self, turn: _CapturedTurn):
+        async with self._turn_frames_lock:
+            while turn.deferred:  # in order, including any added meanwhile
+                await turn.deferred.pop(0)()
+            turn.confirmed = True
+            if turn.pushed:
+                await self.push_frame(TasteTurnStatusFrame(turn.turn_id, "confirmed"))
+
+    async def _announce(self, turn: _CapturedTurn, announce) -> None:
+        """Run ``announce`` (pushes frames about the turn) now, or for a tentative turn once it is
+        confirmed; never for a retracted one."""
+        if turn.retracted.is_set():
+            return
+        if turn.tentative and not turn.confirmed:
+            turn.deferred.append(announce)
+            return
+        await announce()
 
     def _add_transcript(self, text: str):
         text = (text or "").strip()
@@ -362,17 +478,17 @@ class TasteTurnCapture(FrameProcessor):
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a failing turn must not end the call
-                await self._fail(turn.turn_id, f"could not process the user's turn: {e}", e)
+                await self._fail(turn, f"could not process the user's turn: {e}", e)
             finally:
                 self._turns_finishing -= 1
 
     async def _finish(self, turn: _CapturedTurn):
         record = self._call.log.turn(turn.turn_id)
         if turn.speech_seconds < self._params.min_speech_secs:
-            await self._decide(turn.turn_id, "ignored", f"speech too short ({turn.speech_seconds:.2f} s)")
+            await self._decide(turn, "ignored", f"speech too short ({turn.speech_seconds:.2f} s)")
             return
         transcript = await self._transcript(turn)
-        if transcript is None:
+        if transcript is None or turn.retracted.is_set():
             return
         record.transcript = transcript
         session = await self._call.ensure_session()
@@ -382,14 +498,20 @@ class TasteTurnCapture(FrameProcessor):
             user_turn = await self._call.run("listen", session.user_turn, audio16k, transcript)
         except Exception as e:
             await self.stop_processing_metrics()
-            await self._fail(turn.turn_id, f"could not tokenize the user's speech ({transcript!r}): {e}", e)
+            await self._fail(turn, f"could not tokenize the user's speech ({transcript!r}): {e}", e)
             return
         await self.stop_processing_metrics()
         record.tokenized_at = time.monotonic()
         self._call.log.event("user_turn_tokenized", turn.turn_id, tokens=user_turn.n_tokens)
-        await self.push_frame(TranscriptionFrame(transcript, self._params.user_id, time_now_iso8601(), finalized=True),
-                              FrameDirection.UPSTREAM)
-        await self.push_frame(TasteUserTurnFrame(turn.turn_id, transcript, user_turn, turn.speech_start, turn.speech_end))
+        await self._announce(turn, lambda: self.push_frame(
+            TranscriptionFrame(transcript, self._params.user_id, time_now_iso8601(), finalized=True),
+            FrameDirection.UPSTREAM))
+        async with self._turn_frames_lock:
+            if turn.retracted.is_set():
+                return
+            turn.pushed = True
+            await self.push_frame(TasteUserTurnFrame(turn.turn_id, transcript, user_turn, turn.speech_start,
+                                                     turn.speech_end, tentative=turn.tentative and not turn.confirmed))
 
     def _upstream_wait_secs(self) -> float:
         params = self._params
@@ -400,16 +522,15 @@ class TasteTurnCapture(FrameProcessor):
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
         if mode in ("auto", "upstream"):
-            if not turn.transcript_parts:
-                try:
-                    await asyncio.wait_for(turn.transcript_ready.wait(), self._upstream_wait_secs())
-                except asyncio.TimeoutError:
-                    pass
+            if len(turn.transcript_parts) <= turn.transcript_parts_before:
+                await _first_of(self._upstream_wait_secs(), turn.transcript_ready, turn.retracted)
+            if turn.retracted.is_set():
+                return None
             if turn.transcript_parts:
                 turn.transcript_ready.set()  # later transcripts belong to the next turn
                 return " ".join(turn.transcript_parts)
             if mode == "upstream":
-                await self._fail(turn.turn_id, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
+                await self._fail(turn, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
                                                 "(is an STT service upstream of TasteTurnCapture?)")
                 return None
         turn.transcript_ready.set()
@@ -421,7 +542,7 @@ class TasteTurnCapture(FrameProcessor):
             text = await self._call.run("listen", asr.run, asr.transcript.finish if asr.transcript else session.transcribe,
                                         audio16k)
         except NotImplementedError as e:
-            await self._fail(turn.turn_id, f"no transcript for this turn: {e}", e)
+            await self._fail(turn, f"no transcript for this turn: {e}", e)
             return None
         finally:
             if asr.jobs:
@@ -429,7 +550,7 @@ class TasteTurnCapture(FrameProcessor):
             record.asr_partials = getattr(asr.transcript, "partials", 0)
             record.asr_kept_tokens = getattr(asr.transcript, "kept", 0)
         if not text.strip():
-            await self._decide(turn.turn_id, "ignored", "the ASR heard no words")
+            await self._decide(turn, "ignored", "the ASR heard no words")
             return None
         return text.strip()
 
@@ -473,15 +594,26 @@ class TasteTurnCapture(FrameProcessor):
             return
         self._call.log.event("asr_partial", turn_id, text=text, audio_seconds=round(audio.size / rate, 2))
 
-    async def _decide(self, turn_id: int, decision: str, reason: str):
-        record = self._call.log.turn(turn_id)
+    async def _decide(self, turn: _CapturedTurn, decision: str, reason: str):
+        record = self._call.log.turn(turn.turn_id)
         record.decision, record.reason = decision, reason
         record.decided_at = time.monotonic()
-        self._call.log.event("decision", turn_id, decision=decision, reason=reason)
-        await self.push_frame(TasteTurnDecisionFrame(turn_id, decision, reason))
+        self._call.log.event("decision", turn.turn_id, decision=decision, reason=reason)
+        await self._announce(turn, lambda: self.push_frame(TasteTurnDecisionFrame(turn.turn_id, decision, reason)))
 
-    async def _fail(self, turn_id: int, message: str, exception: Exception | None = None):
-        self._call.log.turn(turn_id).errors.append(message)
+    async def _fail(self, turn: _CapturedTurn, message: str, exception: Exception | None = None):
+        self._call.log.turn(turn.turn_id).errors.append(message)
         # UNKNOWN, not a permanent category: one bad turn must not take the processor out of the call
-        await self.push_error(f"turn {turn_id}: {message}", exception, category=ErrorCategory.UNKNOWN)
-        await self._decide(turn_id, "error", message)
+        await self._announce(turn, lambda: self.push_error(f"turn {turn.turn_id}: {message}", exception,
+                                                           category=ErrorCategory.UNKNOWN))
+        await self._decide(turn, "error", message)
+
+
+async def _first_of(timeout: float, *events: asyncio.Event) -> None:
+    """Wait until one of ``events`` is set, at most ``timeout`` seconds."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

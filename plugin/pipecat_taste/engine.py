@@ -398,6 +398,14 @@ class TasteSession:
         kept = self.conversation.truncate_last_assistant(max(0, int(played_words)))
         return 0 if kept is None else int(kept.word_starts().sum())
 
+    def forget_turn(self, turn: UserTurn) -> int:
+        """Take back a user turn that was answered too early (the caller went on speaking) and the
+        reply begun to it; runs after that reply's generation ended. Returns the turns forgotten."""
+        self._last_reply_words = 0
+        if self.conversation.closed:
+            return 0
+        return self.conversation.forget_from(turn.segment)
+
     # -- speaking ---------------------------------------------------------------------------------
     def start_speech(self, out_sample_rate: int) -> SpeechState:
         from taste_speech.modeling_speech_decoder import TopKSampler

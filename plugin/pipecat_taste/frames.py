@@ -5,6 +5,13 @@
     TasteSynthesizer --TTSStartedFrame, TTSAudioRawFrame(+TasteSegmentAudioFrame), TTSStoppedFrame--> TastePlayout
     TastePlayout --TastePlaybackFrame (upstream: what the caller actually heard)--> TasteGenerator
 
+Early replies: the capture may hand a turn on after a short silence, before the VAD confirms
+its end (``TasteUserTurnFrame.tentative``); the generator tells the processors after it with a
+``TasteTurnStatusFrame`` 'tentative'. The capture then says what became of the turn with another
+('confirmed': the VAD confirmed the end; 'retracted': the caller went on speaking). The generator holds the reply's announcement frames and the playout its audio until
+the turn is confirmed; a retracted turn's reply is dropped everywhere and forgotten by the
+conversation.
+
 ``turn_id`` ties everything to one user turn (and the reply to it); ids only grow during a call, so
 a processor can drop anything that belongs to a turn it has already cancelled.
 """
@@ -28,7 +35,27 @@ class TasteUserTurnFrame(DataFrame):
     turn: Any  # engine's tokenized turn (pipecat_taste.engine.UserTurn)
     speech_start: float  # monotonic seconds: estimated start of speech (VAD start minus start_secs)
     speech_end: float  # monotonic seconds: estimated end of speech (VAD stop minus stop_secs)
+    tentative: bool = False  # handed on early: a TasteTurnStatusFrame will confirm or retract it
     interruptible: bool = field(default=False, init=False)
+
+
+TURN_STATUSES = ("tentative", "confirmed", "retracted")
+
+
+@dataclass
+class TasteTurnStatusFrame(DataFrame):
+    """A user turn handed on early: 'tentative' (from the generator: its reply must wait), then
+    from the capture 'confirmed' (the VAD confirmed the end of the turn: the reply may be heard)
+    or 'retracted' (the caller went on speaking: drop the reply)."""
+
+    turn_id: int
+    status: str
+    interruptible: bool = field(default=False, init=False)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.status not in TURN_STATUSES:
+            raise ValueError(f"status must be one of {TURN_STATUSES}, got {self.status!r}")
 
 
 @dataclass

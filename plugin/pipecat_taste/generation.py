@@ -8,6 +8,11 @@ downstream as ``LLMFullResponseStartFrame``, then per emitted segment an ``LLMTe
 bot's transcript) and a ``TasteReplySegmentFrame`` (for the synthesizer), then
 ``TasteReplyEndFrame`` and ``LLMFullResponseEndFrame``.
 
+A tentative turn (handed on early, before the VAD confirmed its end) is answered at once, but
+what the reply tells the rest of the pipeline (the decision, ``LLMFullResponseStart/End``,
+``LLMTextFrame``) waits for its ``TasteTurnStatusFrame``: 'confirmed' sends it on, 'retracted'
+stops the reply, drops it and makes the conversation forget the turn and the reply begun to it.
+
 What the conversation keeps: with a ``TastePlayout`` in the call, the reply is committed once the
 playout reports what was actually played (all of it, or, after a barge-in, only the words the
 caller heard); without one, everything generated is kept. Either way the commit happens before
@@ -40,8 +45,16 @@ from pipecat_taste.frames import (
     TasteReplyEndFrame,
     TasteReplySegmentFrame,
     TasteTurnDecisionFrame,
+    TasteTurnStatusFrame,
     TasteUserTurnFrame,
 )
+
+
+class _Forget:
+    """A queued job: make the conversation forget a retracted turn (after its reply, if any, ended)."""
+
+    def __init__(self, frame: TasteUserTurnFrame):
+        self.frame = frame
 
 
 class TasteGenerator(FrameProcessor):
@@ -54,6 +67,10 @@ class TasteGenerator(FrameProcessor):
         self._stop: threading.Event | None = None
         self._active_turn: int | None = None
         self._reports: dict[int, asyncio.Future] = {}
+        # Tentative turns: their frames held until confirmed, and the turns that were retracted.
+        self._held: dict[int, list[tuple[Frame, FrameDirection]]] = {}
+        self._tentative: dict[int, TasteUserTurnFrame] = {}
+        self._retracted: set[int] = set()
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -84,7 +101,14 @@ class TasteGenerator(FrameProcessor):
             await self._stop_worker()
             await self.push_frame(frame, direction)
         elif isinstance(frame, TasteUserTurnFrame):
+            if frame.tentative:
+                self._held[frame.turn_id] = []
+                self._tentative[frame.turn_id] = frame
+                await self.push_frame(TasteTurnStatusFrame(frame.turn_id, "tentative"))  # before any of its audio
             self._turns.put_nowait(frame)
+        elif isinstance(frame, TasteTurnStatusFrame):
+            await self._turn_status(frame)
+            await self.push_frame(frame, direction)
         elif isinstance(frame, InterruptionFrame):
             self._interrupt()
             await self.push_frame(frame, direction)
@@ -96,6 +120,36 @@ class TasteGenerator(FrameProcessor):
         else:
             await self.push_frame(frame, direction)
 
+    async def _announce(self, turn_id: int, frame: Frame, direction: FrameDirection = FrameDirection.DOWNSTREAM):
+        """Push a frame that tells the pipeline about a reply, or hold it while its turn is tentative."""
+        held = self._held.get(turn_id)
+        if held is not None:
+            held.append((frame, direction))
+        elif turn_id not in self._retracted:
+            await self.push_frame(frame, direction)
+
+    async def _turn_status(self, frame: TasteTurnStatusFrame):
+        turn_id = frame.turn_id
+        if frame.status == "tentative":
+            return
+        user_turn = self._tentative.pop(turn_id, None)
+        held = self._held.get(turn_id, [])
+        if frame.status == "confirmed":
+            while held:  # in order, including any held meanwhile
+                await self.push_frame(*held.pop(0))
+            self._held.pop(turn_id, None)
+            return
+        self._held.pop(turn_id, None)
+        self._retracted.add(turn_id)
+        self._call.log.event("reply_retracted", turn_id)
+        if self._active_turn == turn_id and self._stop is not None:
+            self._stop.set()  # the worker sees it within one model step
+        report = self._reports.get(turn_id)
+        if report is not None and not report.done():
+            report.set_result(None)  # nothing of it will be played
+        if user_turn is not None:
+            self._turns.put_nowait(_Forget(user_turn))  # after the reply (queued or running) ends
+
     def _interrupt(self):
         """Stop the reply being generated (the worker sees it within one model step)."""
         if self._stop is not None and self._active_turn is not None:
@@ -106,7 +160,12 @@ class TasteGenerator(FrameProcessor):
     # -- the worker: one turn at a time -------------------------------------------------------------
     async def _answer_turns(self):
         while True:
-            frame: TasteUserTurnFrame = await self._turns.get()
+            frame = await self._turns.get()
+            if isinstance(frame, _Forget):
+                await self._forget(frame.frame)
+                continue
+            if frame.turn_id in self._retracted:
+                continue  # taken back before it was answered
             try:
                 await self._answer(frame)
             except asyncio.CancelledError:
@@ -137,14 +196,14 @@ class TasteGenerator(FrameProcessor):
             decision = first.decision if first is not None and first.kind == "decision" else "reply"
             record.decision, record.decided_at = decision, time.monotonic()
             call.log.event("decision", turn_id, decision=decision)
-            await self.push_frame(TasteTurnDecisionFrame(turn_id, decision))
+            await self._announce(turn_id, TasteTurnDecisionFrame(turn_id, decision))
             if decision != "reply":
                 await self.stop_ttfb_metrics()
                 await self.stop_processing_metrics()
                 call.active_reply_turn = None
                 await call.run("think", _drain, events)
                 return
-            await self.push_frame(LLMFullResponseStartFrame())
+            await self._announce(turn_id, LLMFullResponseStartFrame())
             started_reply = True
             while True:
                 # Back-pressure: wait for room before asking for the next segment (when stopped,
@@ -161,7 +220,7 @@ class TasteGenerator(FrameProcessor):
                     if n_segments == 0:
                         record.first_segment_at = time.monotonic()
                         await self.stop_ttfb_metrics()
-                    await self.push_frame(LLMTextFrame(event.text))
+                    await self._announce(turn_id, LLMTextFrame(event.text))
                     await self.push_frame(TasteReplySegmentFrame(turn_id, n_segments, event.text, event.n_words,
                                                                  event.segment))
                     n_segments += 1
@@ -185,7 +244,7 @@ class TasteGenerator(FrameProcessor):
         call.log.event("generation_done", turn_id, reason=reason, segments=n_segments)
         if started_reply:
             await self.push_frame(TasteReplyEndFrame(turn_id, reason, n_segments))
-            await self.push_frame(LLMFullResponseEndFrame())
+            await self._announce(turn_id, LLMFullResponseEndFrame())
         await self._commit(turn_id, n_segments, total_words, stop)
 
     async def _wait_for_slot(self, stop: threading.Event) -> asyncio.Semaphore | None:
@@ -203,19 +262,35 @@ class TasteGenerator(FrameProcessor):
     async def _commit(self, turn_id: int, n_segments: int, total_words: int, stop: threading.Event):
         """Keep what the caller heard (the playout's report), before the next turn is answered."""
         call, record = self._call, self._call.log.turn(turn_id)
+        if turn_id in self._retracted:  # the queued _Forget takes the turn and this reply back
+            self._reports.pop(turn_id, None)
+            return
         played = None
         if call.has_playout and n_segments:
             try:
                 report = await asyncio.wait_for(self._reports[turn_id], self._report_timeout)
-                played = report.played_words
+                played = None if report is None else report.played_words
             except asyncio.TimeoutError:
                 logger.warning(f"{self}: no playback report for turn {turn_id}; keeping the whole reply")
+            if turn_id in self._retracted:  # retracted while we waited for the report
+                self._reports.pop(turn_id, None)
+                return
         elif stop.is_set():
             played = 0 if call.has_playout else None
         self._reports.pop(turn_id, None)
         kept = await call.run("think", call.session.commit_reply, played)
         record.kept_words = kept
         call.log.event("reply_committed", turn_id, kept_words=kept, total_words=total_words)
+
+    async def _forget(self, frame: TasteUserTurnFrame):
+        call = self._call
+        try:
+            forgotten = await call.run("think", call.session.forget_turn, frame.turn)
+        except Exception as e:  # the call goes on; the history keeps the early turn
+            logger.exception(f"{self}: could not forget retracted turn {frame.turn_id}")
+            await self.push_error(f"turn {frame.turn_id}: could not forget it: {e}", e, category=ErrorCategory.UNKNOWN)
+            return
+        call.log.event("turn_forgotten", frame.turn_id, turns=forgotten)
 
 
 def _drain(iterator) -> None:

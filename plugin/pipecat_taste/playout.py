@@ -24,6 +24,10 @@ the engine's recent replies needed. On a GPU fast enough for the first chunks th
 0. The hold is part of the reported first-audio latency, and each turn's record says how long it
 was (``start_hold_s``).
 
+The reply to a tentative turn (handed on before the VAD confirmed the end of the caller's turn)
+is synthesized while the VAD makes sure, and held here: it starts when the turn is confirmed
+(``TasteTurnStatusFrame``), and is dropped unheard when the turn is retracted.
+
 It also paces ``TTSTextFrame`` (one per segment) with the audio, brackets every reply with
 ``TTSStartedFrame``/``TTSStoppedFrame`` (one pair per reply, also when it is cut off: the
 transport reports one BotStarted/BotStopped pair), and counts underruns (the synthesizer not
@@ -65,7 +69,12 @@ from pipecat.utils.text.base_text_aggregator import TextType
 
 from pipecat_taste.audio import FrameSlicer, fade_out, float_to_pcm16, pcm16_to_float, samples_for_ms
 from pipecat_taste.call import TasteCall
-from pipecat_taste.frames import TastePlaybackFrame, TasteSegmentAudioFrame, TasteTurnMetricsFrame
+from pipecat_taste.frames import (
+    TastePlaybackFrame,
+    TasteSegmentAudioFrame,
+    TasteTurnMetricsFrame,
+    TasteTurnStatusFrame,
+)
 from pipecat_taste.synthesis import context_id_for, turn_of_context
 
 
@@ -120,6 +129,8 @@ class TastePlayout(FrameProcessor):
         self._replies: dict[int, _Reply] = {}
         self._playing: _Reply | None = None
         self._cancelled_upto = 0
+        self._unconfirmed: set[int] = set()  # tentative turns: their replies wait
+        self._retracted: set[int] = set()
         self._held_interruption: tuple[InterruptionFrame, FrameDirection] | None = None
         self._hold_task: asyncio.Task | None = None
         call.has_playout = True
@@ -188,12 +199,26 @@ class TastePlayout(FrameProcessor):
             self._enqueue(frame, turn_of_context(frame.context_id))
         elif isinstance(frame, TasteSegmentAudioFrame):
             self._enqueue(frame, frame.turn_id)
+        elif isinstance(frame, TasteTurnStatusFrame):
+            self._turn_status(frame)
+            await self.push_frame(frame, direction)
         else:
             await self.push_frame(frame, direction)
 
+    def _turn_status(self, frame: TasteTurnStatusFrame):
+        if frame.status == "tentative":
+            self._unconfirmed.add(frame.turn_id)
+            return
+        self._unconfirmed.discard(frame.turn_id)
+        if frame.status == "retracted":
+            self._retracted.add(frame.turn_id)
+            self._queue = collections.deque(item for item in self._queue if item[1].turn_id != frame.turn_id)
+            self._replies.pop(frame.turn_id, None)
+        self._wake.set()
+
     def _enqueue(self, frame: Frame, turn_id: int):
-        if turn_id <= self._cancelled_upto:
-            return  # left over from a reply that was cut off
+        if turn_id <= self._cancelled_upto or turn_id in self._retracted:
+            return  # left over from a reply that was cut off or taken back
         reply = self._replies.get(turn_id)
         if reply is None:
             reply = self._replies[turn_id] = _Reply(turn_id, FrameSlicer(self._frame_samples))
@@ -232,6 +257,10 @@ class TastePlayout(FrameProcessor):
             kind, reply, payload = self._queue[0]
             now = time.monotonic()
             if kind == "start":
+                if reply.turn_id in self._unconfirmed:  # its turn may still be retracted
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
                 self._queue.popleft()
                 self._playing = reply
                 reply.started = True

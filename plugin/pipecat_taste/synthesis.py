@@ -19,6 +19,8 @@ call's (one speaker embedding for the whole call).
 
 On an ``InterruptionFrame`` both stages stop at once; anything still queued for the interrupted
 reply is dropped (a computation already running on a worker thread finishes and is discarded).
+A retracted tentative turn (``TasteTurnStatusFrame`` 'retracted') drops only that reply: nothing of
+it was heard, and an earlier reply still being synthesized goes on.
 """
 
 from __future__ import annotations
@@ -43,7 +45,12 @@ from pipecat.utils.errors import ErrorCategory
 
 from pipecat_taste.audio import fade_in, fade_out, float_to_pcm16, samples_for_ms
 from pipecat_taste.call import TasteCall
-from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame, TasteSegmentAudioFrame
+from pipecat_taste.frames import (
+    TasteReplyEndFrame,
+    TasteReplySegmentFrame,
+    TasteSegmentAudioFrame,
+    TasteTurnStatusFrame,
+)
 
 
 def context_id_for(turn_id: int) -> str:
@@ -83,6 +90,7 @@ class TasteSynthesizer(FrameProcessor):
         self._decode_task: asyncio.Task | None = None
         self._vocode_task: asyncio.Task | None = None
         self._cancelled_upto = 0  # turns up to this id were interrupted
+        self._retracted: set[int] = set()  # tentative turns taken back
         self._current_turn: int | None = None
         call.has_synthesizer = True
 
@@ -126,8 +134,16 @@ class TasteSynthesizer(FrameProcessor):
         elif isinstance(frame, InterruptionFrame):
             await self._interrupt()
             await self.push_frame(frame, direction)
+        elif isinstance(frame, TasteTurnStatusFrame):
+            if frame.status == "retracted":
+                self._retracted.add(frame.turn_id)
+                self._call.log.event("synthesis_retracted", frame.turn_id)
+            await self.push_frame(frame, direction)
         else:
             await self.push_frame(frame, direction)
+
+    def _dropped(self, turn_id: int) -> bool:
+        return turn_id <= self._cancelled_upto or turn_id in self._retracted
 
     async def _interrupt(self):
         turn = self._current_turn
@@ -147,6 +163,10 @@ class TasteSynthesizer(FrameProcessor):
         while True:
             frame = await self._segments.get()
             if frame.turn_id <= self._cancelled_upto:
+                continue
+            if frame.turn_id in self._retracted:
+                if isinstance(frame, TasteReplySegmentFrame):
+                    call.segment_slots.release()  # the generator holds a slot per segment sent on
                 continue
             if reply is None or reply.turn_id != frame.turn_id:
                 session = await call.ensure_session()
@@ -177,7 +197,7 @@ class TasteSynthesizer(FrameProcessor):
         pieces = session.speech_tokens(reply.state, frame.segment)
         while True:
             piece = await self._call.run("speech_tokens", next, pieces, None)
-            if piece is None:
+            if piece is None or self._dropped(reply.turn_id):
                 break
             reply.tokens += len(piece)
             await self._groups.put(("tokens", reply, list(piece)))
@@ -195,7 +215,7 @@ class TasteSynthesizer(FrameProcessor):
         first_audio = False
         while True:
             kind, reply, payload = await self._groups.get()
-            if reply.turn_id <= self._cancelled_upto:
+            if self._dropped(reply.turn_id):
                 continue
             turn_id = reply.turn_id
             record = self._call.log.turn(turn_id)

@@ -68,6 +68,8 @@ class FakeSession:
         self.input_sample_rate = engine.input_sample_rate
         self.max_turn_seconds = engine.max_turn_seconds
         self.history: list[tuple[str, str]] = []  # committed (role, text)
+        self._turn_starts: list[tuple[UserTurn, int]] = []  # each answered turn and where it begins in history
+        self.forgotten: list[str] = []  # transcripts of turns taken back (answered too early)
         self._last_reply: list[str] = []
         self.replies_started = 0
         self.threads: set[str] = set()
@@ -101,6 +103,7 @@ class FakeSession:
 
     def reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
         self.threads.add(threading.current_thread().name)
+        self._turn_starts.append((turn, len(self.history)))
         self.history.append(("user", turn.transcript))
         self.replies_started += 1
         decision = self.engine.decide(turn.transcript) if self.engine.decide else "reply"
@@ -132,6 +135,18 @@ class FakeSession:
         if played_words > 0:
             self.history.append(("assistant", " ".join(words[:played_words])))
         return max(0, played_words)
+
+    def forget_turn(self, turn: UserTurn) -> int:
+        """Take back ``turn`` and everything after it (it was answered too early)."""
+        self._last_reply = []
+        start = next((index for t, index in reversed(self._turn_starts) if t is turn), None)
+        if start is None:
+            return 0
+        self._turn_starts = [(t, index) for t, index in self._turn_starts if index < start]
+        forgotten = len(self.history) - start
+        del self.history[start:]
+        self.forgotten.append(turn.transcript)
+        return forgotten
 
     # -- speaking: each speech token is 20 ms of a tone; the phase carries across chunks --------
     def start_speech(self, out_sample_rate: int) -> SpeechState:

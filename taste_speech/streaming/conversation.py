@@ -4,7 +4,8 @@ A conversation holds the system segment, the committed turns and a KV cache of e
 rows (in one prompt format, see ``prompt.py``). A new turn only appends its own rows - the history
 is never prefilled again. A reply being generated appends rows to the same cache and is committed
 when it ends; ``truncate_last_assistant`` cuts it to the words that were actually played after a
-barge-in (the cache is cropped in place). A rolling window (``max_tokens`` / ``max_turns``) drops
+barge-in (the cache is cropped in place), and ``forget_from`` takes back a user turn that was
+answered too early (with its reply). A rolling window (``max_tokens`` / ``max_turns``) drops
 the oldest turns, never the system segment; only then is the cache rebuilt, because every later
 row's position changes. All of it lives in one ``ConversationState`` that ``snapshot()`` copies and
 ``restore()`` puts back.
@@ -262,6 +263,29 @@ class Conversation:
         st.carry = carry
         self._mark_committed()
         return kept
+
+    @torch.no_grad()
+    def forget_from(self, segment: TASTESegment) -> int:
+        """Forget ``segment`` (a committed turn, found by identity) and every turn after it, as if
+        they had never been added: a user turn that turned out not to be over (the caller went on
+        speaking) and the reply begun to it. Returns the number of turns forgotten (0 when
+        ``segment`` is not in the history). The cache is cut in place; turns the rolling window
+        dropped meanwhile stay dropped."""
+        st = self.state
+        index = next((i for i in range(len(st.turns) - 1, -1, -1) if st.turns[i] is segment), None)
+        if index is None:
+            return 0
+        forgotten = len(st.turns) - index
+        if st.decode is None:  # no cache yet: the next use prefills what is left
+            del st.turns[index:], st.turn_rows[index:], st.turn_ids[index:], st.turn_carry[index:]
+            return forgotten
+        self.ready()
+        rows, ids, carry = sum(st.turn_rows[index:]), sum(st.turn_ids[index:]), st.turn_carry[index]
+        del st.turns[index:], st.turn_rows[index:], st.turn_ids[index:], st.turn_carry[index:]
+        self._cut(st.committed_rows - rows, st.committed_ids - ids)
+        st.carry = carry
+        self._mark_committed()
+        return forgotten
 
     def _apply_window(self) -> None:
         st = self.state
