@@ -268,20 +268,7 @@ def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:
 
 def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path = RESULTS) -> None:
     """Put the section before section 5 (GPU), in place of any earlier section 4b."""
-    kept, inside = [], False
-    for line in path.read_text().split("\n"):
-        if line.startswith(SECTION_NUMBER):
-            inside = True
-        elif inside and line.startswith("## "):
-            inside = False
-        if not inside:
-            kept.append(line)
-    text, section = "\n".join(kept).rstrip(), "\n".join(benchmarks_section(results_dir))
-    if "\n## 5. " in text:
-        head, tail = text.split("\n## 5. ", 1)
-        path.write_text(head.rstrip() + "\n\n" + section + "\n\n## 5. " + tail + "\n")
-    else:
-        path.write_text(text + "\n\n" + section + "\n")
+    report.replace_section(path, SECTION_NUMBER, benchmarks_section(results_dir), before="## 5. ")
 
 
 def write_results(results: list[dict], command: str, facts: dict, results_dir: Path = RESULTS) -> None:

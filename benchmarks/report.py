@@ -84,6 +84,28 @@ def table(headers: list[str], rows: list[list], digits: int = 1) -> str:
     return "\n".join(out)
 
 
+def replace_section(path: Path, number: str, section: list[str], before: str | None = None) -> None:
+    """Put ``section`` (its lines, title first) into the markdown file at ``path`` in place of the
+    section whose title starts with ``number`` (e.g. "## 4b. "): before the section titled
+    ``before`` when there is one, else at the end. An empty ``section`` only removes the old one."""
+    kept, inside = [], False
+    for line in path.read_text().split("\n"):
+        if line.startswith(number):
+            inside = True
+        elif inside and line.startswith("## "):
+            inside = False
+        if not inside:
+            kept.append(line)
+    text, new = "\n".join(kept).rstrip(), "\n".join(section)
+    if not new:
+        path.write_text(text + "\n")
+    elif before is not None and "\n" + before in text:
+        head, tail = text.split("\n" + before, 1)
+        path.write_text(head.rstrip() + "\n\n" + new + "\n\n" + before + tail + "\n")
+    else:
+        path.write_text(text + "\n\n" + new + "\n")
+
+
 def ratio(baseline: float | None, value: float | None) -> float | None:
     """How many times ``value`` beats ``baseline`` (baseline / value), None when undefined."""
     if baseline is None or value is None or value <= 0:

@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 
 import torch  # noqa: E402
 
-from benchmarks import bench_batched_steps, report, soak  # noqa: E402
+from benchmarks import bench_batched_steps, bench_early_reply, report, soak  # noqa: E402
 from benchmarks.report import fmt, ratio, table  # noqa: E402
 
 SECTIONS = ("first_audio", "lm", "synthesis", "concurrency")
@@ -338,6 +338,7 @@ def write_document(path: Path, command: str, facts: dict, parts: list[list[str]]
     md += bench_batched_steps.benchmarks_section() + [""]  # measured by its own command; kept across regenerations
     md += gpu_markdown(args)
     md += [""] + soak.benchmarks_section()  # measured by its own command; kept across regenerations
+    md += [""] + bench_early_reply.benchmarks_section()  # likewise
     path.write_text("\n".join(md).rstrip() + "\n")
 
 

@@ -175,7 +175,8 @@ def plot(results: dict, out: Path) -> dict:
     return paths
 
 
-SECTION = "## 6. Soak: load for minutes, a 100-turn call"
+SECTION_NUMBER = "## 6. "
+SECTION = SECTION_NUMBER + "Soak: load for minutes, a 100-turn call"
 
 
 def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:
@@ -192,12 +193,12 @@ def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:
 
 
 def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path = RESULTS) -> None:
-    """Put the current soak report into BENCHMARKS.md in place of its soak section (or at its end)."""
-    if not path.exists():
-        return
-    text = path.read_text()
-    head = text.split(SECTION, 1)[0].rstrip()
-    path.write_text(head + "\n\n" + "\n".join(benchmarks_section(results_dir)) + "\n")
+    """Put the current soak report into BENCHMARKS.md in place of its soak section (before section
+    7, or at its end)."""
+    from benchmarks import report
+
+    if path.exists():
+        report.replace_section(path, SECTION_NUMBER, benchmarks_section(results_dir), before="## 7. ")
 
 
 def _ms(value) -> str:

@@ -199,7 +199,9 @@ async def test_the_figure_is_the_asr_work_after_the_end_of_the_turn(engine, whis
     """With every ASR call slowed down, the figure covers the final transcription and the part of
     a partial still running at the end of the turn - and nothing before the end."""
     recorder = RecordingASR(whisper, delay=0.3)
-    call, turns, _ = await run_call(engine, recorder, one_turn(utterances), TurnCaptureParams(transcripts="asr"))
+    # the VAD's end here (an early hand-over, 300 ms sooner, starts the final transcription sooner)
+    call, turns, _ = await run_call(engine, recorder, one_turn(utterances),
+                                    TurnCaptureParams(transcripts="asr", early_reply_secs=None))
     record = call.log.turns[turns[0].turn_id]
     stop = record.vad_stop_at
     after = sum(max(0.0, end - max(start, stop)) for _, start, end, _, _ in recorder.calls)

@@ -92,3 +92,32 @@ def test_batched_steps_benchmark_measures_both_ways_and_keeps_its_section(tmp_pa
     assert text.count(bench_batched_steps.SECTION) == 1 and text.count("| tiny | speech decoder | 2 |") == 1
     assert text.index("four") < text.index(bench_batched_steps.SECTION) < text.index("## 5. GPU") < text.index("five")
     assert "stale figures" not in text and text.count("## 4b. ") == 1
+
+
+def test_early_reply_benchmark_table_and_sections_keep_their_order(tmp_path):
+    """The early-reply table compares the two ways of one transcript source, and the sections
+    measured by their own commands (4b, 6, 7) each replace their old text, in order."""
+    from benchmarks import bench_batched_steps, bench_early_reply, report, soak
+
+    rows = [{"transcripts": "auto", "way": way, "calls": 2, "replies_heard": 8, "utterances": 8,
+             "first_audio_ms": [], "median_ms": median, "min_ms": median - 50.0, "max_ms": median + 50.0,
+             "underruns": 1, "early_replies": early, "early_turns_retracted": early // 4, "errors": 0, "intact": True}
+            for way, median, early in (("VAD end", 1000.0, 0), ("early", 800.0, 8))]
+    rows[1].update(saved_ms=200.0, ratio=report.ratio(1000.0, 800.0))
+    lines = bench_early_reply.markdown(rows)
+    assert "| simulated STT (+300 ms) | early | 2 | 8/8 | 800.0 | 750.0 | 850.0 | 200.0 | 1.25x | 1 | 8 | 2 | 0 | yes |" \
+        in lines
+    results = tmp_path / "results"
+    bench_early_reply.write_results(rows, "python benchmarks/bench_early_reply.py", report.machine_facts(), results)
+    (results / "soak.md").write_text("# Soak\n\nsoak figures\n")
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# Benchmarks\n\n## 5. GPU\n\nfive\n\n## 6. Soak: old\n\nold soak\n\n## 7. Early: old\n\nold early\n")
+    for _ in range(2):
+        report.replace_section(doc, bench_early_reply.SECTION_NUMBER, bench_early_reply.benchmarks_section(results))
+        soak.update_benchmarks_md(doc, results)
+        bench_batched_steps.update_benchmarks_md(doc, results)  # no results: only removes an old 4b
+    text = doc.read_text()
+    assert "old soak" not in text and "old early" not in text and "## 4b. " not in text
+    assert text.index("five") < text.index(soak.SECTION) < text.index("soak figures") < text.index(
+        bench_early_reply.SECTION) < text.index("| early |")
+    assert text.count(bench_early_reply.SECTION) == 1 and text.count(soak.SECTION) == 1

@@ -15,8 +15,8 @@ none while an earlier turn is still being finished; skipped, not queued, when bu
 the turn then only verifies the latest partial and decodes what it had not heard
 (``pipecat_taste.asr.TurnTranscript``). A failing partial is logged and changes nothing else.
 Each turn's record gets ``asr_after_end_ms``: the built-in ASR's compute on the listening
-thread after the VAD confirmed the end of the turn (the rest of an in-flight partial plus the
-final transcription).
+thread after the turn was handed on - when the VAD confirmed its end, or earlier with an early
+reply (below) - the rest of an in-flight partial plus the final transcription.
 
 Early replies (``early_reply_secs``, with the capture's own VAD): the VAD confirms the end of a
 turn only after ``stop_secs`` of silence (0.5 s by default), most of the time the caller waits
