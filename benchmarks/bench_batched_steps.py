@@ -260,10 +260,7 @@ def markdown(results: list[dict]) -> list[str]:
 
 def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:
     """The last ``--write`` run as a section of BENCHMARKS.md ([] before the first)."""
-    saved = Path(results_dir) / "batched_steps.md"
-    if not saved.exists():
-        return []
-    return [SECTION, "", saved.read_text().split("\n", 1)[1].strip()]
+    return report.saved_section(SECTION, Path(results_dir) / "batched_steps.md")
 
 
 def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path = RESULTS) -> None:

@@ -118,10 +118,7 @@ def write_results(rows: list[dict], command: str, facts: dict, results_dir: Path
 
 def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:
     """The last ``--write`` run as a section of BENCHMARKS.md ([] before the first)."""
-    saved = Path(results_dir) / "early_reply.md"
-    if not saved.exists():
-        return []
-    return [SECTION, "", saved.read_text().split("\n", 1)[1].strip()]
+    return report.saved_section(SECTION, Path(results_dir) / "early_reply.md")
 
 
 def main(argv=None) -> int:

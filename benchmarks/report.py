@@ -84,6 +84,14 @@ def table(headers: list[str], rows: list[list], digits: int = 1) -> str:
     return "\n".join(out)
 
 
+def saved_section(title: str, saved: Path) -> list[str]:
+    """A benchmark's saved markdown (written by its ``--write``) as a BENCHMARKS.md section under
+    ``title`` instead of its own first line; [] before the first run."""
+    if not saved.exists():
+        return []
+    return [title, "", saved.read_text().split("\n", 1)[1].strip()]
+
+
 def replace_section(path: Path, number: str, section: list[str], before: str | None = None) -> None:
     """Put ``section`` (its lines, title first) into the markdown file at ``path`` in place of the
     section whose title starts with ``number`` (e.g. "## 4b. "): before the section titled

@@ -18,6 +18,7 @@ from pipecat_taste.frames import (
     TasteSegmentAudioFrame,
     TasteTurnDecisionFrame,
     TasteTurnMetricsFrame,
+    TasteTurnStatusFrame,
     TasteUserTurnFrame,
 )
 from pipecat_taste.generation import TasteGenerator
@@ -29,7 +30,8 @@ from pipecat_taste.vad import WebRTCVADAnalyzer, default_vad_params
 __all__ = [
     "CallLog", "TasteCall", "TurnRecord", "TasteTurnCapture", "TurnCaptureParams", "GenerationSettings",
     "TasteEngine", "TasteSession", "TastePlaybackFrame", "TasteReplyEndFrame", "TasteReplySegmentFrame",
-    "TasteSegmentAudioFrame", "TasteTurnDecisionFrame", "TasteTurnMetricsFrame", "TasteUserTurnFrame",
+    "TasteSegmentAudioFrame", "TasteTurnDecisionFrame", "TasteTurnMetricsFrame", "TasteTurnStatusFrame",
+    "TasteUserTurnFrame",
     "TasteGenerator", "PlayoutParams", "TastePlayout", "TasteSpeechToSpeech", "TasteSynthesizer",
     "WebRTCVADAnalyzer", "default_vad_params",
 ]
