@@ -105,7 +105,7 @@ def markdown(rows: list[dict]) -> list[str]:
 
 def write_results(rows: list[dict], command: str, facts: dict, results_dir: Path = RESULTS) -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
-    lines = ["# Early replies", "", __doc__.split("\n\n", 2)[2].strip(), "",
+    lines = ["# Early replies", "", __doc__.split("\n\n", 2)[2].strip().replace("``", "`"), "",
              "Each utterance's figure is one reply heard; the early turns taken back are the pauses inside an "
              "utterance (\"Great, thank you. Goodbye.\") that were longer than 200 ms and shorter than the VAD's "
              "end: the reply begun to them was dropped unheard and the whole utterance answered once.", "",
