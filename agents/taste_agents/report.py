@@ -260,7 +260,8 @@ def _json_default(value):
 
 def plot_timeline(report: dict, stereo: np.ndarray, sample_rate: int, path: Path) -> None:
     """Who spoke when (waveform envelopes on two lanes), the agent's turns and decisions, latency
-    arrows from the end of each utterance to the agent's first audio, and barge-in markers."""
+    arrows from the end of each utterance to the agent's first audio, early replies and barge-in
+    markers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,6 +294,14 @@ def plot_timeline(report: dict, stereo: np.ndarray, sample_rate: int, path: Path
         if agent_turn.get("speech_start") is not None and agent_turn.get("speech_end") is not None:
             ax.axvspan(agent_turn["speech_start"], agent_turn["speech_end"], ymin=0.78, ymax=0.8, color="tab:blue",
                        alpha=0.5)
+    # Early replies: where a turn was handed on before the VAD's end, and where one was taken back.
+    for agent_turns, marker, color in ((report["agent_turns"], "v", "purple"),
+                                       (report.get("retracted_agent_turns", []), "x", "gray")):
+        early = [a["early_end_at"] for a in agent_turns if a.get("early_end_at") is not None]
+        ax.plot(early, [0.78] * len(early), marker, color=color, ms=5, ls="none")
+    ax.plot([], [], "v", color="purple", label="answered early (before the VAD's end)")
+    ax.plot([], [], "x", color="gray", label="early turn taken back (the caller went on)")
+    ax.legend(loc="lower right", fontsize=7, frameon=False)
     ax.set_yticks([0, 1], ["agent", "caller"])
     ax.set_ylim(-0.8, 1.6)
     ax.set_xlabel("seconds")
