@@ -6,7 +6,8 @@ the module through the CLI's own code path; the tests check it on the recording 
 * every user turn gets a decision;
 * the agent never talks over the caller, except in the barge-in;
 * the agent audio in the recording is exactly the synthesised audio (nothing lost or duplicated);
-* after a barge-in the agent's audio stops within 100 ms.
+* after a barge-in the agent's audio stops within 100 ms;
+* replies are begun before the VAD confirms the end of the turn and heard only after it.
 """
 
 import json
@@ -137,3 +138,16 @@ def test_one_bot_started_stopped_pair_per_reply(call):
     kinds = [type(f) for _, f in call.frames if isinstance(f, (BotStartedSpeakingFrame, BotStoppedSpeakingFrame))]
     replies = sum(1 for r in call.log.turns.values() if r.first_audio_at is not None)
     assert kinds == [BotStartedSpeakingFrame, BotStoppedSpeakingFrame] * replies
+
+
+def test_replies_begin_before_the_vads_end_and_are_heard_after_it(call):
+    """Early replies are on in the main job: each reply was begun about stop_secs - early_reply_secs
+    (300 ms) before the VAD confirmed the end of its turn, and no audio came before that."""
+    report = json.loads(open(call.paths["report"]).read())
+    replies = [t for t in report["turns"] if t.get("first_audio_latency_ms") is not None]
+    assert replies and all(250 <= t["early_by_ms"] <= 400 for t in replies), [t["early_by_ms"] for t in replies]
+    for record in call.log.turns.values():
+        if record.first_audio_at is not None:
+            assert record.early_end_at < record.vad_stop_at <= record.first_audio_at
+    assert report["summary"]["early_replies"] == len(call.log.turns)
+    assert len(report["retracted_agent_turns"]) == report["summary"]["early_turns_retracted"]
