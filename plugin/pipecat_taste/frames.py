@@ -8,9 +8,9 @@
 Early replies: the capture may hand a turn on after a short silence, before the VAD confirms
 its end (``TasteUserTurnFrame.tentative``); the generator tells the processors after it with a
 ``TasteTurnStatusFrame`` 'tentative'. The capture then says what became of the turn with another
-('confirmed': the VAD confirmed the end; 'retracted': the caller went on speaking). The generator holds the reply's announcement frames and the playout its audio until
-the turn is confirmed; a retracted turn's reply is dropped everywhere and forgotten by the
-conversation.
+('confirmed': the VAD confirmed the end; 'retracted': the caller went on speaking). The
+generator holds the reply's announcement frames and the playout its audio until the turn is
+confirmed; a retracted turn's reply is dropped everywhere and forgotten by the conversation.
 
 ``turn_id`` ties everything to one user turn (and the reply to it); ids only grow during a call, so
 a processor can drop anything that belongs to a turn it has already cancelled.
