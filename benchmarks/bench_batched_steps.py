@@ -32,7 +32,6 @@ BENCHMARKS.md as its section 4b, which ``run_all.py`` keeps when it regenerates 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import threading
@@ -269,7 +268,6 @@ def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path 
 
 
 def write_results(results: list[dict], command: str, facts: dict, results_dir: Path = RESULTS) -> None:
-    results_dir.mkdir(parents=True, exist_ok=True)
     lines = ["# Decode and synthesis steps of concurrent calls", "",
              "N calls (one thread each, as the plugin runs them) prefill their own history (spoken LM: 64 rows; "
              "speech decoder: a 20-row prefix), then decode one position per step (speech decoder: a greedy speech "
@@ -288,9 +286,7 @@ def write_results(results: list[dict], command: str, facts: dict, results_dir: P
              "(GPU_NOTES: 2.9 ms for one call, 4.4 ms for eight batched). No GPU figures yet.", "",
              f"Command: `{command}`; " + "; ".join(report.facts_lines(facts)).replace("- ", ""), ""]
     lines += markdown(results)
-    (results_dir / "batched_steps.md").write_text("\n".join(lines) + "\n")
-    (results_dir / "batched_steps.json").write_text(json.dumps({"command": command, "facts": facts, "rows": results},
-                                                          indent=1, default=str))
+    report.save_results(Path(results_dir), "batched_steps", lines, results, command, facts)
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import statistics
 import sys
@@ -104,16 +103,13 @@ def markdown(rows: list[dict]) -> list[str]:
 
 
 def write_results(rows: list[dict], command: str, facts: dict, results_dir: Path = RESULTS) -> None:
-    results_dir.mkdir(parents=True, exist_ok=True)
     lines = ["# Early replies", "", __doc__.split("\n\n", 2)[2].strip().replace("``", "`"), "",
              "Each utterance's figure is one reply heard; the early turns taken back are the pauses inside an "
              "utterance (\"Great, thank you. Goodbye.\") that were longer than 200 ms and shorter than the VAD's "
              "end: the reply begun to them was dropped unheard and the whole utterance answered once.", "",
              f"Command: `{command}`; " + "; ".join(report.facts_lines(facts)).replace("- ", ""), ""]
     lines += markdown(rows)
-    (results_dir / "early_reply.md").write_text("\n".join(lines) + "\n")
-    (results_dir / "early_reply.json").write_text(json.dumps({"command": command, "facts": facts, "rows": rows},
-                                                             indent=1, default=str))
+    report.save_results(Path(results_dir), "early_reply", lines, rows, command, facts)
 
 
 def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 from pathlib import Path
@@ -82,6 +83,14 @@ def table(headers: list[str], rows: list[list], digits: int = 1) -> str:
            "| " + " | ".join(align(rows[0]) if rows else ["---"] * len(headers)) + " |"]
     out += ["| " + " | ".join(fmt(c, digits) for c in row) + " |" for row in rows]
     return "\n".join(out)
+
+
+def save_results(results_dir: Path, name: str, lines: list[str], rows: list, command: str, facts: dict) -> None:
+    """A benchmark's ``--write``: ``name``.md (its section text) and ``name``.json (the raw rows)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (results_dir / f"{name}.json").write_text(json.dumps({"command": command, "facts": facts, "rows": rows},
+                                                         indent=1, default=str))
 
 
 def saved_section(title: str, saved: Path) -> list[str]:
