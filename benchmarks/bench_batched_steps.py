@@ -268,7 +268,7 @@ def update_benchmarks_md(path: Path = ROOT / "BENCHMARKS.md", results_dir: Path 
 
 
 def write_results(results: list[dict], command: str, facts: dict, results_dir: Path = RESULTS) -> None:
-    lines = ["# Decode and synthesis steps of concurrent calls", "",
+    intro = ["# Decode and synthesis steps of concurrent calls", "",
              "N calls (one thread each, as the plugin runs them) prefill their own history (spoken LM: 64 rows; "
              "speech decoder: a 20-row prefix), then decode one position per step (speech decoder: a greedy speech "
              "token). *Alone*: each call feeds its own cache (the growing cache on a CPU, the static one on CUDA). "
@@ -283,10 +283,8 @@ def write_results(results: list[dict], command: str, facts: dict, results_dir: P
              "count: calls stepping alone already run in parallel on the cores, and each call's heads (the text "
              "head over 128 256 ids at full size, the speech decoder's sampling) run in its own thread between steps, so the engine batches by "
              "default only on the CUDA fast path, where a step costs its kernel launches, not its rows "
-             "(GPU_NOTES: 2.9 ms for one call, 4.4 ms for eight batched). No GPU figures yet.", "",
-             f"Command: `{command}`; " + "; ".join(report.facts_lines(facts)).replace("- ", ""), ""]
-    lines += markdown(results)
-    report.save_results(Path(results_dir), "batched_steps", lines, results, command, facts)
+             "(GPU_NOTES: 2.9 ms for one call, 4.4 ms for eight batched). No GPU figures yet.", ""]
+    report.save_results(Path(results_dir), "batched_steps", intro, markdown(results), results, command, facts)
 
 
 def main(argv=None) -> int:

@@ -103,13 +103,11 @@ def markdown(rows: list[dict]) -> list[str]:
 
 
 def write_results(rows: list[dict], command: str, facts: dict, results_dir: Path = RESULTS) -> None:
-    lines = ["# Early replies", "", __doc__.split("\n\n", 2)[2].strip().replace("``", "`"), "",
+    intro = ["# Early replies", "", __doc__.split("\n\n", 2)[2].strip().replace("``", "`"), "",
              "Each utterance's figure is one reply heard; the early turns taken back are the pauses inside an "
              "utterance (\"Great, thank you. Goodbye.\") that were longer than 200 ms and shorter than the VAD's "
-             "end: the reply begun to them was dropped unheard and the whole utterance answered once.", "",
-             f"Command: `{command}`; " + "; ".join(report.facts_lines(facts)).replace("- ", ""), ""]
-    lines += markdown(rows)
-    report.save_results(Path(results_dir), "early_reply", lines, rows, command, facts)
+             "end: the reply begun to them was dropped unheard and the whole utterance answered once.", ""]
+    report.save_results(Path(results_dir), "early_reply", intro, markdown(rows), rows, command, facts)
 
 
 def benchmarks_section(results_dir: Path = RESULTS) -> list[str]:

@@ -85,9 +85,12 @@ def table(headers: list[str], rows: list[list], digits: int = 1) -> str:
     return "\n".join(out)
 
 
-def save_results(results_dir: Path, name: str, lines: list[str], rows: list, command: str, facts: dict) -> None:
-    """A benchmark's ``--write``: ``name``.md (its section text) and ``name``.json (the raw rows)."""
+def save_results(results_dir: Path, name: str, intro: list[str], table_lines: list[str], rows: list, command: str,
+                 facts: dict) -> None:
+    """A benchmark's ``--write``: ``name``.md (``intro``, the command and machine, the table) and
+    ``name``.json (the raw rows)."""
     results_dir.mkdir(parents=True, exist_ok=True)
+    lines = intro + [f"Command: `{command}`; " + "; ".join(facts_lines(facts)).replace("- ", ""), ""] + table_lines
     (results_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
     (results_dir / f"{name}.json").write_text(json.dumps({"command": command, "facts": facts, "rows": rows},
                                                          indent=1, default=str))
