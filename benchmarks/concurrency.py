@@ -9,8 +9,9 @@ pipeline, real-time audio both ways, the scripted caller with its barge-in).
 
     memory per call = (peak RSS during the N calls - idle RSS with the engine loaded) / N
     first audio     = per caller turn, agent audio heard after the end of the caller's speech,
-                      measured on the call's recording (it includes the VAD's end-of-turn
-                      silence and the oracle STT delay, like a real call)
+                      measured on the call's recording (it includes the wait for the VAD to
+                      confirm the end of the turn and the oracle STT delay, like a real call;
+                      the reply is made early, while the VAD makes sure)
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def run_in_this_process(n_calls: int, max_reply_tokens: int, threads: int) -> di
         "first_audio_ms_median": float(np.median(latencies)) if latencies else None,
         "first_audio_ms_p90": float(np.percentile(latencies, 90)) if latencies else None,
         "first_audio_ms_max": float(max(latencies)) if latencies else None,
+        "early_replies": sum(c["summary"].get("early_replies", 0) for c in result.calls),
+        "early_turns_retracted": sum(c["summary"].get("early_turns_retracted", 0) for c in result.calls),
         "wall_s": result.wall_s, "rss_mb": result.rss_mb, "max_reply_tokens": max_reply_tokens,
     }
 

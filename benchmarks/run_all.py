@@ -275,7 +275,9 @@ def section_concurrency(plan: Plan, args, results: Path) -> tuple[list[str], dic
           f"`max_reply_tokens={plan.call_reply_tokens}`. Each N runs in a fresh process: engine loaded and warmed "
           "up, idle RSS recorded, then N calls at once (started 0.37 s apart). Memory per call = (peak RSS - "
           "idle RSS) / N. First audio is measured on each call's recording from the end of the caller's speech, "
-          "so it includes the VAD's 0.5 s end-of-turn silence and the 0.3 s oracle-STT delay. Ratios compare "
+          "so it includes the 0.3 s oracle-STT delay and the wait for the VAD to confirm the end of the turn "
+          "(0.5 s of silence): the reply is made early, after 0.2 s of silence, and heard once the VAD confirms "
+          "(early replies: handed on early; taken back: the caller went on after a short pause). Ratios compare "
           f"with {base['calls']} call(s) in the same run.", "",
           f"Same figures alone: `python -m benchmarks.concurrency --calls N --json out.json --max-reply-tokens "
           f"{plan.call_reply_tokens}`", ""]
@@ -284,9 +286,11 @@ def section_concurrency(plan: Plan, args, results: Path) -> tuple[list[str], dic
         table_rows.append([r["calls"], r["idle_rss_mb"], r["peak_rss_mb"], r["memory_per_call_mb"],
                            r["first_audio_ms_median"], r["first_audio_ms_p90"], r["first_audio_ms_max"],
                            ratio(r["first_audio_ms_median"], base["first_audio_ms_median"]),
-                           f"{r['answered_turns']}/{r['turns']}", len(r["crashes"]), r["audio_intact"]])
+                           f"{r['answered_turns']}/{r['turns']}", f"{r['early_replies']} ({r['early_turns_retracted']})",
+                           len(r["crashes"]), r["audio_intact"]])
     md.append(table(["calls at once", "idle RSS MB", "peak RSS MB", "MB per call", "first audio median ms",
-                     "p90 ms", "max ms", f"median vs {base['calls']} call (x slower)", "turns answered", "crashes",
+                     "p90 ms", "max ms", f"median vs {base['calls']} call (x slower)", "turns answered",
+                     "early replies (taken back)", "crashes",
                      "audio intact"], table_rows))
     png = report.plot_lines(results / "concurrency_rss.png",
                             [(f"{r['calls']} call(s)", [t for t, _ in r["rss_mb"]], [mb for _, mb in r["rss_mb"]])
