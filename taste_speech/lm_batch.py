@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from taste_speech.batched_steps import BatchedSteps, SlotCache
-from taste_speech.lm_cache import StaticLMCache, _check_crop
+from taste_speech.lm_cache import StaticLMCache, _check_crop, run_backbone
 from taste_speech.step_graph import resolve_mode
 
 _EAGER_VIEW_QUANTUM = 64  # eager steps attend to a prefix of the rows rounded up to this (fewer shapes)
@@ -131,9 +131,9 @@ class LMStepBatch(BatchedSteps):
             for layer in cache.layers:
                 layer.span_start = start
             positions = torch.arange(start, start + t, device=self.device)
-            out = self.lm.backbone(inputs_embeds=rows.to(self.dtype), past_key_values=cache,
-                                   attention_mask=self._visible(positions, view)[None, None],
-                                   position_ids=positions.unsqueeze(0), use_cache=True)
+            out = run_backbone(self.lm.backbone, rows.to(self.dtype), cache,
+                               attention_mask=self._visible(positions, view)[None, None],
+                               position_ids=positions.unsqueeze(0))
             self.set_length(slot, start + t)
             return out.last_hidden_state[:, -1]
 
@@ -155,8 +155,8 @@ class LMStepBatch(BatchedSteps):
         cache = self._step_caches[n]
         positions = self._positions[:n]
         mask = self._visible(positions, cache.layers[0].view_rows)[:, None, None]  # one query row per slot
-        out = self.lm.backbone(inputs_embeds=self._rows[:n], past_key_values=cache, attention_mask=mask,
-                               position_ids=positions.unsqueeze(1), use_cache=True)
+        out = run_backbone(self.lm.backbone, self._rows[:n], cache, attention_mask=mask,
+                           position_ids=positions.unsqueeze(1))
         return out.last_hidden_state[:, -1]
 
     @torch.no_grad()

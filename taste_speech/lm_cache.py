@@ -23,15 +23,26 @@ a copy captures its own at its first step.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, LlamaModel, StaticCache
 
 from taste_speech.step_graph import StepGraph, resolve_mode
 
 CACHE_KINDS = ("auto", "static", "dynamic")
 DEFAULT_CAPACITY = 1024
 _GROW_QUANTUM = 256  # capacities are multiples of this (fewer distinct shapes to capture)
+
+
+# Recent transformers 5.x name the backbone's cache argument ``cache``; ``past_key_values``, the
+# older name, warns and goes in 5.40. Pass it under the name this version takes.
+_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def run_backbone(backbone, rows: torch.Tensor, kv, **kwargs):
+    """The Llama backbone on ``rows`` (B, T, H) after the keys/values in ``kv``, which it extends."""
+    return backbone(inputs_embeds=rows, use_cache=True, **{_CACHE_ARG: kv}, **kwargs)
 
 
 class DynamicLMCache:
@@ -45,7 +56,7 @@ class DynamicLMCache:
         return self.kv.get_seq_length()
 
     def feed(self, backbone, rows: torch.Tensor) -> torch.Tensor:
-        out = backbone(inputs_embeds=rows, past_key_values=self.kv, use_cache=True)
+        out = run_backbone(backbone, rows, self.kv)
         return out.last_hidden_state[:, -1]
 
     def keys_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -110,8 +121,8 @@ class StaticLMCache:
             hidden = self._step.run().clone()  # the graph's output buffer is overwritten next step
         else:
             positions = torch.arange(self._length, self._length + t, device=self.device)
-            out = backbone(inputs_embeds=rows, past_key_values=self.kv, attention_mask=self._mask(positions),
-                           position_ids=positions.unsqueeze(0), use_cache=True)
+            out = run_backbone(backbone, rows, self.kv, attention_mask=self._mask(positions),
+                               position_ids=positions.unsqueeze(0))
             hidden = out.last_hidden_state[:, -1]
         self._length += t
         return hidden
@@ -140,8 +151,8 @@ class StaticLMCache:
     def _decode_step(self, backbone) -> torch.Tensor:
         """One row from the static buffer at the current device-side position (graph-safe)."""
         position = self.kv.layers[0].cumulative_length.view(1).clone()
-        out = backbone(inputs_embeds=self._row, past_key_values=self.kv, attention_mask=self._mask(position),
-                       position_ids=position.view(1, 1), use_cache=True)
+        out = run_backbone(backbone, self._row, self.kv, attention_mask=self._mask(position),
+                           position_ids=position.view(1, 1))
         return out.last_hidden_state[:, -1]
 
     def _grow(self, needed: int) -> None:

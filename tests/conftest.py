@@ -38,3 +38,29 @@ def tiny_model(tiny_checkpoint):
     from taste_speech.processing_taste import TasteProcessor
 
     return TasteForCausalLM.from_pretrained(str(tiny_checkpoint)), TasteProcessor.from_pretrained(str(tiny_checkpoint))
+
+
+# Golden set A, and the spoken LM loaded from it: per test module, so that one module's changes to
+# the model (caches, graphs) never reach another's. A module with other goldens defines its own.
+@pytest.fixture(scope="module")
+def golden(taste_lm_tiny_a):
+    from taste_speech.verify import Golden
+
+    return Golden(str(taste_lm_tiny_a))
+
+
+@pytest.fixture(scope="module")
+def loaded(golden):
+    from taste_speech.verify.points_spoken_lm import load_golden_spoken_lm
+
+    return load_golden_spoken_lm(golden.dir)
+
+
+@pytest.fixture(scope="module")
+def lm(loaded):
+    return loaded.spoken_lm
+
+
+@pytest.fixture(scope="module")
+def rvq(loaded):
+    return loaded.audio_tower.vq.rvq

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from taste_speech.configuration_taste import TasteConfig
 from taste_speech.modeling_audio_tower import WHISPER_EOT_ID, WHISPER_PROMPT_IDS, TasteAudioTower
 from taste_speech.modeling_rvq import ResidualVQ
-from taste_speech.verify import Golden, points_audio_tower
+from taste_speech.verify import points_audio_tower
 from taste_speech.word_alignment import (
     llm_indices_from_asr,
     mean_pool_words,
@@ -33,11 +33,6 @@ def load_tower(directory) -> TasteAudioTower:
     result = tower.load_state_dict(state, strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
     return tower
-
-
-@pytest.fixture(scope="module")
-def golden(taste_lm_tiny_a):
-    return Golden(str(taste_lm_tiny_a))
 
 
 @pytest.fixture(scope="module")

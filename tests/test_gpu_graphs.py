@@ -8,15 +8,9 @@ import pytest
 import torch
 
 from concurrency_helpers import run_in_threads
-from taste_speech.verify import Golden
 from taste_speech.verify.points_spoken_lm import golden_sampler, load_golden_spoken_lm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="module")
-def golden(taste_lm_tiny_a):
-    return Golden(str(taste_lm_tiny_a))
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,11 @@ from taste_speech.modeling_speech_decoder import (
     TasteSpeechDecoder,
     TopKSampler,
 )
-from taste_speech.verify import Golden
 from taste_speech.verify import points_speech_decoder
 
 
 def _strip(state, prefix):
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-
-
-@pytest.fixture(scope="module")
-def golden(taste_lm_tiny_a):
-    return Golden(str(taste_lm_tiny_a))
 
 
 @pytest.fixture(scope="module")

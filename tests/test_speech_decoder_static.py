@@ -15,14 +15,8 @@ from taste_speech.configuration_taste import TasteConfig
 from taste_speech.espnet_transformer import KVCache
 from taste_speech.modeling_speech_decoder import GreedySampler, TasteSpeechDecoder
 from taste_speech.speech_decoder_cache import StaticSpeechCache
-from taste_speech.verify import Golden
 
 MODES = ["eager", "rehearse"]
-
-
-@pytest.fixture(scope="module")
-def golden(taste_lm_tiny_a):
-    return Golden(str(taste_lm_tiny_a))
 
 
 def load_decoder(directory):

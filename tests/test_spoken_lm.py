@@ -11,31 +11,10 @@ import torch
 from taste_speech.configuration_taste import TasteConfig
 from taste_speech.modeling_spoken_lm import Action, TasteSpokenLM
 from taste_speech.sampler import SamplingParams, TasteSampler
-from taste_speech.verify import Golden
-from taste_speech.verify.points_spoken_lm import golden_sampler, load_golden_spoken_lm, run
+from taste_speech.verify.points_spoken_lm import golden_sampler, run
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 HEAD = "language_model.base_model.model.lm_head.weight"
-
-
-@pytest.fixture(scope="module")
-def golden(taste_lm_tiny_a):
-    return Golden(str(taste_lm_tiny_a))
-
-
-@pytest.fixture(scope="module")
-def loaded(golden):
-    return load_golden_spoken_lm(golden.dir)
-
-
-@pytest.fixture(scope="module")
-def lm(loaded):
-    return loaded.spoken_lm
-
-
-@pytest.fixture(scope="module")
-def rvq(loaded):
-    return loaded.audio_tower.vq.rvq
 
 
 @pytest.fixture(scope="module")

@@ -12,28 +12,7 @@ import torch
 
 from taste_speech.lm_cache import DynamicLMCache, StaticLMCache
 from taste_speech.step_graph import StepGraph, resolve_mode
-from taste_speech.verify import Golden
-from taste_speech.verify.points_spoken_lm import golden_sampler, load_golden_spoken_lm
-
-
-@pytest.fixture(scope="module")
-def golden(taste_lm_tiny_a):
-    return Golden(str(taste_lm_tiny_a))
-
-
-@pytest.fixture(scope="module")
-def loaded(golden):
-    return load_golden_spoken_lm(golden.dir)
-
-
-@pytest.fixture(scope="module")
-def lm(loaded):
-    return loaded.spoken_lm
-
-
-@pytest.fixture(scope="module")
-def rvq(loaded):
-    return loaded.audio_tower.vq.rvq
+from taste_speech.verify.points_spoken_lm import golden_sampler
 
 
 def audio_prompt(golden):

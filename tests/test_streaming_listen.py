@@ -26,7 +26,6 @@ from taste_speech.streaming import (
     taste_tokenize,
     vocabulary_tables,
 )
-from taste_speech.verify import Golden
 from taste_speech.verify.points_spoken_lm import PieceTokenizer, load_golden_spoken_lm
 
 FORMATS = [CONTINUATION, INSTRUCT, DIALOGUE]
@@ -60,11 +59,6 @@ def run(model, processor, segments, **kw):
 
 
 # -- fixtures ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def golden(taste_lm_tiny_a):
-    return Golden(str(taste_lm_tiny_a))
-
-
 @pytest.fixture(scope="module")
 def golden_model(golden):
     return load_golden_spoken_lm(golden.dir)
