@@ -106,6 +106,7 @@ class KVCache:
     """Per-layer attention cache of one causal sequence (batch 1)."""
 
     layers: list[LayerCache] = field(default_factory=list)
+    epoch: int = 0  # bumped when a new decode takes the cache over (a decode started before can tell)
 
     @property
     def length(self) -> int:
@@ -114,7 +115,7 @@ class KVCache:
 
     def clone(self) -> "KVCache":
         """An independent copy (tensors are never modified in place, so sharing them is safe)."""
-        return KVCache([LayerCache(c.keys, c.values, c.pos_keys) for c in self.layers])
+        return KVCache([LayerCache(c.keys, c.values, c.pos_keys) for c in self.layers], self.epoch)
 
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on (e.g. to re-feed a changed suffix)."""

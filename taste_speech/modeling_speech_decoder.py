@@ -159,7 +159,7 @@ class SpeechDecodeState:
     step_logprobs: list[torch.Tensor] | None = None  # per decision, when recording
     finished: bool = False
     stop_reason: str | None = None  # 'eos' | 'max_len'
-    cache_epoch: int = 0  # a static cache's epoch at start (a later start on the same cache bumps it)
+    cache_epoch: int = 0  # the cache's epoch at start (a later start on the same cache bumps it)
 
     @property
     def prefix_length(self) -> int:
@@ -463,6 +463,7 @@ class TasteSpeechDecoder(nn.Module):
             if len(cache.layers) != len(self.llm.encoders):
                 raise ValueError("this KVCache belongs to a transformer with a different number of blocks")
             cache.truncate(0)
+            cache.epoch += 1
         else:
             raise TypeError(f"cache must come from new_cache() or a SpeechStepBatch (KVCache, StaticSpeechCache or "
                             f"SlotSpeechCache), got {type(cache).__name__}")

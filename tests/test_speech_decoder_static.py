@@ -198,3 +198,15 @@ def test_bad_cache_requests_fail_clearly(decoder, taste_lm_tiny_a, prefix):
         state.cache.forward(torch.zeros(1, 5000, decoder.llm.input_size))
     with pytest.raises(ValueError, match="rows must be"):
         state.cache.forward(torch.zeros(1, 0, decoder.llm.input_size))
+
+
+def test_a_growing_cache_taken_over_by_a_later_start_is_refused(decoder, prefix, other_prefix):
+    """Like the static cache above: a decode whose KVCache a later start took over must not go on
+    against the new prefix."""
+    cache = decoder.new_cache("dynamic")
+    first = decoder.start(prefix, cache=cache, min_len=3, max_len=12)
+    copy_of_first = first.clone()  # a clone owns its cache: it goes on decoding
+    decoder.start(other_prefix, cache=cache, min_len=3, max_len=12)
+    with pytest.raises(ValueError, match="taken over by a later start"):
+        decoder.feed(first, other_prefix[:, :1])
+    decoder.feed(copy_of_first, other_prefix[:, :1])

@@ -483,6 +483,61 @@ def test_rolling_window_keeps_the_system_segment(model, processor, user_turn, se
 
 
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_the_window_keeps_the_newest_exchange_and_drops_whole_exchanges(model, processor, user_turn, second_turn,
+                                                                         cache_kind):
+    system = text_segment(processor, "system", " be kind")
+    # a window the system segment plus one user turn already overflows
+    conv = new_conversation(model, processor, cache_kind, system=system, max_tokens=user_turn.length)
+    conv.add_turn(user_turn)
+    assert conv.turns == [user_turn]  # the turn about to be answered stays, over the limit
+    items = run(model, processor, [], conversation=conv, text_top_p=0.0)
+    reply = reply_of(items)
+    assert reply is not None and conv.turns == [user_turn, reply]  # and so does its answer
+    assert_cache_equals_fresh_build(model, processor, conv)
+    assert conv.forget_from(user_turn) == 2 and conv.turns == []  # an early turn can still be taken back
+    conv.add_turn(user_turn)
+    run(model, processor, [], conversation=conv, text_top_p=0.0)
+    cache = conv.state.decode.cache
+    conv.add_turn(second_turn)  # the old exchange goes as a whole: no answer without its question
+    assert conv.turns == [second_turn] and conv.system is system
+    if cache_kind == "static":  # prefilled again in place: buffers and captured step kept
+        assert conv.state.decode.cache is cache
+    assert_cache_equals_fresh_build(model, processor, conv)
+    with pytest.raises(ValueError, match="system segment takes .* more than half of max_tokens"):
+        new_conversation(model, processor, cache_kind, system=system, max_tokens=4)
+
+
+def test_the_window_drops_below_its_limit_so_a_long_call_rarely_prefills_again(model, processor, user_turn):
+    conv = Conversation(model, processor, max_turns=8)
+    rebuilds, decode = 0, None
+    for _ in range(16):
+        conv.add_turn(user_turn)
+        rebuilds += decode is not None and conv.state.decode is not decode
+        decode = conv.state.decode
+        assert len(conv.turns) <= 8
+    assert rebuilds == 3  # down to 6 turns each time: at turns 9, 12 and 15, not at each of the 8 past the limit
+
+
+def test_a_rejected_turn_leaves_the_conversation_as_it_was(model, processor, user_turn):
+    conv = Conversation(model, processor)
+    bad = TASTESegment("user", "audio", user_turn.text_ids, user_turn.taste_ids[..., :-1])  # one RVQ level short
+    with pytest.raises(ValueError, match="codes per word"):
+        run(model, processor, [user_turn, bad], conversation=conv)
+    assert conv.turns == [] and conv.state.committed_rows == conv.ready().length
+
+
+def test_a_stop_callable_is_asked_once_per_step(model, processor, user_turn):
+    asked = []
+
+    def stop_once_asked_twice():  # True the second time it is asked, then never again
+        asked.append(1)
+        return len(asked) == 2
+
+    items = run(model, processor, [user_turn], stop=stop_once_asked_twice, text_top_p=0.0, max_length=50)
+    assert items[-1]["end_reason"] == "cancelled" and items[-1].get("cancelled"), items[-1]
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 def test_snapshot_and_restore(model, processor, user_turn, second_turn, cache_kind):
     conv = new_conversation(model, processor, cache_kind)
     run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
@@ -494,6 +549,8 @@ def test_snapshot_and_restore(model, processor, user_turn, second_turn, cache_ki
     again = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))
     assert torch.equal(first.text_ids, again.text_ids) and torch.equal(first.taste_ids, again.taste_ids)
     assert snap.decode.length < conv.state.decode.length  # the snapshot was not touched
+    conv.restore(snap)  # the restored history holds the caller's own segments: forget_from finds them
+    assert conv.turns[0] is user_turn and conv.forget_from(user_turn) == 2 and conv.turns == []
     if cache_kind == "batched":  # a snapshot holds no slot; the restored cache is a private one
         assert not isinstance(snap.decode.cache, SlotLMCache)
         assert conv.lm_batch.slots_in_use == 0

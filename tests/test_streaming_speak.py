@@ -53,6 +53,10 @@ def test_regimes():
         EmissionPolicy(wave_crossfade_samples=1024, vocoder_lookahead_frames=2)
     with pytest.raises(ValueError, match="no audio"):
         EmissionPolicy(first_chunk_tokens=2, mel_crossfade_frames=4)
+    # nothing held back: a reply ending on a chunk boundary would end with an empty chunk, unfaded
+    with pytest.raises(ValueError, match="fade_out_ms needs held-back audio"):
+        EmissionPolicy(mel_crossfade_frames=0, vocoder_lookahead_frames=0, wave_crossfade_samples=0)
+    EmissionPolicy(mel_crossfade_frames=0, vocoder_lookahead_frames=0, wave_crossfade_samples=0, fade_out_ms=0)
 
 
 def test_noise_tape_is_independent_of_request_chunking():

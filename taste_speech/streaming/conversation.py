@@ -6,9 +6,11 @@ is never prefilled again. A reply being generated appends rows to the same cache
 when it ends; ``truncate_last_assistant`` cuts it to the words that were actually played after a
 barge-in (the cache is cropped in place), and ``forget_from`` takes back a user turn that was
 answered too early (with its reply). A rolling window (``max_tokens`` / ``max_turns``) drops
-the oldest turns, never the system segment; only then is the cache rebuilt, because every later
-row's position changes. All of it lives in one ``ConversationState`` that ``snapshot()`` copies and
-``restore()`` puts back.
+the oldest exchanges (a user turn with the replies to it), never the system segment and never the
+newest exchange; only then is the cache prefilled again, because every later row's position
+changes. It drops down to ``WINDOW_LOW_WATER`` of the limits, so that a long call prefills its
+history every few exchanges rather than at every turn. All of it lives in one
+``ConversationState`` that ``snapshot()`` copies and ``restore()`` puts back.
 
 With ``lm_batch`` (an ``LMStepBatch`` shared by the conversations of one model) the cache is a
 slot of that batch: every decode step runs batched with the other conversations' steps. Such a
@@ -22,13 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from taste_speech.lm_cache import CACHE_KINDS
+from taste_speech.lm_cache import CACHE_KINDS, StaticLMCache
 from taste_speech.modeling_spoken_lm import LMDecodeState
 from taste_speech.streaming.prompt import CONTINUATION, PromptFormat
 from taste_speech.streaming.segment import TASTESegment
 
 
 REPLY_ROWS = 512  # room a static cache keeps beyond the window for the reply in progress
+WINDOW_LOW_WATER = 0.75  # past a limit, the window drops old exchanges down to this share of it
 
 
 @dataclass
@@ -69,6 +72,8 @@ class Conversation:
         self.processor = processor
         self.format = PromptFormat(model.spoken_lm, model.audio_tower.vq.rvq, processor.llm_tokenizer, prompt_format)
         self.max_tokens, self.max_turns = int(max_tokens), int(max_turns)
+        if system is not None:
+            self._check_system_fits(system)
         if cache_kind not in CACHE_KINDS:  # fail here, not in the middle of a call
             raise ValueError(f"cache_kind must be one of {CACHE_KINDS}, got {cache_kind!r}")
         self.cache_kind = cache_kind
@@ -77,6 +82,13 @@ class Conversation:
         self.lm_batch = lm_batch
         self.state = ConversationState(system=system)
         self.closed = False
+
+    def _check_system_fits(self, system: TASTESegment) -> None:
+        """The window never drops the system segment: it must leave room for the conversation."""
+        rows = self.format.sos_rows().shape[1] + self.format.segment_rows(system, None)[0].shape[1]
+        if rows > self.max_tokens // 2:
+            raise ValueError(f"the system segment takes {rows} LM rows, more than half of max_tokens={self.max_tokens}: "
+                             f"shorten it or raise max_tokens (history_max_tokens) to at least {2 * rows}")
 
     @property
     def prompt_format(self) -> str:
@@ -102,9 +114,13 @@ class Conversation:
         if self.closed:
             raise RuntimeError("this conversation was closed: start a new Conversation")
         st = self.state
-        _close_cache(st.decode)
-        cache = (self.lm_batch.open() if self.lm_batch is not None
-                 else self.lm.new_cache(self.cache_kind, self.max_tokens + REPLY_ROWS))
+        if st.decode is not None and isinstance(st.decode.cache, StaticLMCache):
+            cache = st.decode.cache  # refilled in place: its buffers and captured decode step stay
+            cache.crop(0)
+        else:
+            _close_cache(st.decode)
+            cache = (self.lm_batch.open() if self.lm_batch is not None
+                     else self.lm.new_cache(self.cache_kind, self.max_tokens + REPLY_ROWS))
         decode = self.lm.new_decode_state(cache=cache)
         rows = [self.format.sos_rows()]
         carry = None
@@ -163,6 +179,7 @@ class Conversation:
         st = self.state
         if segment.role == "system":
             if st.system is None and not st.turns:
+                self._check_system_fits(segment)
                 _close_cache(st.decode)
                 st.system, st.decode = segment, None
                 return
@@ -288,27 +305,43 @@ class Conversation:
         return forgotten
 
     def _apply_window(self) -> None:
+        """Past ``max_turns`` or ``max_tokens``, drop the oldest exchanges - a turn with the replies
+        after it, so that the history never opens with an answer to a dropped question - down to
+        ``WINDOW_LOW_WATER`` of either limit, then prefill what is kept. The newest exchange (the turn being answered, or a reply with its question) stays even
+        beyond the limits: it is what the next step is about."""
         st = self.state
-        dropped = False
-        while st.turns and (len(st.turns) > self.max_turns or st.committed_rows > self.max_tokens):
-            st.committed_rows -= st.turn_rows.pop(0)
-            st.turns.pop(0)
-            st.turn_ids.pop(0)
-            st.turn_carry.pop(0)
-            dropped = True
-        if dropped:  # every later row's position changes: prefill the kept history again
+        if len(st.turns) <= self.max_turns and st.committed_rows <= self.max_tokens:
+            return
+        keep_from = len(st.turns) - 1
+        if keep_from > 0 and st.turns[keep_from].role == "assistant" and st.turns[keep_from - 1].role != "assistant":
+            keep_from -= 1
+        turns_goal, rows_goal = max(1, int(self.max_turns * WINDOW_LOW_WATER)), int(self.max_tokens * WINDOW_LOW_WATER)
+        drop, rows = 0, st.committed_rows
+        while drop < keep_from and (len(st.turns) - drop > turns_goal or rows > rows_goal):
+            rows -= st.turn_rows[drop]
+            drop += 1
+            while drop < keep_from and st.turns[drop].role == "assistant":
+                rows -= st.turn_rows[drop]
+                drop += 1
+        if drop:  # every later row's position changes: prefill the kept history again
+            del st.turns[:drop], st.turn_rows[:drop], st.turn_ids[:drop], st.turn_carry[:drop]
             self._rebuild()
 
     # -- snapshots ------------------------------------------------------------------------------------
     def snapshot(self) -> ConversationState:
-        """A deep copy of the whole state (turns, cache, window bookkeeping)."""
-        return copy.deepcopy(self.state)
+        """A deep copy of the whole state (cache, window bookkeeping); the segments themselves, never
+        changed in place, are shared."""
+        memo = {id(segment): segment for segment in self.state.segments}
+        return copy.deepcopy(self.state, memo)
 
     def restore(self, snapshot: ConversationState) -> None:
         """Put a snapshot back (in a batched conversation the restored cache is a private one)."""
         if not isinstance(snapshot, ConversationState):
             raise ValueError("restore() takes what snapshot() returned")
-        restored = copy.deepcopy(snapshot)
+        # the conversation never changes a segment in place: share them, so that forget_from still
+        # finds the caller's objects
+        memo = {id(segment): segment for segment in snapshot.segments}
+        restored = copy.deepcopy(snapshot, memo)
         _close_cache(self.state.decode)
         self.state = restored
 

@@ -76,14 +76,17 @@ def _segment(words: list[PendingWord], k: int) -> TASTESegment:
     return TASTESegment("assistant", "audio", torch.tensor([ids], dtype=torch.long), torch.cat(rows).long().unsqueeze(0))
 
 
+def _check_stop(stop) -> None:
+    if stop is not None and not isinstance(stop, threading.Event) and not callable(stop):
+        raise ValueError(f"stop must be a threading.Event or a callable returning bool, got {type(stop).__name__}")
+
+
 def _stop_requested(stop) -> bool:
     if stop is None:
         return False
     if isinstance(stop, threading.Event):
         return stop.is_set()
-    if callable(stop):
-        return bool(stop())
-    raise ValueError(f"stop must be a threading.Event or a callable returning bool, got {type(stop).__name__}")
+    return bool(stop())
 
 
 def _item(complete: bool, reason: str | None, segment: TASTESegment | None, **extra) -> dict:
@@ -131,7 +134,7 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
         if not isinstance(segment, TASTESegment):
             raise ValueError(f"input_segments must be TASTESegment objects, got {type(segment).__name__}")
     params = SamplingParams(text_top_p, taste_top_p, text_temperature, repetition_penalty, extra_words)
-    _stop_requested(stop)  # validates its type before any work
+    _check_stop(stop)  # before any work (without asking it: a callable may answer only once)
     emit = should_emit_segment or every_word
     if conversation is None:
         conversation = Conversation(model, processor, prompt_format=prompt_format)
@@ -144,8 +147,13 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
     lm, rvq = model.spoken_lm, model.audio_tower.vq.rvq
     tables = sampler_tables or vocabulary_tables(processor, lm.vocab_size)
     sampler = TasteSampler(tables, params)
-    for segment in segments:
-        conversation.add_turn(segment)
+    for added, segment in enumerate(segments):
+        try:
+            conversation.add_turn(segment)
+        except Exception:
+            if added:  # all or nothing: take back the turns of this call already added
+                conversation.forget_from(segments[0])
+            raise
     decode = conversation.ready()
     fmt = conversation.format
 
@@ -177,10 +185,11 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
     end_reason, flags = None, {}
     while True:
         heads = lm.heads(decode.last_hidden, rvq)
-        if _stop_requested(stop) or generated >= max_length:
+        stopped = _stop_requested(stop)
+        if stopped or generated >= max_length:
             # End now: the head at this position gives the code of the word in progress, exactly
             # as the terminating step of the sampler reads it.
-            end_reason = "cancelled" if _stop_requested(stop) else "max_length"
+            end_reason = "cancelled" if stopped else "max_length"
             flags = {"cancelled": True} if end_reason == "cancelled" else {"truncated": True}
             if current:
                 word = PendingWord(current, sampler.sample_taste(heads.taste_logits, generator), tokenizer.decode(current))

@@ -89,6 +89,10 @@ class EmissionPolicy:
                 raise ValueError(f"EmissionPolicy.{name} must be >= 0, got {getattr(self, name)}")
         if self.fade_in_ms < 0 or self.fade_out_ms < 0:
             raise ValueError("EmissionPolicy fades must be >= 0 ms")
+        if self.fade_out_ms > 0 and self.mel_crossfade_frames + self.vocoder_lookahead_frames == 0:
+            # the fade-out is applied to the final chunk, which holds only what was held back
+            raise ValueError("fade_out_ms needs held-back audio to fade out: set vocoder_lookahead_frames >= 1 "
+                             "(or mel_crossfade_frames >= 1), or fade_out_ms=0")
         if self.wave_crossfade_samples > self.vocoder_lookahead_frames * SAMPLES_PER_FRAME:
             raise ValueError(
                 f"wave_crossfade_samples ({self.wave_crossfade_samples}) needs that much held-back audio: raise "
