@@ -82,6 +82,19 @@ async def test_failing_synthesis_gives_an_error_and_the_call_goes_on(u):
     assert result.report["checks"]["released_equals_synthesized"]
 
 
+async def test_a_reply_that_cannot_start_speaking_gives_an_error_and_the_next_one_is_heard(u):
+    engine = FakeEngine(fail_start_speech=1)
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=3, end_silence_s=0.8),
+              Say(u["goodbye"]), WaitForReply(timeout_s=3, end_silence_s=0.8)]
+    result = await run(engine, script)
+    assert len(result.errors) == 1 and "could not start speaking" in result.errors[0], result.errors
+    first, second = (result.log.turns[t] for t in sorted(result.log.turns) if result.log.turns[t].decision)
+    assert first.played_words == 0 and first.kept_words == 0  # silent: nothing heard, nothing remembered as said
+    assert second.played_words > 0 and second.first_audio_at is not None  # the synthesizer lives on
+    assert len(frames_of(result, TTSStartedFrame)) == len(frames_of(result, TTSStoppedFrame)) == 2
+    assert result.report["checks"]["released_equals_synthesized"]
+
+
 async def test_stages_run_concurrently_and_first_audio_comes_before_the_reply_is_done(u):
     engine = FakeEngine(word_delay=0.15, decode_delay=0.03, vocode_delay=0.01)
     script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=5, end_silence_s=0.8)]

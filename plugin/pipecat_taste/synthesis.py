@@ -169,10 +169,7 @@ class TasteSynthesizer(FrameProcessor):
                     call.segment_slots.release()  # the generator holds a slot per segment sent on
                 continue
             if reply is None or reply.turn_id != frame.turn_id:
-                session = await call.ensure_session()
-                reply = _Reply(frame.turn_id, await call.run("speech_tokens", session.start_speech, self._out_rate))
-                self._current_turn = frame.turn_id
-                await self._groups.put(("start", reply, None))
+                reply = await self._start_reply(frame.turn_id)
             if isinstance(frame, TasteReplyEndFrame):
                 await self._groups.put(("end", reply, frame.reason))
                 reply = None
@@ -190,6 +187,22 @@ class TasteSynthesizer(FrameProcessor):
                 reply.decode_failed = True
                 await self._groups.put(("decode_failed", reply, None))
                 await self._fail(reply.turn_id, f"speech decoding failed on {frame.text!r}: {e}", e)
+
+    async def _start_reply(self, turn_id: int) -> _Reply:
+        """The reply's speech state, announced to the vocoder stage. If it cannot be made, the reply
+        still starts and ends (silent, with an ErrorFrame), so that the playout reports it and the
+        call goes on with the next turn."""
+        self._current_turn = turn_id
+        try:
+            session = await self._call.ensure_session()
+            reply = _Reply(turn_id, await self._call.run("speech_tokens", session.start_speech, self._out_rate))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            reply = _Reply(turn_id, None, decode_failed=True, failed=True)
+            await self._fail(turn_id, f"could not start speaking: {e}", e)
+        await self._groups.put(("start", reply, None))
+        return reply
 
     async def _decode_segment(self, reply: _Reply, frame: TasteReplySegmentFrame):
         session = self._call.session

@@ -41,6 +41,7 @@ class FakeEngine:
     lookahead_tokens: int = 0  # tokens the vocoder holds back until more arrive (like the real synthesis)
     fail_on: tuple[str, ...] = ("explode",)  # a transcript containing one of these fails in user_turn
     fail_vocode_on: tuple[str, ...] = ()  # reply words whose synthesis fails
+    fail_start_speech: int = 0  # the first this many replies cannot start speaking (e.g. out of GPU memory)
     asr_text: str | None = None  # what transcribe() returns (None: no built-in ASR)
     max_turn_seconds: float = 30.0
     amplitude: float = 0.3
@@ -150,6 +151,9 @@ class FakeSession:
 
     # -- speaking: each speech token is 20 ms of a tone; the phase carries across chunks --------
     def start_speech(self, out_sample_rate: int) -> SpeechState:
+        if self.engine.fail_start_speech > 0:
+            self.engine.fail_start_speech -= 1
+            raise RuntimeError("out of memory (FakeEngine.fail_start_speech)")
         state = SpeechState(out_sample_rate=out_sample_rate)
         state.synthesis = {"phase": 0.0, "tokens": 0, "held": []}
         return state

@@ -266,7 +266,7 @@ def taste_detokenize(
             TASTE codes (1, P, K) and speech tokens (1, Q); empty tensors (or None) for the first segment.
         prev_audio_ms: duration of the audio already played for this utterance (0 for the first segment).
         text_ids / taste_ids: this segment's Llama ids (1, S) and codes (1, S, K) (codes on word starts).
-        out_sampling_rate: 8000, 16000, 22050, 24000 or 48000.
+        out_sampling_rate: 8000, 16000, 22050, 24000, 32000, 44100 or 48000.
         keyword-only: voice_generator, state (continuity from the previous call), final (this segment
             ends the utterance: flush and fade out; default True), policy ('low_latency' | 'quality' |
             EmissionPolicy), sampler (speech-token sampler; the original's top-25 by default),

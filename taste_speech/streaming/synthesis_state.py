@@ -28,7 +28,7 @@ import torch
 
 SAMPLES_PER_FRAME = 256  # HiFT: 22050 Hz output, one mel frame per 256 samples
 SOURCE_RATE = 22050
-SUPPORTED_OUTPUT_RATES = (8000, 16000, 22050, 24000, 48000)
+SUPPORTED_OUTPUT_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 
 
 def frames_for_tokens(n_tokens: int) -> int:
