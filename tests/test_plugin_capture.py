@@ -1,6 +1,8 @@
 """TasteTurnCapture with a model-free engine: VAD-gated turns with pre-roll, transcripts from
 upstream STT or the built-in ASR, failing turns -> ErrorFrame while the call goes on."""
 
+import asyncio
+
 import numpy as np
 import pytest
 from pipecat.frames.frames import (
@@ -234,3 +236,27 @@ async def test_after_a_retraction_the_turn_waits_for_the_transcript_of_the_rest(
         [(1, True, hello.text), (2, False, f"{hello.text} {time_u.text}")]  # 2: confirmed before its transcript came
     assert statuses(down) == [(1, "retracted")]
     assert [t.text for t in of(up, TranscriptionFrame)] == [f"{hello.text} {time_u.text}"]
+
+
+async def test_a_call_without_a_playout_ends_when_its_processors_clean_up():
+    """The processors are usable on their own: whichever of them a pipeline holds, the call (its
+    session and worker threads) ends with the last one's cleanup, not only the playout's."""
+    from pipecat.pipeline.pipeline import Pipeline
+
+    from pipecat_taste import TasteGenerator, TasteSynthesizer
+
+    u = load_utterances()
+    engine = FakeEngine()
+    call = TasteCall(engine)
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(), params=TurnCaptureParams(transcript_timeout_secs=0.3))
+    pipeline = Pipeline([capture, TasteGenerator(call), TasteSynthesizer(call)])
+    frames = audio_frames(np.concatenate([silence(0.5), u["hello"].audio])) + transcript(u["hello"].text)
+    await run_test(pipeline, frames_to_send=frames + audio_frames(silence(1.0)) + [SleepFrame(1.0)],
+                   pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+    assert call.log.turns[1].decision == "reply"  # the call worked
+    assert call.closed and engine.sessions[0].closed
+    for _ in range(50):  # the executors were shut down; their threads end on their own
+        if not call.worker_threads():
+            break
+        await asyncio.sleep(0.02)
+    assert call.worker_threads() == []

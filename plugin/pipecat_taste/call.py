@@ -155,6 +155,7 @@ class TasteCall:
         # Who is in the call: the generator waits for the playout's report only if there is one.
         self.has_playout = False
         self.has_synthesizer = False
+        self._members: set = set()  # the processors of the call that have not cleaned up yet
         # Agent activity, for barge-in: the turn whose reply is being generated or played.
         self.active_reply_turn: int | None = None
         self.bot_speaking = False
@@ -210,6 +211,17 @@ class TasteCall:
     @property
     def agent_busy(self) -> bool:
         return self.active_reply_turn is not None or self.bot_speaking
+
+    def join(self, processor) -> None:
+        """``processor`` works for this call (each TASTE processor joins when it is made)."""
+        self._members.add(processor)
+
+    async def leave(self, processor) -> None:
+        """``processor`` has cleaned up; when the last one has, the call ends (``close``), whichever
+        of the processors the pipeline holds."""
+        self._members.discard(processor)
+        if not self._members and not self.closed:
+            await self.close()
 
     async def close(self) -> None:
         """Stop the worker threads (running jobs finish in the background; nothing waits for them)

@@ -160,6 +160,7 @@ class TasteTurnCapture(FrameProcessor):
         super().__init__(**kwargs)
         self._call = call
         self._vad = vad_analyzer
+        call.join(self)
         self._params = params or TurnCaptureParams()
         self._sample_rate = 16000
         self._ring: collections.deque[np.ndarray] = collections.deque()
@@ -206,6 +207,7 @@ class TasteTurnCapture(FrameProcessor):
         await self._stop_finisher()
         if self._vad is not None:
             await self._vad.cleanup()
+        await self._call.leave(self)
 
     async def _stop_finisher(self):
         if self._partial_task is not None:

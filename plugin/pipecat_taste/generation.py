@@ -62,6 +62,7 @@ class TasteGenerator(FrameProcessor):
         super().__init__(**kwargs)
         self._call = call
         self._report_timeout = playback_report_timeout_secs
+        call.join(self)
         self._turns: asyncio.Queue | None = None
         self._worker: asyncio.Task | None = None
         self._stop: threading.Event | None = None
@@ -82,6 +83,7 @@ class TasteGenerator(FrameProcessor):
     async def cleanup(self):
         await super().cleanup()
         await self._stop_worker()
+        await self._call.leave(self)
 
     async def _stop_worker(self):
         if self._stop is not None:
@@ -201,6 +203,7 @@ class TasteGenerator(FrameProcessor):
                 await self.stop_ttfb_metrics()
                 await self.stop_processing_metrics()
                 call.active_reply_turn = None
+                self._reports.pop(turn_id, None)  # no reply: no playout report to wait for
                 await call.run("think", _drain, events)
                 return
             await self._announce(turn_id, LLMFullResponseStartFrame())

@@ -121,6 +121,7 @@ class TastePlayout(FrameProcessor):
     def __init__(self, call: TasteCall, *, params: PlayoutParams | None = None, **kwargs):
         super().__init__(**kwargs)
         self._call = call
+        call.join(self)
         self._params = params or PlayoutParams()
         self._rate = 24000
         self._queue: collections.deque = collections.deque()
@@ -155,7 +156,7 @@ class TastePlayout(FrameProcessor):
         await super().cleanup()
         await self._stop_task()
         await self._pass_held_interruption()
-        await self._call.close()
+        await self._call.leave(self)
 
     @property
     def _frame_samples(self) -> int:

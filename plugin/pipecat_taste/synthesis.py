@@ -93,6 +93,7 @@ class TasteSynthesizer(FrameProcessor):
         self._retracted: set[int] = set()  # tentative turns taken back
         self._current_turn: int | None = None
         call.has_synthesizer = True
+        call.join(self)
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -105,6 +106,7 @@ class TasteSynthesizer(FrameProcessor):
     async def cleanup(self):
         await super().cleanup()
         await self._stop_stages()
+        await self._call.leave(self)
 
     # -- stages -------------------------------------------------------------------------------------
     def _start_stages(self):
