@@ -95,6 +95,23 @@ async def test_a_reply_that_cannot_start_speaking_gives_an_error_and_the_next_on
     assert result.report["checks"]["released_equals_synthesized"]
 
 
+@pytest.mark.parametrize("early_reply_secs", [None, 0.2])
+async def test_a_turn_not_yet_answered_when_the_caller_speaks_again_is_not_answered_over_the_caller(
+        u, early_reply_secs):
+    """The caller goes on after a pause the VAD took for the end of the turn, while that turn is
+    still being tokenized: its reply would begin over the caller's new speech. It gets none (it
+    stays in the conversation), and the whole is answered after the caller's last words."""
+    engine = FakeEngine(turn_delay=0.9)
+    script = [Pause(0.3), Say(u["hello"]), Pause(0.7), Say(u["time"]), WaitForReply(timeout_s=5, end_silence_s=0.8)]
+    result = await simulate_call(engine, script, config=config(capture=TurnCaptureParams(early_reply_secs=early_reply_secs)),
+                                 tail_s=1.0)
+    first, second = (result.log.turns[t] for t in sorted(result.log.turns) if result.log.turns[t].decision)
+    assert first.decision == "no_speech" and "spoke again" in first.reason and first.first_audio_at is None
+    assert second.decision == "reply" and second.played_words == second.total_words > 0
+    assert result.report["checks"]["talk_over_ms_outside_barge_in"] == 0.0
+    assert [role for role, _ in engine.sessions[0].history] == ["user", "user", "assistant"]
+
+
 async def test_stages_run_concurrently_and_first_audio_comes_before_the_reply_is_done(u):
     engine = FakeEngine(word_delay=0.15, decode_delay=0.03, vocode_delay=0.01)
     script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=5, end_silence_s=0.8)]

@@ -158,6 +158,9 @@ class TasteCall:
         self._members: set = set()  # the processors of the call that have not cleaned up yet
         # Agent activity, for barge-in: the turn whose reply is being generated or played.
         self.active_reply_turn: int | None = None
+        # Turns up to this id get no reply if it has not begun yet: the caller spoke again after
+        # them, and a reply now would talk over the caller (the turns stay in the conversation).
+        self.replies_muted_upto = 0
         self.bot_speaking = False
         self.closed = False
 

@@ -332,6 +332,7 @@ class TasteTurnCapture(FrameProcessor):
         self._capturing = True
         self._silence_from = None
         self._turn_id = self._call.new_turn_id()
+        self._call.replies_muted_upto = self._turn_id - 1  # earlier turns not yet answered: not any more
         self._vad_start_at = now
         self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
         self._transcript_parts = []

@@ -185,6 +185,9 @@ class TasteGenerator(FrameProcessor):
         record = call.log.turn(turn_id)
         session = await call.ensure_session()
         stop = threading.Event()
+        muted = turn_id <= call.replies_muted_upto  # the caller spoke again before this reply began
+        if muted:
+            stop.set()  # the turn joins the conversation; no word of a reply is made
         self._stop, self._active_turn = stop, turn_id
         call.active_reply_turn = turn_id  # the agent is busy: speech from now on is a barge-in
         self._reports[turn_id] = asyncio.get_running_loop().create_future()
@@ -196,9 +199,13 @@ class TasteGenerator(FrameProcessor):
         try:
             first = await call.run("think", next, events, None)
             decision = first.decision if first is not None and first.kind == "decision" else "reply"
+            reason = ""
+            if muted and decision == "reply":  # keep listening: the caller is speaking
+                decision, reason = "no_speech", "the caller spoke again before the reply began"
+                record.reason = reason
             record.decision, record.decided_at = decision, time.monotonic()
-            call.log.event("decision", turn_id, decision=decision)
-            await self._announce(turn_id, TasteTurnDecisionFrame(turn_id, decision))
+            call.log.event("decision", turn_id, decision=decision, **({"reason": reason} if reason else {}))
+            await self._announce(turn_id, TasteTurnDecisionFrame(turn_id, decision, reason))
             if decision != "reply":
                 await self.stop_ttfb_metrics()
                 await self.stop_processing_metrics()

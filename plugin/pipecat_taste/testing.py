@@ -35,6 +35,7 @@ class FakeEngine:
     tokens_per_word: int = 2  # LLM tokens per word
     speech_tokens_per_word: int = 10  # 200 ms of audio per word
     word_delay: float = 0.0  # generation cost per word (s)
+    turn_delay: float = 0.0  # tokenizing cost per user turn (s)
     first_gap: float = 0.0  # extra cost of the reply's second word (s): its audio comes late, as on slow hardware
     decode_delay: float = 0.0  # speech-decoder cost per word (s)
     vocode_delay: float = 0.0  # vocoder cost per call (s)
@@ -89,6 +90,7 @@ class FakeSession:
 
     def user_turn(self, audio: np.ndarray, transcript: str) -> UserTurn:
         self.threads.add(threading.current_thread().name)
+        time.sleep(self.engine.turn_delay)
         if any(bad in transcript for bad in self.engine.fail_on):
             raise RuntimeError(f"injected tokenizer failure for {transcript!r}")
         words = transcript.split()
