@@ -238,6 +238,37 @@ async def test_after_a_retraction_the_turn_waits_for_the_transcript_of_the_rest(
     assert [t.text for t in of(up, TranscriptionFrame)] == [f"{hello.text} {time_u.text}"]
 
 
+async def test_the_transcript_of_the_speech_before_the_pause_may_come_after_the_retraction(utterances):
+    """As above, but the STT sends its transcript of the speech before the pause (as it usually
+    does) a little after the caller went on: the whole turn still waits for the rest."""
+    hello, time_u = utterances["hello"], utterances["time"]
+    cut = int(0.4 * SR)
+    frames = (paced(audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.3), time_u.audio[:cut]])))
+              + [TranscriptionFrame(hello.text, "caller", time_now_iso8601(), finalized=True)]
+              + paced(audio_frames(np.concatenate([time_u.audio[cut:], silence(0.7)])))
+              + [TranscriptionFrame(time_u.text, "caller", time_now_iso8601(), finalized=True)]
+              + paced(audio_frames(silence(0.5))))
+    call, down, up = await run_capture(frames, params=TurnCaptureParams(transcripts="upstream",
+                                                                        transcript_timeout_secs=1.0))
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [f"{hello.text} {time_u.text}"]
+    assert list(call.log.retracted) == [1] and of(down, ErrorFrame) == []
+
+
+async def test_a_slow_stt_s_transcript_goes_to_its_own_turn_not_the_next(utterances):
+    """The STT's transcript of turn 1 comes after the caller has begun turn 2 (within the wait):
+    it is turn 1's, and turn 2 gets its own."""
+    hello, time_u = utterances["hello"], utterances["time"]
+    frames = (paced(audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.8), time_u.audio[:SR // 2]])))
+              + [TranscriptionFrame(hello.text, "caller", time_now_iso8601(), finalized=True)]
+              + paced(audio_frames(np.concatenate([time_u.audio[SR // 2:], silence(0.7)])))
+              + [TranscriptionFrame(time_u.text, "caller", time_now_iso8601(), finalized=True)]
+              + paced(audio_frames(silence(0.5))))
+    call, down, up = await run_capture(frames, params=TurnCaptureParams(transcripts="upstream",
+                                                                        transcript_timeout_secs=2.0))
+    assert [(t.turn_id, t.transcript) for t in of(down, TasteUserTurnFrame)] == [(1, hello.text), (2, time_u.text)]
+    assert of(down, ErrorFrame) == []
+
+
 async def test_a_call_without_a_playout_ends_when_its_processors_clean_up():
     """The processors are usable on their own: whichever of them a pipeline holds, the call (its
     session and worker threads) ends with the last one's cleanup, not only the playout's."""

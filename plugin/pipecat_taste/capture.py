@@ -6,7 +6,9 @@ starts with that ring as pre-roll (the VAD needs ``start_secs`` of speech before
 word onsets are quiet), and when the VAD confirms silence the turn ends (keeping ``post_roll_secs``
 after the speech). Then, on a worker thread: the transcript (an upstream ``TranscriptionFrame``
 from any Pipecat STT, or the engine's built-in ASR), ``taste_tokenize``, and a
-``TasteUserTurnFrame`` downstream plus the ``TranscriptionFrame`` upstream.
+``TasteUserTurnFrame`` downstream plus the ``TranscriptionFrame`` upstream. Upstream transcripts
+go to the turns in order: the oldest closed turn still without its words takes the next one (an
+STT may answer after the caller has begun the next turn), else the turn being captured.
 
 Incremental ASR (``incremental_asr``, on by default): when the built-in ASR gives the transcript,
 the audio captured so far is transcribed on the call's listening thread every
@@ -35,7 +37,9 @@ SpeakingFrame``; or leave it None and put a ``VADProcessor`` upstream - the capt
 its VAD frames.
 
 Barge-in: when speech starts while the agent is answering (generating or playing), the capture
-broadcasts an ``InterruptionFrame``; the generator, synthesizer and playout stop at once.
+broadcasts an ``InterruptionFrame``; the generator, synthesizer and playout stop at once. Earlier
+turns whose reply has not begun yet get none (``TasteCall.replies_muted_upto``): it would talk over
+the caller.
 """
 
 from __future__ import annotations
@@ -132,6 +136,29 @@ class _TurnASR:
 
 
 @dataclass
+class _UpstreamWords:
+    """What an upstream STT said of one turn (its ``TranscriptionFrame`` texts, as they arrive)."""
+
+    parts: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, text)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set at each arrival
+    taken: bool = False  # the turn's finisher took them: later words belong to another turn
+    # A turn that went on after a retracted early hand-over is complete only with words that came
+    # after its (last) speech end: words about the speech before the pause do not finish it.
+    continued: bool = False
+    after: float | None = None
+
+    def add(self, text: str, at: float) -> None:
+        self.parts.append((at, text))
+        self.arrived.set()
+
+    def complete(self) -> bool:
+        return any(self.after is None or at > self.after for at, _ in self.parts)
+
+    def text(self) -> str:
+        return " ".join(text for _, text in self.parts)
+
+
+@dataclass
 class _CapturedTurn:
     turn_id: int
     audio: np.ndarray  # float32 at the input rate
@@ -141,11 +168,8 @@ class _CapturedTurn:
     speech_start: float
     speech_end: float
     speech_seconds: float
-    transcript_parts: list[str]
-    transcript_ready: asyncio.Event
+    words: _UpstreamWords
     asr: _TurnASR | None = None
-    # Upstream transcripts of speech before a retracted early hand-over: this turn waits for more.
-    transcript_parts_before: int = 0
     # Early hand-over: until the VAD confirms, frames meant for others wait in ``deferred``.
     tentative: bool = False
     confirmed: bool = False
@@ -171,9 +195,8 @@ class TasteTurnCapture(FrameProcessor):
         self._turn_samples = 0
         self._turn_id: int | None = None
         self._vad_start_at = 0.0
-        self._transcript_parts: list[str] = []
-        self._transcript_event: asyncio.Event | None = None
-        self._transcript_parts_before = 0
+        self._words: _UpstreamWords | None = None  # the current turn's upstream transcript
+        self._waiting_for_words: collections.deque[_CapturedTurn] = collections.deque()  # closed turns, in order
         self._early_transcript: tuple[float, str] | None = None
         self._finish_queue: asyncio.Queue | None = None
         self._finisher: asyncio.Task | None = None
@@ -335,12 +358,10 @@ class TasteTurnCapture(FrameProcessor):
         self._call.replies_muted_upto = self._turn_id - 1  # earlier turns not yet answered: not any more
         self._vad_start_at = now
         self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
-        self._transcript_parts = []
-        self._transcript_event = asyncio.Event()
-        self._transcript_parts_before = 0
+        self._words = _UpstreamWords()
         self._turn_asr = self._new_turn_asr()
         if self._early_transcript is not None and now - self._early_transcript[0] < 1.0:
-            self._add_transcript(self._early_transcript[1])
+            self._words.add(self._early_transcript[1], self._early_transcript[0])
         self._early_transcript = None
         if forced:
             self._turn_chunks, self._turn_samples = [], 0
@@ -402,14 +423,17 @@ class TasteTurnCapture(FrameProcessor):
         record.audio_seconds = audio.size / self._sample_rate
         end_sample = self._samples_seen - int(silence_secs * self._sample_rate)
         record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
+        if self._words.continued:
+            self._words.after = record.speech_end
         return _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
-                             record.speech_start, record.speech_end, record.speech_seconds, self._transcript_parts,
-                             self._transcript_event, self._turn_asr, self._transcript_parts_before)
+                             record.speech_start, record.speech_end, record.speech_seconds, self._words, self._turn_asr)
 
     def _enqueue(self, turn: _CapturedTurn) -> None:
         if self._finish_queue is not None:
             self._turns_finishing += 1
             self._finish_queue.put_nowait(turn)
+            if turn.speech_seconds >= self._params.min_speech_secs:
+                self._waiting_for_words.append(turn)
 
     # -- early replies ------------------------------------------------------------------------------------
     async def _end_early(self, now: float, silence_secs: float):
@@ -436,10 +460,9 @@ class TasteTurnCapture(FrameProcessor):
         record = self._call.log.turn(self._turn_id)
         record.vad_start_at, record.speech_start = old.vad_start_at, old.speech_start
         record.early_retracted = old.early_retracted + 1
-        # An upstream STT may have transcribed the speech before the pause: the rest of the turn
-        # waits for the transcript of what follows, not only for a first one.
-        self._transcript_event = asyncio.Event()
-        self._transcript_parts_before = len(self._transcript_parts)
+        # The turn goes on with the words of the speech before the pause (an upstream STT may also
+        # send them a little later), and waits for the transcript of what follows.
+        self._words = _UpstreamWords(parts=list(self._words.parts), continued=True)
         async with self._turn_frames_lock:
             if early.pushed:
                 await self.push_frame(TasteTurnStatusFrame(early.turn_id, "retracted"))
@@ -463,14 +486,25 @@ class TasteTurnCapture(FrameProcessor):
         await announce()
 
     def _add_transcript(self, text: str):
+        """An upstream transcript goes to the oldest turn still waiting for its words (an STT may
+        answer after the caller has begun the next turn), else to the turn being captured, else to
+        the last turn while it is not yet taken (a second part), else to the next turn."""
         text = (text or "").strip()
         if not text:
             return
-        if self._transcript_event is None or (not self._capturing and self._transcript_event.is_set()):
-            self._early_transcript = (time.monotonic(), text)
-            return
-        self._transcript_parts.append(text)
-        self._transcript_event.set()
+        now = time.monotonic()
+        waiting = self._waiting_for_words
+        while waiting and (waiting[0].words.taken or waiting[0].retracted.is_set()):
+            waiting.popleft()
+        incomplete = next((turn for turn in waiting if not turn.words.complete()), None)
+        if incomplete is not None:
+            incomplete.words.add(text, now)
+        elif self._capturing:
+            self._words.add(text, now)
+        elif self._words is not None and not self._words.taken:
+            self._words.add(text, now)
+        else:
+            self._early_transcript = (now, text)
 
     # -- finishing turns (in order, off the input path) ---------------------------------------------
     async def _finish_turns(self):
@@ -522,21 +556,31 @@ class TasteTurnCapture(FrameProcessor):
             return min(params.first_transcript_grace_secs, params.transcript_timeout_secs)
         return params.transcript_timeout_secs
 
+    async def _wait_for_words(self, turn: _CapturedTurn) -> None:
+        """Until the turn's upstream transcript is complete, it is retracted, or the wait is over."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._upstream_wait_secs()
+        while not turn.words.complete() and not turn.retracted.is_set():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            turn.words.arrived.clear()
+            await _first_of(remaining, turn.words.arrived, turn.retracted)
+
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
         if mode in ("auto", "upstream"):
-            if len(turn.transcript_parts) <= turn.transcript_parts_before:
-                await _first_of(self._upstream_wait_secs(), turn.transcript_ready, turn.retracted)
+            await self._wait_for_words(turn)
             if turn.retracted.is_set():
                 return None
-            if turn.transcript_parts:
-                turn.transcript_ready.set()  # later transcripts belong to the next turn
-                return " ".join(turn.transcript_parts)
+            if turn.words.parts:
+                turn.words.taken = True  # later transcripts belong to the next turn
+                return turn.words.text()
             if mode == "upstream":
                 await self._fail(turn, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
                                                 "(is an STT service upstream of TasteTurnCapture?)")
                 return None
-        turn.transcript_ready.set()
+        turn.words.taken = True
         session = await self._call.ensure_session()
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
         asr = turn.asr or _TurnASR(None)
