@@ -307,8 +307,9 @@ class Conversation:
     def _apply_window(self) -> None:
         """Past ``max_turns`` or ``max_tokens``, drop the oldest exchanges - a turn with the replies
         after it, so that the history never opens with an answer to a dropped question - down to
-        ``WINDOW_LOW_WATER`` of either limit, then prefill what is kept. The newest exchange (the turn being answered, or a reply with its question) stays even
-        beyond the limits: it is what the next step is about."""
+        ``WINDOW_LOW_WATER`` of either limit, then prefill what is kept. The newest exchange (the
+        turn being answered, or a reply with its question) stays even beyond the limits: it is what
+        the next step is about."""
         st = self.state
         if len(st.turns) <= self.max_turns and st.committed_rows <= self.max_tokens:
             return
