@@ -292,7 +292,7 @@ def test_detokenize_rejects_bad_input(speech_setup):
     with pytest.raises(ValueError, match="prev_audio_ms"):
         taste_detokenize(model, processor, speaker, None, None, None, -5, ids, taste, **kw)
     with pytest.raises(ValueError, match="out_sampling_rate"):
-        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 44100, **kw)
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 11025, **kw)
     with pytest.raises(ValueError, match="voice generator"):
         taste_detokenize(model, object(), speaker, None, None, None, 0, ids, taste)
     first = taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, :cut], taste[:, :cut], final=False,
