@@ -16,27 +16,36 @@ pytestmark = pytest.mark.slow  # real-time calls
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name: str, cwd: Path) -> str:
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    """Both examples at once (each a real-time call, mostly waiting): name -> (stdout, its folder)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    running = {}
+    for name in ("pipeline.py", "simulated_call.py"):
+        cwd = tmp_path_factory.mktemp(name.replace(".", "_"))
+        running[name] = (subprocess.Popen([sys.executable, str(ROOT / "examples" / name)], cwd=cwd, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), cwd)
+    done = {}
+    for name, (proc, cwd) in running.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{out[-2000:]}\n{err[-4000:]}"
+        done[name] = (out, cwd)
+    return done
 
 
-def test_pipeline_example_answers_the_caller(tmp_path):
+def test_pipeline_example_answers_the_caller(examples):
     """examples/pipeline.py: the processors laid out one by one behind Pipecat's VADProcessor."""
-    out = run_example("pipeline.py", tmp_path)
+    out, _ = examples["pipeline.py"]
     turn = ast.literal_eval(out.strip().splitlines()[-1])  # it ends by printing the caller turn's report
     assert turn["utterance"] == "hello" and turn["decision"] == "reply", turn
     assert turn["first_audio_latency_ms"] is not None and turn["first_audio_latency_ms"] > 0, turn
     assert turn["played_text"] == turn["reply_text"] and turn["reply_text"], turn  # heard to the end
 
 
-def test_simulated_call_example_writes_the_call(tmp_path):
+def test_simulated_call_example_writes_the_call(examples):
     """examples/simulated_call.py: two caller turns, a barge-in, the call saved to out/example-call."""
-    run_example("simulated_call.py", tmp_path)
-    folder = tmp_path / "out" / "example-call"
+    _, cwd = examples["simulated_call.py"]
+    folder = cwd / "out" / "example-call"
     report = json.loads((folder / "report.json").read_text())
     assert not report["timed_out"] and report["errors"] == [], report["errors"]
     assert report["checks"]["every_turn_decided"], report["turns"]
