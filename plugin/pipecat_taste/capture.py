@@ -522,6 +522,7 @@ class TasteTurnCapture(FrameProcessor):
     async def _finish(self, turn: _CapturedTurn):
         record = self._call.log.turn(turn.turn_id)
         if turn.speech_seconds < self._params.min_speech_secs:
+            turn.words.taken = True  # words arriving now belong to the next turn
             await self._decide(turn, "ignored", f"speech too short ({turn.speech_seconds:.2f} s)")
             return
         transcript = await self._transcript(turn)
