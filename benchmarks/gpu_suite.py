@@ -4,7 +4,7 @@ the eager path, stage by stage, at real dimensions with random weights and fixed
     python -m benchmarks.gpu_suite --device cuda --dtype bfloat16            # full size, on the GPU machine
     python -m benchmarks.gpu_suite --device cpu --size tiny --quick          # the harness itself (CI)
 
-Fixed work, so random weights do not change it: a 3 s user turn with an 8-word transcript, a reply
+Fixed work, so random weights do not change it: a 3 s user turn with a 10-word transcript, a reply
 forced to 12 words (``ForcedReply`` biases the text head towards a script; the head still does its
 work), speech-decoder lengths from the decoder's own limits, the 'low_latency' emission policy.
 

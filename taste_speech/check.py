@@ -189,7 +189,7 @@ def check_remote(repo_id: str) -> CheckReport:
         metadata = get_safetensors_metadata(repo_id)
     except Exception as exc:
         raise CheckpointError(f"cannot reach {repo_id} on the hub ({type(exc).__name__}: {exc}); download it with "
-                              f"huggingface-cli download {repo_id} --local-dir DIR and check DIR") from exc
+                              f"hf download {repo_id} --local-dir DIR and check DIR") from exc
     config = TasteConfig.from_pretrained(config_dir)
     infos = {
         name: TensorInfo(tuple(t.shape), _hub_dtype(t.dtype), file)

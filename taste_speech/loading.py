@@ -79,7 +79,7 @@ def resolve_checkpoint_dir(name_or_path, revision: str | None = None, cache_dir:
     except Exception as exc:  # offline, unknown repo, no access
         raise CheckpointError(
             f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). Download it "
-            f"first (huggingface-cli download {name_or_path} --local-dir DIR) and pass DIR."
+            f"first (hf download {name_or_path} --local-dir DIR) and pass DIR."
         ) from exc
 
 

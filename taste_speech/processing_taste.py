@@ -481,7 +481,7 @@ def _resolve_processor_dir(name_or_path, **hub_kwargs) -> str:
     except Exception as exc:  # offline, unknown repository, no access
         raise ValueError(
             f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); download "
-            f"it first (huggingface-cli download {name_or_path} --local-dir DIR) and pass DIR"
+            f"it first (hf download {name_or_path} --local-dir DIR) and pass DIR"
         ) from exc
 
 

@@ -275,7 +275,7 @@ def test_not_a_directory_nor_a_hub_id(tmp_path):
 
 def test_unknown_hub_id_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(CheckpointError, match="huggingface-cli download"):
+    with pytest.raises(CheckpointError, match="hf download"):
         TasteForCausalLM.from_pretrained("no-such-owner/no-such-taste-model")
 
 

@@ -251,3 +251,35 @@ def test_a_call_ending_mid_reply_frees_its_slots_when_the_reply_stops(engine, he
     rest = list(events)
     assert rest[-1].kind == "end" and rest[-1].reason == "cancelled"
     assert batched.lm_batch.slots_in_use == 0
+
+
+def test_auto_asr_is_the_checkpoints_own_whisper_and_a_missing_one_says_what_to_do(tmp_path):
+    """asr='auto' on a real-size checkpoint loads the Whisper model the checkpoint names (live calls
+    need transcripts); one that cannot be loaded is an error naming both ways out."""
+    from types import SimpleNamespace
+
+    from pipecat_taste.asr import WhisperTranscriber
+    from pipecat_taste.engine import default_asr
+    from taste_speech.tiny import default_tiny_checkpoint
+
+    checkpoint = default_tiny_checkpoint()
+    whisper = WhisperTranscriber.random_tiny(checkpoint, seed=3)
+    folder = tmp_path / "whisper"
+    for part in (whisper.model, whisper.feature_extractor, whisper.tokenizer):
+        part.save_pretrained(folder)
+
+    def model(hidden_size):
+        return SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(hidden_size=hidden_size)))
+
+    asr = default_asr(model(2048), SimpleNamespace(asr_model=str(folder)), checkpoint)
+    assert isinstance(asr, WhisperTranscriber)
+    loaded, saved = asr.model.state_dict(), whisper.model.state_dict()
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
+
+    # the tiny checkpoint gets its random tiny ASR, whatever its processor names
+    assert default_asr(model(64), SimpleNamespace(asr_model=None), checkpoint).model.config.d_model == 32
+
+    with pytest.raises(RuntimeError, match=r"whisper-missing.*--asr-model DIR.*--asr-model none"):
+        default_asr(model(2048), SimpleNamespace(asr_model=str(tmp_path / "whisper-missing")), checkpoint)
+    with pytest.raises(ValueError, match="names no Whisper model"):
+        default_asr(model(2048), SimpleNamespace(asr_model=None), checkpoint)

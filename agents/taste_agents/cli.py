@@ -47,7 +47,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--voice", default=None, help="reference WAV for the agent's voice (default: the checkpoint's)")
     parser.add_argument("--asr-model", default="auto",
                         help="Whisper folder or hub id for the built-in ASR (live calls need transcripts); 'none' to "
-                             "rely on transcripts sent by the client (default: auto - the tiny checkpoint's random ASR)")
+                             "rely on transcripts sent by the client or an upstream STT (default: auto - the Whisper "
+                             "model the checkpoint names, openai/whisper-large-v3 for the published one; the random "
+                             "tiny ASR for the tiny checkpoint; none with --transcripts upstream)")
     parser.add_argument("--transcripts", default="auto", choices=["auto", "asr", "upstream"],
                         help="where each turn's transcript comes from: auto (an upstream/client STT if one sends "
                              "it, else the built-in ASR), asr (always the built-in ASR) or upstream")
@@ -118,7 +120,8 @@ def load_engine(args, say):
     else:
         path = args.model
     say(f"loading {label} on {args.device} ...")
-    asr = None if args.asr_model == "none" else args.asr_model
+    upstream_only = getattr(args, "transcripts", "auto") == "upstream"
+    asr = None if args.asr_model == "none" or (args.asr_model == "auto" and upstream_only) else args.asr_model
     engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr,
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),

@@ -105,6 +105,31 @@ DECODING = {
 }
 
 
+def default_asr(model, processor, checkpoint_dir: str, *, device: str = "cpu", dtype: str | None = None):
+    """The built-in ASR that ``asr='auto'`` loads: the random tiny Whisper for a tiny checkpoint;
+    otherwise the Whisper model the checkpoint names (``asr_config``: openai/whisper-large-v3 for
+    the published checkpoint, the model whose transcripts TASTE was trained on). Live calls need a
+    transcript per turn, so a checkpoint whose ASR cannot be loaded is an error, not a silent
+    agent that never answers."""
+    from pipecat_taste.asr import WhisperTranscriber
+
+    if model.config.text_config.hidden_size < 256:
+        return WhisperTranscriber.random_tiny(checkpoint_dir)
+    name = processor.asr_model
+    if not name:
+        raise ValueError(
+            f"the checkpoint in {checkpoint_dir} names no Whisper model for the built-in ASR (asr_config); pass "
+            "asr=<Whisper folder or hub id> (taste-agent --asr-model), or asr=None (--asr-model none) when an "
+            "upstream Pipecat STT sends TranscriptionFrames")
+    try:
+        return WhisperTranscriber.from_pretrained(name, device=device, dtype=dtype)
+    except Exception as exc:
+        raise RuntimeError(
+            f"could not load {name!r}, the checkpoint's Whisper model for the built-in ASR "
+            f"({type(exc).__name__}: {exc}); download it and pass asr=<its folder> (taste-agent --asr-model DIR), "
+            "or asr=None (--asr-model none) when an upstream Pipecat STT sends TranscriptionFrames") from exc
+
+
 class TasteEngine:
     """Model, processor and voice generator, loaded once and shared by every call."""
 
@@ -143,8 +168,7 @@ class TasteEngine:
                         batch_slots: int | str | None = "auto") -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
-        come from an upstream STT) or 'auto' (the random tiny ASR for the tiny checkpoint, none
-        otherwise)."""
+        come from an upstream STT) or 'auto' (``default_asr``: the checkpoint's own Whisper)."""
         import torch
 
         from taste_speech.modeling_taste import TasteForCausalLM
@@ -162,10 +186,7 @@ class TasteEngine:
         voice_generator = VoiceGenerator.from_pretrained(directory, device=device).eval()
         torch.set_grad_enabled(False)
         if asr == "auto":
-            from pipecat_taste.asr import WhisperTranscriber
-
-            is_tiny = model.config.text_config.hidden_size < 256
-            asr = WhisperTranscriber.random_tiny(directory) if is_tiny else None
+            asr = default_asr(model, processor, directory, device=device, dtype=dtype)
         elif isinstance(asr, str):
             from pipecat_taste.asr import WhisperTranscriber
 

@@ -8,9 +8,10 @@ the explicit :class:`SynthesisState`:
 flow step (tokens -> final mel frames [mel_done, E))
     window = ``context_tokens`` tokens of left context + the chunk + up to ``lookahead_tokens``.
     Tokens are stretched onto the utterance's global frame grid (441/256 frames per token), the
-    ODE noise of every frame comes from a per-frame noise tape, and the already emitted mel of
-    the left-context frames is given as the CFM's prompt (``cond``; upstream's prompt mechanism),
-    so the new frames continue it. The first frames are cross-faded with the provisional frames
+    ODE noise of every frame comes from a per-frame noise tape, and - with
+    ``EmissionPolicy.prompt_with_emitted_mel``, off by default - the already emitted mel of the
+    left-context frames is given as the CFM's prompt (``cond``; upstream's prompt mechanism), so
+    the new frames continue it. The first frames are cross-faded with the provisional frames
     the previous window computed for them; the last ``mel_crossfade_frames`` (or the lookahead
     frames) stay provisional.
 vocoder step (final mel -> final samples [256 voc_done, 256 E_h))

@@ -7,8 +7,9 @@ chunks of one utterance (or of consecutive segments that continue one utterance)
 * the noise "tapes": the flow's ODE start noise per mel frame and HiFT's source noise per sample,
   drawn in fixed blocks from per-tape generators, so a frame's noise does not depend on how the
   stream was chunked (and an offline run can be given exactly the same noise);
-* the finalised mel of the last frames (the flow's prompt for the next window) and the
-  provisional mel of the frames just after them (cross-faded with the next window's estimate);
+* the finalised mel of the last frames (the flow's prompt for the next window with
+  ``prompt_with_emitted_mel``) and the provisional mel of the frames just after them (cross-faded
+  with the next window's estimate);
 * the vocoder's finalised mel/source context, the per-harmonic cycle position reached by the
   harmonic source (phase carried across chunks), and the provisional waveform tail;
 * the output resampler (22.05 kHz -> the caller's rate) and emission counters;
