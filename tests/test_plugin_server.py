@@ -39,6 +39,18 @@ async def post(url, body, method="POST", headers=None):
             return res.status, (json.loads(text) if text.startswith("{") else text), res.headers
 
 
+async def make_offer():
+    """An aiortc peer with a microphone-like track and its offer, not yet sent."""
+    from aiortc import RTCConfiguration, RTCPeerConnection
+    from aiortc.mediastreams import AudioStreamTrack
+
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.createDataChannel("messages")
+    pc.addTrack(AudioStreamTrack())
+    await pc.setLocalDescription(await pc.createOffer())
+    return pc, {"sdp": pc.localDescription.sdp, "type": "offer"}
+
+
 async def open_peer(url):
     """An aiortc peer sending silence; returns (pc, answer) once connected."""
     from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
@@ -148,6 +160,112 @@ async def test_calls_end_when_the_peer_leaves_and_resources_come_back():
         assert len(server.ended) == 5 and len({c.call_id for c in server.ended}) == 5
 
 
+async def wait_until(condition, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return condition()
+
+
+async def test_offers_arriving_together_cannot_pass_the_call_limit_together():
+    async with running_server(FakeEngine(), config(max_calls=2)) as (server, url):
+        peers = [await make_offer() for _ in range(5)]
+        try:
+            results = await asyncio.gather(*(post(url + "/api/offer", json.dumps(offer)) for _, offer in peers))
+            statuses = sorted(status for status, _, _ in results)
+            assert statuses == [200, 200, 503, 503, 503], [(s, b) for s, b, _ in results]
+            assert len(server.calls) == 2 and server.calls_in_use == 2
+        finally:
+            for pc, _ in peers:
+                await pc.close()
+
+
+async def test_a_peer_that_never_connects_gives_its_slot_back():
+    """An answered offer whose peer never completes ICE (no candidates ever sent): the call ends
+    at connect_seconds, not at the idle timeout, and its peer connection is let go."""
+    async with running_server(FakeEngine(), config(max_calls=1, connect_seconds=1.5)) as (server, url):
+        pc, offer = await make_offer()
+        try:
+            status, _, _ = await post(url + "/api/offer", json.dumps(offer))  # answer never applied
+            assert status == 200 and len(server.calls) == 1
+            status, body, _ = await post(url + "/api/offer", json.dumps((await make_offer())[1]))
+            assert status == 503, body
+            assert await wait_until(lambda: not server.calls, 6), "the slot was not given back"
+            assert "did not connect within 1.5 s" in server.finished[-1]["ended_because"]
+            assert not server._handler._pcs_map
+        finally:
+            await pc.close()
+        pc, answer = await open_peer(url)  # the slot is free again
+        assert pc is not None, answer
+        await pc.close()
+
+
+async def test_a_call_ends_at_its_time_limit_even_while_talking():
+    async with running_server(FakeEngine(), config(max_call_seconds=2.0)) as (server, url):
+        pc, answer = await open_peer(url)
+        assert pc is not None, answer
+        try:
+            started = time.monotonic()
+            assert await wait_until(lambda: not server.calls, 8)
+            assert 1.5 < time.monotonic() - started < 6
+            assert "limit of 2 s" in server.finished[-1]["ended_because"]
+            assert await wait_until(lambda: pc.connectionState == "closed", 5), pc.connectionState  # the peer is told
+        finally:
+            await pc.close()
+
+
+async def test_a_call_that_cannot_be_set_up_is_a_500_with_the_reason_and_leaks_nothing():
+    bad = config(agent=PhoneAgentConfig(vad_aggressiveness=9))
+    async with running_server(FakeEngine(), bad) as (server, url):
+        for _ in range(3):
+            pc, offer = await make_offer()
+            status, body, _ = await post(url + "/api/offer", json.dumps(offer))
+            await pc.close()
+            assert status == 500 and "could not be set up" in body["error"] and "aggressiveness" in body["error"], body
+        assert not server.calls and server.calls_in_use == 0 and not server._handler._pcs_map
+
+
+async def test_offer_and_candidate_checks_status_privacy_and_shutdown():
+    async with running_server(FakeEngine(), config()) as (server, url):
+        _, offer = await make_offer()
+        unfingerprinted = "\r\n".join(l for l in offer["sdp"].split("\r\n") if not l.startswith("a=fingerprint"))
+        status, body, _ = await post(url + "/api/offer", json.dumps({**offer, "sdp": unfingerprinted}))
+        assert status == 400 and "a=fingerprint" in body["error"], body
+
+        pc, answer = await open_peer(url)
+        assert pc is not None, answer
+        for candidate in ("candidate:1 1 udp", 5, None):
+            status, body, _ = await post(url + "/api/offer", json.dumps(
+                {"pc_id": answer["pc_id"], "candidates": [{"candidate": candidate, "sdpMid": "0"}]}), method="PATCH")
+            assert status == 400 and "candidate" in body["error"], (candidate, status, body)
+
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            async with http.get(url + "/api/ice-servers") as res:
+                assert await res.json() == {"iceServers": []}
+        # the app's shutdown (Ctrl-C under uvicorn) ends the calls still running
+        async with server.app.router.lifespan_context(server.app):
+            pass
+        assert await wait_until(lambda: not server.calls, 5)
+        assert "shutting down" in server.finished[-1]["ended_because"]
+        assert await wait_until(lambda: pc.connectionState == "closed", 5), pc.connectionState
+        await pc.close()
+
+
+def test_ice_servers_are_checked_when_the_server_is_made():
+    from taste_agents.server import TasteServer, ice_servers_from
+
+    stun, turn = ice_servers_from(["stun:stun.example.org:3478", "turn:turn.example.org:3478?transport=tcp"],
+                                  "user", "secret")
+    assert stun.urls == "stun:stun.example.org:3478" and stun.username is None
+    assert (turn.username, turn.credential) == ("user", "secret")
+    with pytest.raises(ValueError, match="expected stun:HOST"):
+        ice_servers_from(["stun.example.org:3478"])
+    with pytest.raises(ValueError, match="--turn-username"):
+        ice_servers_from(["turn:turn.example.org"])
+    with pytest.raises(ValueError, match="expected stun:HOST"):
+        TasteServer(FakeEngine(), config(ice_servers=["http://example.org"]))
+
+
 # -- phone (Twilio media streams) --------------------------------------------------------------------
 def ulaw_frames(audio16k):
     """20 ms mu-law frames at 8 kHz, as Twilio sends them."""
@@ -224,6 +342,11 @@ async def test_phone_stream_is_answered_in_whole_20ms_mulaw_frames_and_stop_ends
         call = server.ended[-1]
         assert [t.decision for t in call.log.turns.values()] == ["reply"]
         assert call.log.turns[1].transcript == "hello there"
+        # what a finished call shows to anyone who can reach the port: its turns, not what was said
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+            async with http.get(url + "/api/status") as res:
+                finished = (await res.json())["finished"]
+        assert finished[-1]["turns"][0]["decision"] == "reply" and "hello there" not in json.dumps(finished)
         # an ended call keeps its log only: its pipeline, agent and conversation are freed
         gc.collect()
         assert not [o for o in gc.get_objects() if isinstance(o, TasteCall) and o.call_id == call.call_id]
@@ -246,3 +369,45 @@ async def test_phone_barge_in_sends_clear_before_new_media():
             await asyncio.sleep(0.05)
         log = server.ended[-1].log
         assert any(r.interrupted for r in log.turns.values())
+
+
+async def test_a_phone_stream_waiting_for_its_start_message_counts_against_the_limit():
+    import websockets
+
+    async with running_server(FakeEngine(), config(max_calls=1)) as (server, url):
+        ws_url = url.replace("http://", "ws://") + "/ws/phone"
+        first = await websockets.connect(ws_url, open_timeout=10)
+        others = []
+        try:
+            await first.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+            others = [await websockets.connect(ws_url, open_timeout=10) for _ in range(2)]
+            for ws in others:  # the first stream holds the one slot while its 'start' is awaited
+                await asyncio.wait_for(ws.wait_closed(), 5)
+                assert ws.close_code == 1013
+            await first.send(json.dumps({"event": "start", "streamSid": "MZ", "start": {"streamSid": "MZ"}}))
+            assert await wait_until(lambda: len(server.calls) == 1, 5)
+        finally:
+            for ws in [first, *others]:
+                await ws.close()
+
+
+def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, capsys):
+    from taste_agents.cli import main
+
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    cases = [
+        (["serve", "--max-calls", "0"], "--max-calls: must be a whole number >= 1"),
+        (["serve", "--idle-seconds", "inf"], "--idle-seconds: must be seconds > 0"),
+        (["serve", "--ice-server", "stun.example.org:3478"], "expected stun:HOST"),
+        (["serve", "--ice-server", "turn:turn.example.org"], "--turn-username"),
+        (["serve", "--ssl-certfile", str(a_file)], "--ssl-certfile and --ssl-keyfile go together"),
+        (["serve", "--voice", str(tmp_path / "missing.wav")], "--voice"),
+        (["call", "--simulate", "--out", str(a_file)], "is a file; give a folder"),
+        (["call", "--simulate", "--max-reply-tokens", "0"], "--max-reply-tokens: must be a whole number >= 1"),
+        (["call", "--simulate", "--early-reply-ms", "inf"], "--early-reply-ms: must be milliseconds > 0"),
+    ]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err, argv

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
-    parser.add_argument("--max-reply-tokens", type=int, default=None,
+    parser.add_argument("--max-reply-tokens", type=positive_int, default=None,
                         help="longest reply in LLM tokens (default: 6 on the tiny checkpoint, 48 otherwise)")
     parser.add_argument("--voice", default=None, help="reference WAV for the agent's voice (default: the checkpoint's)")
     parser.add_argument("--asr-model", default="auto",
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--simulate", action="store_true",
                       help="a scripted caller talks to the agent in this process (no network)")
     call.add_argument("--out", default=None, help="output folder (default: out/call-<id>)")
-    call.add_argument("--max-call-seconds", type=float, default=300.0)
+    call.add_argument("--max-call-seconds", type=positive_seconds, default=300.0,
+                      help="the simulated call's time limit (default: 300)")
     call.add_argument("--quiet", action="store_true", help="no progress lines")
     call.add_argument("--webrtc", action="store_true",
                       help="also run the call over real WebRTC (server here, caller in another process, loopback "
@@ -78,9 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve live calls: a WebRTC page and a phone websocket")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=7860)
-    serve.add_argument("--max-calls", type=int, default=4, help="concurrent calls; more get HTTP 503")
+    serve.add_argument("--max-calls", type=positive_int, default=4, help="concurrent calls; more get HTTP 503")
+    serve.add_argument("--max-call-seconds", type=positive_seconds, default=1800.0,
+                       help="a call ends after this long (default: 1800)")
+    serve.add_argument("--idle-seconds", type=positive_seconds, default=300.0,
+                       help="a call ends after this long with nobody speaking (default: 300)")
     serve.add_argument("--ice-server", action="append", default=[], dest="ice_servers",
-                       help="STUN/TURN URL for deployments behind NAT (repeatable); none by default")
+                       help="STUN/TURN URL for deployments behind NAT, e.g. stun:HOST:3478 or "
+                            "turn:HOST:3478?transport=udp (repeatable; the page is given the same); none by default")
+    serve.add_argument("--turn-username", default=None, help="the TURN servers' username")
+    serve.add_argument("--turn-credential", default=os.environ.get("TASTE_TURN_CREDENTIAL"),
+                       help="the TURN servers' credential (default: $TASTE_TURN_CREDENTIAL); the page is given "
+                            "it too, so use short-lived credentials")
+    serve.add_argument("--ssl-certfile", default=None,
+                       help="serve HTTPS with this certificate (browsers allow the microphone only on HTTPS or "
+                            "localhost: needed with --host other than 127.0.0.1)")
+    serve.add_argument("--ssl-keyfile", default=None, help="the certificate's private key")
     _add_model_args(serve)
     return parser
 
@@ -94,6 +109,22 @@ def auto_none_or_count(value: str) -> int | str | None:
     return int(value)
 
 
+def positive_int(value: str) -> int:
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"must be seconds > 0, got {value!r}")
+    return seconds
+
+
 def ms_or_none(value) -> float | None:
     """--early-reply-ms: milliseconds > 0, or 'none'."""
     if value in (None, "none"):
@@ -102,7 +133,7 @@ def ms_or_none(value) -> float | None:
         ms = float(value)
     except ValueError:
         ms = 0.0
-    if not ms > 0:
+    if not (math.isfinite(ms) and ms > 0):
         raise argparse.ArgumentTypeError(f"must be milliseconds > 0 or 'none', got {value!r}")
     return ms
 
@@ -237,6 +268,26 @@ def _summary(report: dict, paths: dict) -> str:
     return "\n".join(lines)
 
 
+def _check_paths(parser: argparse.ArgumentParser, args) -> None:
+    """Files and folders named on the command line, checked before minutes of model loading."""
+    out = getattr(args, "out", None)
+    if out is not None and os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out {out!r} is a file; give a folder (it is created if missing)")
+    for flag in ("voice", "ssl_certfile", "ssl_keyfile"):
+        path = getattr(args, flag, None)
+        if path is not None and not os.path.isfile(path):
+            parser.error(f"--{flag.replace('_', '-')} {path!r}: no such file")
+    if bool(getattr(args, "ssl_certfile", None)) != bool(getattr(args, "ssl_keyfile", None)):
+        parser.error("--ssl-certfile and --ssl-keyfile go together")
+    if getattr(args, "ice_servers", None):
+        from taste_agents.server import ice_servers_from
+
+        try:
+            args.ice_servers = ice_servers_from(args.ice_servers, args.turn_username, args.turn_credential)
+        except ValueError as e:
+            parser.error(str(e))
+
+
 def _quiet_logs():
     """Pipecat logs every frame link at DEBUG; keep the console for the call itself."""
     from loguru import logger
@@ -246,7 +297,9 @@ def _quiet_logs():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_paths(parser, args)
     configure_malloc()  # calls allocate and free all day from many threads: keep the resident size flat
     if args.command == "call":
         if not args.simulate:

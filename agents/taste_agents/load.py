@@ -225,8 +225,10 @@ async def concurrent_webrtc_calls(engine, n_calls: int, out_dir, *, config=None,
     from taste_agents.server import ServerConfig
     from taste_agents.webrtc_sim import running_server
 
-    config = replace(config or ServerConfig(), max_calls=max(n_calls, (config or ServerConfig()).max_calls),
-                     keep_call_audio=True)
+    config = config or ServerConfig()
+    # every call of a round is checked: the server must keep them all
+    config = replace(config, max_calls=max(n_calls, config.max_calls), keep_call_audio=True,
+                     keep_ended_calls=max(n_calls, config.keep_ended_calls))
     out = Path(out_dir)
     result = LoadResult(n_calls, "webrtc", baseline_rss_mb=rss_mb(), threads_before=threading.active_count())
     known_threads = {t.ident for t in threading.enumerate()}
@@ -281,7 +283,12 @@ async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: f
         sys.executable, "-m", "taste_agents.webrtc_caller", "--url", url, "--out", str(out), "--loopback",
         "--reply-timeout", str(reply_timeout_s), "--max-call-seconds", str(max_call_s),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    output, _ = await asyncio.wait_for(proc.communicate(), max_call_s + 120)
+    try:
+        output, _ = await asyncio.wait_for(proc.communicate(), max_call_s + 120)
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: no orphaned caller process
+            proc.kill()
+            await proc.wait()
     if proc.returncode not in (0, EXIT_TIMED_OUT, EXIT_CONNECTION_LOST):
         raise RuntimeError(f"caller exited with {proc.returncode}: {output.decode()[-1500:]}")
     call = caller_side_result(out)

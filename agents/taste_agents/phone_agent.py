@@ -55,7 +55,11 @@ def load_voice(engine, path: str | None):
         return None
     from taste_agents.caller import read_wav
 
-    audio, rate = read_wav(Path(path))
+    try:
+        audio, rate = read_wav(Path(path))
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"the voice reference {path!r} could not be read ({type(e).__name__}: {e}); "
+                         "give a WAV recording of the voice") from None
     return engine.speaker_embedding(audio, rate)
 
 

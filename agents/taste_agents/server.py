@@ -5,17 +5,23 @@
   ``SmallWebRTCTransport`` (aiortc); one pipeline per connection, torn down when the peer leaves;
 * ``WS /ws/phone`` - a telephony media stream in Twilio's protocol (8 kHz mu-law; ``clear`` on
   barge-in; no provider REST calls);
-* ``GET /api/status`` - active calls, and the engine's compute gate (jobs queued, waits).
+* ``GET /api/status`` - active calls, and the engine's compute gate (jobs queued, waits); no
+  transcripts (what callers said is not for whoever can reach the port);
+* ``GET /api/ice-servers`` - the STUN/TURN servers the page should use (the server's own).
 
 Binds 127.0.0.1 unless told otherwise. Signalling is hardened: malformed JSON or SDP get a 4xx
 with a message, request bodies are size-limited, and past ``max_calls`` concurrent calls new ones
-get 503 (websocket: close code 1013). No STUN/TURN server is used unless ``--ice-server`` is given
-(deployments behind NAT need one, see the README).
+get 503 (websocket: close code 1013) - counting the calls still being set up. Every call ends:
+when its peer leaves, when a WebRTC peer has not connected ``connect_seconds`` after its answer,
+after ``idle_seconds`` with nobody speaking, and at ``max_call_seconds`` at the latest. No
+STUN/TURN server is used unless ``--ice-server`` is given (deployments behind NAT need one, see
+the README).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field, replace
@@ -42,7 +48,7 @@ from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
 from pipecat_taste.playout import PlayoutParams
 
 from taste_agents.memory import release_free_memory
-from taste_agents.phone_agent import PhoneAgentConfig, build_phone_agent
+from taste_agents.phone_agent import PhoneAgentConfig, build_phone_agent, load_voice
 
 STATIC = Path(__file__).parent / "static"
 PHONE_SAMPLE_RATE = 8000
@@ -54,8 +60,12 @@ class ServerConfig:
     port: int = 7860
     max_calls: int = 4
     max_body_bytes: int = 64 * 1024  # an SDP offer is a few kB
-    max_call_seconds: float = 30 * 60
-    ice_servers: list[str] = field(default_factory=list)
+    max_call_seconds: float = 30 * 60  # a call ends after this long, whatever happens in it
+    idle_seconds: float = 5 * 60  # ... or after this long with nobody speaking (a muted or vanished peer)
+    connect_seconds: float = 15.0  # a WebRTC peer must connect this soon after its offer is answered
+    # STUN/TURN servers: URLs, or IceServer (aiortc's RTCIceServer) with a TURN username/credential
+    ice_servers: list = field(default_factory=list)
+    keep_ended_calls: int = 16  # ended calls whose logs are kept (TasteServer.ended)
     webrtc_in_rate: int = 16000
     webrtc_out_rate: int = 48000  # Opus runs at 48 kHz: no resampling on the way out
     # aiortc's output track plays 10 ms at a time and inserts silence when its queue is empty:
@@ -134,8 +144,36 @@ class ActiveCall:
     worker: PipelineWorker
     started: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
-    pc_id: str | None = None
+    connection: object = None  # WebRTC: the peer connection
+    connected: asyncio.Event | None = None  # WebRTC: set once the peer has connected
     agent: object = None
+    end_reason: str | None = None  # why the server ended it (None: the peer left)
+
+
+def ice_servers_from(urls, username: str | None = None, credential: str | None = None) -> list:
+    """STUN/TURN URLs as aiortc's ``RTCIceServer``s, checked now rather than at every call's offer;
+    TURN servers get the username and credential (aiortc's URL syntax has no place for them)."""
+    from aiortc import RTCIceServer
+    from aiortc.rtcicetransport import parse_stun_turn_uri
+
+    servers = []
+    for url in urls:
+        if isinstance(url, RTCIceServer):
+            servers.append(url)
+            continue
+        try:
+            scheme = parse_stun_turn_uri(url)["scheme"]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"ICE server {url!r}: {e}; expected stun:HOST[:PORT] or "
+                             "turn:HOST[:PORT][?transport=udp|tcp] (turns: for TLS)") from None
+        if scheme.startswith("turn"):
+            if not (username and credential):
+                raise ValueError(f"ICE server {url!r} is a TURN server: give its username and credential "
+                                 "(taste-agent serve --turn-username U --turn-credential C)")
+            servers.append(RTCIceServer(urls=url, username=username, credential=credential))
+        else:
+            servers.append(RTCIceServer(urls=url))
+    return servers
 
 
 @dataclass
@@ -161,20 +199,37 @@ class TasteServer:
 
         self.engine = engine
         self.config = config or ServerConfig()
+        if self.config.max_calls < 1:
+            raise ValueError(f"max_calls must be at least 1, got {self.config.max_calls}")
+        self.ice_servers = ice_servers_from(self.config.ice_servers)
+        # the agent's voice, once: a bad reference recording is a start-up error, not every call's
+        self.voice = load_voice(engine, self.config.agent.voice)
         self.calls: dict[str, ActiveCall] = {}
+        self._opening = 0  # calls past the limit check whose pipelines are not running yet
         self.finished: list[dict] = []  # summaries of ended calls (newest last, bounded)
         self.ended: list[EndedCall] = []  # the last ended calls, with their call logs
         self.ended_count = 0
-        self._handler = SmallWebRTCRequestHandler(ice_servers=self.config.ice_servers or None,
+        self._closed = False
+        self._handler = SmallWebRTCRequestHandler(ice_servers=self.ice_servers or None,
                                                   connection_mode=ConnectionMode.MULTIPLE)
         self.app = self._build_app()
+
+    @property
+    def calls_in_use(self) -> int:
+        """Calls counted against ``max_calls``: running, and being set up."""
+        return len(self.calls) + self._opening
 
     # -- HTTP -------------------------------------------------------------------------------------
     def _build_app(self):
         from fastapi import FastAPI
         from fastapi.responses import FileResponse, JSONResponse
 
-        app = FastAPI(title="taste-agent", docs_url=None, redoc_url=None, openapi_url=None)
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            yield
+            await self.close()  # Ctrl-C: end the calls (their tasks would hang the loop's shutdown)
+
+        app = FastAPI(title="taste-agent", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
         @app.get("/")
         async def page():
@@ -194,6 +249,12 @@ class TasteServer:
                     "calls": [{"call_id": c.call_id, "kind": c.kind, "seconds": round(time.monotonic() - c.started, 1)}
                               for c in self.calls.values()],
                     "finished": self.finished[-20:]}
+
+        @app.get("/api/ice-servers")
+        async def ice_servers():
+            return {"iceServers": [{k: v for k, v in (("urls", s.urls), ("username", s.username),
+                                                      ("credential", s.credential)) if v}
+                                   for s in self.ice_servers]}
 
         @app.post("/api/offer")
         async def offer(request: Request):
@@ -249,17 +310,41 @@ class TasteServer:
             raise SignallingError(400, "the SDP offer has no audio section ('m=audio'): offer a microphone track")
         if pc_id is not None and not isinstance(pc_id, str):
             raise SignallingError(400, "'pc_id' must be a string")
-        if pc_id is None and len(self.calls) >= self.config.max_calls:
-            raise SignallingError(503, f"the server is at its limit of {self.config.max_calls} concurrent calls")
         if pc_id is not None and pc_id not in self._handler._pcs_map:
             raise SignallingError(404, "unknown pc_id (renegotiation of a call that is not active)")
+        missing = [name for name in ("fingerprint", "ice-ufrag", "ice-pwd") if f"a={name}:" not in sdp]
+        if missing:  # aiortc would answer, then fail in the background: the call could never connect
+            raise SignallingError(400, f"the SDP offer has no {', '.join('a=' + m for m in missing)}: "
+                                       "send the offer the browser's createOffer() made, unedited")
+        new_call = pc_id is None
+        if new_call:
+            if self.calls_in_use >= self.config.max_calls:
+                raise SignallingError(503, f"the server is at its limit of {self.config.max_calls} concurrent calls")
+            self._opening += 1  # counted before the first wait: offers arriving together cannot all pass
+        failed = []
+
+        async def start_call(connection):
+            try:
+                await self._start_webrtc_call(connection)
+            except Exception as e:  # Pipecat would log it and answer anyway: a peer with no pipeline
+                logger.exception("a WebRTC call could not be set up")
+                failed.append((connection, e))
+
         request = SmallWebRTCRequest(sdp=sdp, type="offer", pc_id=pc_id)
         try:
-            answer = await self._handler.handle_web_request(request, self._start_webrtc_call)
+            answer = await self._handler.handle_web_request(request, start_call)
         except ValueError as e:
-            raise SignallingError(400, f"invalid SDP offer: {e}") from None
+            raise SignallingError(400, f"invalid SDP offer: {type(e).__name__}: {e}") from None
         except Exception as e:
-            raise SignallingError(400, f"the offer could not be answered: {e}") from None
+            raise SignallingError(400, f"the offer could not be answered: {type(e).__name__}: {e}") from None
+        finally:
+            if new_call:
+                self._opening -= 1
+        if failed:
+            connection, error = failed[0]
+            self._handler._pcs_map.pop(connection.pc_id, None)
+            await connection.disconnect()
+            raise SignallingError(500, f"the call could not be set up: {type(error).__name__}: {error}")
         if answer is None:
             raise SignallingError(500, "no answer was produced")
         return answer
@@ -272,18 +357,20 @@ class TasteServer:
             raise SignallingError(400, "expected {'pc_id': str, 'candidates': [...]}")
         if pc_id not in self._handler._pcs_map:
             raise SignallingError(404, "unknown pc_id")
+        if not all(isinstance(c, dict) and isinstance(c.get("candidate"), str) for c in items):
+            raise SignallingError(400, "each candidate must be an object with a 'candidate' string")
         try:
             candidates = [IceCandidate(c["candidate"], c.get("sdp_mid", c.get("sdpMid")),
                                        c.get("sdp_mline_index", c.get("sdpMLineIndex"))) for c in items]
             await self._handler.handle_patch_request(SmallWebRTCPatchRequest(pc_id, candidates))
-        except (KeyError, TypeError, ValueError) as e:
-            raise SignallingError(400, f"bad ICE candidate: {e}") from None
+        except Exception as e:  # aiortc's parser asserts: a malformed candidate is the client's error
+            raise SignallingError(400, f"bad ICE candidate: {type(e).__name__}: {e}") from None
 
     # -- calls ------------------------------------------------------------------------------------
     def _worker(self, pipeline, in_rate: int, out_rate: int) -> PipelineWorker:
         return PipelineWorker(pipeline, params=PipelineParams(audio_in_sample_rate=in_rate, audio_out_sample_rate=out_rate,
                                                                enable_metrics=True),
-                              idle_timeout_secs=self.config.max_call_seconds, cancel_on_idle_timeout=True,
+                              idle_timeout_secs=self.config.idle_seconds, cancel_on_idle_timeout=True,
                               enable_rtvi=False)
 
     async def _start_webrtc_call(self, connection) -> None:
@@ -294,10 +381,15 @@ class TasteServer:
             audio_in_enabled=True, audio_out_enabled=True, audio_out_10ms_chunks=cfg.webrtc_out_10ms_chunks,
             audio_in_sample_rate=cfg.webrtc_in_rate, audio_out_sample_rate=cfg.webrtc_out_rate))
         agent = build_phone_agent(self.engine, replace(cfg.agent, playout=cfg.webrtc_playout),
-                                  log=CallLog(keep_audio=cfg.keep_call_audio))
+                                  log=CallLog(keep_audio=cfg.keep_call_audio), voice=self.voice)
         pipeline = Pipeline([transport.input(), agent, ClientEvents(agent.call), transport.output()])
         worker = self._worker(pipeline, cfg.webrtc_in_rate, cfg.webrtc_out_rate)
-        active = ActiveCall(agent.call.call_id, "webrtc", worker, pc_id=connection.pc_id, agent=agent)
+        active = ActiveCall(agent.call.call_id, "webrtc", worker, connection=connection, connected=asyncio.Event(),
+                            agent=agent)
+
+        @transport.event_handler("on_client_connected")
+        async def _connected(_transport, _client):
+            active.connected.set()
 
         @transport.event_handler("on_client_disconnected")
         async def _left(_transport, _client):
@@ -319,22 +411,32 @@ class TasteServer:
 
     async def _run(self, active: ActiveCall) -> None:
         runner = WorkerRunner(handle_sigint=False, handle_sigterm=False)
+        limits = asyncio.create_task(self._limits(active), name=f"call-limits-{active.call_id}")
         try:
             await runner.add_workers(active.worker)
             await runner.run()
         except Exception:
             logger.exception(f"call {active.call_id} failed")
         finally:
+            limits.cancel()
+            if active.connection is not None:
+                # a peer that never connected (or a call the server ended) still holds its connection
+                self._handler._pcs_map.pop(active.connection.pc_id, None)
+                with contextlib.suppress(Exception):
+                    await active.connection.disconnect()
             self.calls.pop(active.call_id, None)
-            record = {"call_id": active.call_id, "kind": active.kind, "seconds": round(time.monotonic() - active.started, 1)}
+            record = {"call_id": active.call_id, "kind": active.kind, "seconds": round(time.monotonic() - active.started, 1),
+                      "ended_because": active.end_reason or "the peer left"}
             if active.agent is not None:
+                # no transcripts: /api/status shows this to anyone who can reach the port
                 turns = active.agent.call.log.turns.values()
-                record["turns"] = [{"turn_id": t.turn_id, "decision": t.decision, "transcript": t.transcript,
+                record["turns"] = [{"turn_id": t.turn_id, "decision": t.decision,
                                     "latency_ms": None if t.user_to_bot_s is None else round(1000 * t.user_to_bot_s),
                                     "interrupted": t.interrupted} for t in turns]
             self.finished = (self.finished + [record])[-100:]
             log = active.agent.call.log if active.agent is not None else None
-            self.ended = (self.ended + [EndedCall(active.call_id, active.kind, record["seconds"], log)])[-16:]
+            self.ended = (self.ended + [EndedCall(active.call_id, active.kind, record["seconds"], log)])[
+                -self.config.keep_ended_calls:]
             self.ended_count += 1
             logger.info(f"call {active.call_id} ended")
             # once this coroutine (and its reference to the call) is gone: give the freed memory back,
@@ -342,17 +444,47 @@ class TasteServer:
             loop = asyncio.get_running_loop()
             loop.call_soon(loop.run_in_executor, None, release_free_memory)
 
-    async def _phone_call(self, websocket) -> None:
-        from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams, FastAPIWebsocketTransport
+    async def _limits(self, active: ActiveCall) -> None:
+        """Ends a call whose WebRTC peer does not connect in time, and any call at its time limit
+        (the pipeline's idle timeout ends calls in which nobody speaks)."""
+        cfg = self.config
+        if active.connected is not None:
+            try:
+                await asyncio.wait_for(active.connected.wait(), cfg.connect_seconds)
+            except (TimeoutError, asyncio.TimeoutError):
+                await self._end(active, f"the peer did not connect within {cfg.connect_seconds:g} s")
+                return
+        await asyncio.sleep(max(0.0, cfg.max_call_seconds - (time.monotonic() - active.started)))
+        await self._end(active, f"the call reached its limit of {cfg.max_call_seconds:g} s")
 
+    async def _end(self, active: ActiveCall, reason: str) -> None:
+        logger.info(f"call {active.call_id}: ending it, {reason}")
+        active.end_reason = active.end_reason or reason
+        await active.worker.cancel(reason=reason)
+
+    async def _phone_call(self, websocket) -> None:
         await websocket.accept()
-        if len(self.calls) >= self.config.max_calls:
+        if self.calls_in_use >= self.config.max_calls:
             await websocket.close(code=1013, reason="at the concurrent call limit")
             return
+        self._opening += 1  # counted while Twilio's opening messages are awaited
+        active = None
+        try:
+            active = await self._open_phone_call(websocket)
+            if active is not None:
+                self._launch(active)
+        finally:
+            self._opening -= 1
+        if active is not None:
+            await active.task  # the websocket lives as long as this handler
+
+    async def _open_phone_call(self, websocket) -> ActiveCall | None:
+        from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams, FastAPIWebsocketTransport
+
         start = await _twilio_start(websocket)
         if start is None:
             await websocket.close(code=1008, reason="expected Twilio 'connected'/'start' messages")
-            return
+            return None
         stream_sid, call_sid = start
         holder: dict = {}
 
@@ -366,7 +498,13 @@ class TasteServer:
         transport = FastAPIWebsocketTransport(websocket, FastAPIWebsocketParams(
             audio_in_enabled=True, audio_out_enabled=True, add_wav_header=False, serializer=serializer,
             audio_out_10ms_chunks=2, audio_in_sample_rate=PHONE_SAMPLE_RATE, audio_out_sample_rate=PHONE_SAMPLE_RATE))
-        agent = build_phone_agent(self.engine, self.config.agent, log=CallLog(keep_audio=self.config.keep_call_audio))
+        try:
+            agent = build_phone_agent(self.engine, self.config.agent, log=CallLog(keep_audio=self.config.keep_call_audio),
+                                      voice=self.voice)
+        except Exception as e:
+            logger.exception("a phone call could not be set up")
+            await websocket.close(code=1011, reason=f"the call could not be set up: {type(e).__name__}"[:120])
+            return None
         pipeline = Pipeline([transport.input(), agent, transport.output()])
         worker = self._worker(pipeline, PHONE_SAMPLE_RATE, PHONE_SAMPLE_RATE)
         holder["worker"] = worker
@@ -376,12 +514,14 @@ class TasteServer:
         async def _left(_transport, _client):
             await worker.cancel(reason="phone stream closed")
 
-        self._launch(active)
-        await active.task  # the websocket lives as long as this handler
+        return active
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for active in list(self.calls.values()):
-            await active.worker.cancel(reason="server shutting down")
+            await self._end(active, "the server is shutting down")
         tasks = [a.task for a in self.calls.values() if a.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=5)
@@ -420,9 +560,15 @@ def serve(args) -> int:
     _quiet_logs()
     engine, _ = load_engine(args, print)
     config = ServerConfig(host=args.host, port=args.port, max_calls=args.max_calls, ice_servers=args.ice_servers,
+                          max_call_seconds=args.max_call_seconds, idle_seconds=args.idle_seconds,
                           agent=agent_config(args))
     server = TasteServer(engine, config)
-    print(f"taste-agent: open http://{config.host}:{config.port}/ (max {config.max_calls} calls)", flush=True)
-    uvicorn.run(server.app, host=config.host, port=config.port, log_level="warning")
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"taste-agent: open {scheme}://{config.host}:{config.port}/ (max {config.max_calls} calls)", flush=True)
+    if scheme == "http" and config.host not in ("127.0.0.1", "localhost", "::1"):
+        print("taste-agent: browsers allow the microphone only on HTTPS or localhost; for other machines pass "
+              "--ssl-certfile/--ssl-keyfile or put a TLS proxy in front", flush=True)
+    uvicorn.run(server.app, host=config.host, port=config.port, log_level="warning",
+                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     return 0
 

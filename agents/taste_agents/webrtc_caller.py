@@ -41,7 +41,7 @@ class CallerLine:
     """The caller's side of the call on its own sample clock (sample 0 = first frame sent)."""
 
     def __init__(self, caller, max_seconds: float):
-        n = int(max_seconds * SR) + SR
+        n = int(max_seconds * SR) + 3 * SR  # the tracks run on a little after the time limit
         self.caller = caller
         self.sent = np.zeros(n, np.int16)
         self.received = np.zeros(n, np.int16)
@@ -85,7 +85,7 @@ def _caller_track(line: CallerLine, on_event):
             start = self.k * FRAME
             heard = line.received[max(0, start - FRAME):start].astype(np.float32) / 32768.0
             out = float_to_int16(line.caller.tick(heard))
-            line.sent[start:start + FRAME] = out
+            line.sent[start:start + FRAME] = out[: max(0, min(FRAME, line.sent.size - start))]
             for event in line.caller.events[self.seen:]:
                 on_event(event)
             self.seen = len(line.caller.events)
