@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from taste_agents.caller import load_utterances
+from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
 from taste_agents.load import LoopLagMonitor, concurrent_calls, concurrent_webrtc_calls, rss_mb
 from taste_agents.phone_agent import PhoneAgentConfig
 from taste_agents.server import ServerConfig
@@ -36,12 +36,20 @@ def engine():
     return TasteEngine.from_pretrained(None)
 
 
+def short_script() -> list:
+    """The default script less its greeting: a turn, a barge-in on its reply, goodbye (the full
+    script, 8 calls for 5 minutes, is the soak benchmark's)."""
+    u = load_utterances()
+    return [Pause(0.5), Say(u["time"]), BargeIn(u["bargein"], after_agent_ms=600, timeout_s=20.0),
+            WaitForReply(20.0), Say(u["goodbye"]), WaitForReply(20.0)]
+
+
 def agent_config(**kwargs) -> PhoneAgentConfig:
     return PhoneAgentConfig(max_reply_tokens=6, **kwargs)
 
 
 async def test_eight_calls_at_once_in_process(engine):
-    result = await concurrent_calls(engine, N_CALLS, config=agent_config(), rounds=1)
+    result = await concurrent_calls(engine, N_CALLS, config=agent_config(), rounds=1, script_factory=short_script)
     summary = result.summary()
     assert result.crashes == [], result.crashes
     assert len(result.calls) == N_CALLS
@@ -67,7 +75,7 @@ async def test_calls_sharing_batched_steps(engine):
 
     batched = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
                           asr=engine.asr, parallel_jobs=None, batch_slots=4)
-    result = await concurrent_calls(batched, 4, config=agent_config(), rounds=1)
+    result = await concurrent_calls(batched, 4, config=agent_config(), rounds=1, script_factory=short_script)
     assert result.crashes == [], result.crashes
     assert all(report["summary"]["replies"] >= 1 and report["errors"] == [] for report in result.calls)
     assert result.audio_intact, [c["checks"]["per_reply"] for c in result.calls]

@@ -2,6 +2,8 @@
 as a separate aiortc peer process, loopback only. Measured where the caller is, and compared with
 the same call in process (the latency WebRTC adds)."""
 
+import asyncio
+
 import pytest
 
 from pipecat_taste.testing import FakeEngine
@@ -20,8 +22,12 @@ def engine():
 
 
 async def test_scripted_call_over_webrtc_and_what_webrtc_adds(tmp_path):
-    remote = await webrtc_call(engine(), tmp_path / "webrtc", config=ServerConfig(agent=PhoneAgentConfig()),
-                               reply_timeout_s=8, max_call_s=90, timeout_s=150)
+    # the two calls at once (each mostly waits on its real-time script; the fake engine costs nothing)
+    remote, local = await asyncio.gather(
+        webrtc_call(engine(), tmp_path / "webrtc", config=ServerConfig(agent=PhoneAgentConfig()),
+                    reply_timeout_s=8, max_call_s=90, timeout_s=150),
+        simulate_call(engine(), default_script(reply_timeout_s=8), config=PhoneAgentConfig(),
+                      out_dir=tmp_path / "in_process"))
     report = remote.report
     assert not remote.timed_out and remote.connect_s < 5
     assert [t["decision"] for t in report["turns"]] == ["reply"] * 4
@@ -36,8 +42,6 @@ async def test_scripted_call_over_webrtc_and_what_webrtc_adds(tmp_path):
     for turn in report["turns"]:
         assert turn["first_audio_latency_ms"] is not None and turn["reply_duration_ms"] > 300
 
-    local = await simulate_call(engine(), default_script(reply_timeout_s=8), config=PhoneAgentConfig(),
-                                out_dir=tmp_path / "in_process")
     comparison = compare_with_in_process(report, local.report)
     added = comparison["webrtc_added_latency_ms"]
     assert added is not None and 0 < added < 1000, comparison
