@@ -74,7 +74,8 @@ class SpokenLMCalls:
     def start(self, rows: torch.Tensor, batched: bool):
         cache = self.batch.open() if batched else self.lm.new_cache(self.alone_kind, capacity=CONTEXT + self.steps + 8)
         state = self.lm.new_decode_state(cache=cache)
-        self.lm.feed(state, rows[:, :CONTEXT])
+        self.lm.feed(state, rows[:, :CONTEXT - 1])
+        self.lm.feed(state, rows[:, CONTEXT - 1:CONTEXT])  # a first one-row step, untimed: a static cache captures here
         return state
 
     def step(self, state, rows: torch.Tensor, i: int) -> None:
@@ -111,8 +112,10 @@ class SpeechDecoderCalls:
 
     def start(self, prefix: torch.Tensor, batched: bool):
         cache = self.batch.open() if batched else self.decoder.new_cache(self.alone_kind, capacity=PREFIX + self.steps + 8)
-        n = self.steps + 1  # min_len = max_len: never an early EOS
-        return self.decoder.start(prefix, min_len=n, max_len=n, cache=cache)
+        n = self.steps + 2  # min_len = max_len: never an early EOS
+        state = self.decoder.start(prefix, min_len=n, max_len=n, cache=cache)
+        self.decoder.step(state)  # a first step, untimed: a static cache captures its graph here
+        return state
 
     def step(self, state, prefix: torch.Tensor, i: int) -> None:
         self.decoder.step(state)

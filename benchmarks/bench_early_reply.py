@@ -59,10 +59,13 @@ def run_call(engine, early_reply_secs: float | None, transcripts: str, max_reply
 
 def measure(engine, *, repeats: int, transcripts: list[str], max_reply_tokens: int, say=print) -> list[dict]:
     rows = []
+    run_call(engine, None, transcripts[0], max_reply_tokens)  # warm-up, not counted: first-call allocations
     for source in transcripts:
         calls = {way: [] for way in WAYS}
         for i in range(repeats):
-            for way, secs in WAYS.items():  # alternating: a slow spell of the machine hits both ways
+            # alternating, in ABBA order: a slow spell of the machine, or a drift, hits both ways alike
+            order = list(WAYS.items()) if i % 2 == 0 else list(reversed(WAYS.items()))
+            for way, secs in order:
                 call = run_call(engine, secs, source, max_reply_tokens)
                 calls[way].append(call)
                 say(f"{source} / {way} call {i + 1}: first audio {call['first_audio_ms']} ms, "

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from taste_speech.configuration_taste import TasteConfig  # noqa: E402
 from taste_speech.modeling_rvq import ResidualVQ  # noqa: E402
 from taste_speech.modeling_spoken_lm import TasteSpokenLM  # noqa: E402
+from taste_speech.modeling_taste import set_spoken_lm_run_dtypes  # noqa: E402
 from taste_speech.sampler import SamplingParams, TasteSampler, VocabularyTables  # noqa: E402
 from taste_speech.verify.points_spoken_lm import load_golden_spoken_lm  # noqa: E402
 
@@ -47,9 +48,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _half(dtype: torch.dtype) -> torch.dtype | None:
+    """As the engine runs it: the Llama base in bf16/fp16, the rest float32."""
+    return None if dtype == torch.float32 else dtype
+
+
 def tiny_model(device, dtype):
     loaded = load_golden_spoken_lm(str(DATA / "taste_lm_tiny_a"))
-    return loaded.spoken_lm.to(device=device, dtype=dtype), loaded.audio_tower.vq.rvq.to(device)
+    lm = set_spoken_lm_run_dtypes(loaded.spoken_lm.to(device), _half(dtype))
+    return lm, loaded.audio_tower.vq.rvq.to(device)
 
 
 @torch.no_grad()
@@ -70,7 +77,7 @@ def full_model(device, dtype):
     with torch.device(device):
         lm.backbone.rotary_emb = type(rotary)(rotary.config)
     lm.round_rope_frequencies()
-    lm = lm.to(dtype=dtype).eval()
+    lm = set_spoken_lm_run_dtypes(lm, _half(dtype)).eval()
     quant = config.audio_tower_config.kwargs_for_quantizer
     rvq = ResidualVQ(int(quant["dim"]), int(quant["num_quantizers"]), int(quant["codebook_size"]),
                      int(quant["codebook_dim"])).to(device).eval()

@@ -79,8 +79,8 @@ def measure(call_counts: list[int], out_dir: Path, *, max_reply_tokens: int = 8,
         row = json.loads(out.read_text())
         rows.append(row)
         if log:
-            log(f"{n} call(s): peak {row['peak_rss_mb']:.0f} MB, idle {row['idle_rss_mb']:.0f} MB, "
-                f"{row['memory_per_call_mb']:.1f} MB/call, first audio median {row['first_audio_ms_median']} ms, "
+            log(f"{n} call(s): peak {row['peak_rss_mb']:.0f} MiB, idle {row['idle_rss_mb']:.0f} MiB, "
+                f"{row['memory_per_call_mb']:.1f} MiB/call, first audio median {row['first_audio_ms_median']} ms, "
                 f"crashes {len(row['crashes'])}, audio intact {row['audio_intact']}")
     return rows
 

@@ -16,8 +16,9 @@ same work in every mode, timed once on its own) and stops at the first audio sam
 
 All three use fresh sessions with the same seed, so the LM produces the same reply, and the batch
 mode asks the speech decoder for the reply's tokens segment by segment exactly as the streaming
-modes do, so all three decode the same speech tokens (both checked): the work is identical, only
-its order differs. (One decoder pass over the whole reply would give a different number of tokens
+modes do, so all three decode the same speech tokens (both checked): the same model work, in another
+order - except synthesis, which streaming does window by window, recomputing each window's left
+context and lookahead (its flow + HiFT busy time is the higher one). (One decoder pass over the whole reply would give a different number of tokens
 with random weights - the decoder's length limit is per segment - and so a different amount of
 work.) The reply's length is whatever the sampler's end rules give within ``max_reply_tokens``.
 """
@@ -209,10 +210,12 @@ def measure(engine, utterance, settings, *, warmup: bool = True, tokenize_repeat
     > 1 the modes run interleaved that many times and each mode reports its median run (by first
     audio): on a shared machine one run can be caught by another process's burst."""
     turn, tokenize_first_ms, tokenize_ms = tokenize_warm(engine, utterance, tokenize_repeats)
-    if warmup:  # first calls allocate caches and pick kernels: keep that out of the figures
+    if warmup:  # first calls allocate caches, pick kernels and capture graphs: keep that out of the figures
         from dataclasses import replace
 
-        run_sequential(engine, replace(settings, max_reply_tokens=2), turn)
+        engine.warm_up()
+        for run in (run_threaded, run_sequential, run_batch):
+            run(engine, replace(settings, max_reply_tokens=2), turn)
     runs: dict[str, list[ModeResult]] = {}
     for _ in range(repeats):
         for run in (run_threaded, run_sequential, run_batch):

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import gpu_suite  # noqa: E402
+from taste_speech.modeling_taste import set_spoken_lm_run_dtypes  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -41,10 +42,7 @@ def main(argv=None) -> int:
     rvq = TasteVQ(config.audio_tower_config).rvq.eval().to(args.device)
     lm16 = TasteSpokenLM(config).eval().to(args.device)
     lm16.load_state_dict(lm32.state_dict())
-    for name, param in lm16.named_parameters():  # as run_dtype_for_key: the Llama base, not its LoRA adapters
-        if name.startswith("language_model.") and ".lora_" not in name:
-            param.data = param.data.to(torch.bfloat16)
-    lm16.tie_lm_head()
+    set_spoken_lm_run_dtypes(lm16, torch.bfloat16)  # the Llama base, not its LoRA adapters
     print(f"built in {time.time() - started:.0f} s", flush=True)
     rows = torch.randn(1, 64, config.text_config.hidden_size, generator=torch.Generator().manual_seed(1)).to(args.device)
     ids, reference = gpu_suite.lm_decode_logits(lm32, rvq, gpu_suite.EAGER, rows, None, args.steps)

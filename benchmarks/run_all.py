@@ -111,10 +111,10 @@ def first_audio_markdown(data: dict, plan: Plan, utterance) -> list[str]:
           "of its own) and stops at the first audio sample. Same weights, same reply, same speech tokens in "
           "all three modes (fresh sessions with seed 0; the reply's ids and speech tokens are compared, "
           "see the `same reply` line). Random weights: the reply length is what the sampler's end rules gave "
-          "within `max_reply_tokens` (per size below); it is the same for every mode. With random weights the "
-          "speech decoder rarely ends a segment early, so a segment runs to its length limit (20 speech tokens, "
-          "0.4 s, per row of its prefix: the segment's ASR tokens + 3): the audio is longer than a trained "
-          "model's, and the same in every mode.", "",
+          "within `max_reply_tokens` (per size below); it is the same for every mode. A segment's speech "
+          "tokens end where the sampled end token or the decoder's length limit (20 speech tokens, 0.4 s, per "
+          "row of its prefix: the segment's ASR tokens + 3) ends them: with random weights the audio is longer "
+          "than a trained model's, and the same in every mode.", "",
           "* **streaming, threaded** - the plugin's arrangement: LM, speech decoder and vocoder in three threads "
           "with bounded queues; one word per segment, 'low_latency' emission policy; first audio = the first "
           "non-empty vocoder chunk.",
@@ -257,7 +257,7 @@ def seam_markdown(bench_synthesis, vg, speaker, seconds: float, vocab: int) -> l
     return [f"Seams (tiny voice generator, {seconds:g} s, chunk 25 tokens; streamed vs offline synthesis of the same "
             "tokens and noise; `python benchmarks/bench_synthesis.py --skip-latency --seam-seconds "
             f"{seconds:g} --chunk-sizes 25`):", "",
-            table(["regime", "chunk tokens", "first audio after tokens", "first chunk ms", "mel dist at junctions",
+            table(["regime", "chunk tokens", "first audio after tokens", "first chunk audio ms", "mel dist at junctions",
                    "mel dist elsewhere", "max wave jump at junctions", "wave jump p99.9", "length diff (samples)"],
                   rows, digits=3), ""]
 
@@ -288,13 +288,13 @@ def section_concurrency(plan: Plan, args, results: Path) -> tuple[list[str], dic
                            ratio(r["first_audio_ms_median"], base["first_audio_ms_median"]),
                            f"{r['answered_turns']}/{r['turns']}", f"{r['early_replies']} ({r['early_turns_retracted']})",
                            len(r["crashes"]), r["audio_intact"]])
-    md.append(table(["calls at once", "idle RSS MB", "peak RSS MB", "MB per call", "first audio median ms",
+    md.append(table(["calls at once", "idle RSS MiB", "peak RSS MiB", "MiB per call", "first audio median ms",
                      "p90 ms", "max ms", f"median vs {base['calls']} call (x slower)", "turns answered",
                      "early replies (taken back)", "crashes",
                      "audio intact"], table_rows))
     png = report.plot_lines(results / "concurrency_rss.png",
                             [(f"{r['calls']} call(s)", [t for t, _ in r["rss_mb"]], [mb for _, mb in r["rss_mb"]])
-                             for r in rows], title="Process RSS during the calls", xlabel="s", ylabel="MB")
+                             for r in rows], title="Process RSS during the calls", xlabel="s", ylabel="MiB")
     md += ["", f"![RSS over time]({link(args, png)})"]
     return md, {"rows": rows}
 
@@ -332,7 +332,8 @@ def write_document(path: Path, command: str, facts: dict, parts: list[list[str]]
                 "op's threads wait for each other), which hits the tiny model's many small ops hardest: the same "
                 "tiny figure can differ several-fold between runs (see the spread in the \"every run\" column of "
                 "section 1). Read absolute times as upper bounds and compare the rows of one table."
-                if busy else "The machine was otherwise idle (load average below half the core count)."),
+                if busy else "The machine was otherwise idle while sections 1-4 ran (load average below half the core "
+                "count); the sections written by their own commands (4b, 6, 7) give their own machine line."),
            "", "Models with random weights give noise-like audio; latency depends on the sizes, not on the values. "
            "`tiny` = the embedded tiny checkpoint (`taste_speech.tiny.default_tiny_checkpoint()`); `full` = the "
            "published dimensions (`tests/data/taste_lm_config_full.json`, full-size flow + HiFT) with random "

@@ -158,7 +158,7 @@ def plot(results: dict, out: Path) -> dict:
         for name, row in loads.items():
             t, mb = np.array(row["rss_mb"]).T
             ax.plot(t / 60, mb, label=f"{row['transport']}, {row['calls_at_once']} calls, gate {_gate(row)}")
-        ax.set_xlabel("minutes"), ax.set_ylabel("RSS (MB)"), ax.legend(), ax.grid(alpha=0.3)
+        ax.set_xlabel("minutes"), ax.set_ylabel("RSS (MiB)"), ax.legend(), ax.grid(alpha=0.3)
         ax.set_title("resident memory under load")
         fig.tight_layout(), fig.savefig(out / "soak_rss.png", dpi=110), plt.close(fig)
         paths["rss"] = "soak_rss.png"
@@ -169,7 +169,7 @@ def plot(results: dict, out: Path) -> dict:
         a.plot(range(1, len(lat) + 1), lat, ".-"), a.set_xlabel("caller turn"), a.set_ylabel("first audio (ms)")
         a.set_title(f"{row['turns']}-turn call, window {row['window_tokens']} rows"), a.grid(alpha=0.3)
         t, mb = np.array(row["rss_mb"]).T
-        b.plot(t / 60, mb), b.set_xlabel("minutes"), b.set_ylabel("RSS (MB)"), b.grid(alpha=0.3)
+        b.plot(t / 60, mb), b.set_xlabel("minutes"), b.set_ylabel("RSS (MiB)"), b.grid(alpha=0.3)
         fig.tight_layout(), fig.savefig(out / "soak_long_call.png", dpi=110), plt.close(fig)
         paths["long_call"] = "soak_long_call.png"
     return paths
@@ -238,7 +238,7 @@ def markdown(results: dict, paths: dict) -> str:
     loads = [v for k, v in results.items() if k.startswith("load")]
     if loads:
         lines += ["| transport | calls at once | minutes | calls finished | crashes | timed out | connections lost | "
-                  "audio intact | compute gate slots | idle RSS MB | peak RSS MB | peak RSS MB per minute | RSS slope MB/min | "
+                  "audio intact | compute gate slots | idle RSS MiB | peak RSS MiB | peak RSS MiB per minute | RSS slope MiB/min | "
                   "first audio median ms | p90 ms | event-loop lag p99 / max ms | command, date |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in loads:
@@ -255,8 +255,8 @@ def markdown(results: dict, paths: dict) -> str:
                   f"{r['calls_at_once']} in-process calls at once; after each round every call has ended, then a "
                   "garbage collection and a malloc_trim. Heap in use: glibc's count of the blocks the process "
                   "holds (a leak raises it); free in heap: blocks freed but kept by glibc (fragmentation).", "",
-                  "| round | calls | crashes | peak RSS MB during the round | RSS MB at rest | heap in use MB | "
-                  "free in heap MB | Python objects | tensors (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| round | calls | crashes | peak RSS MiB during the round | RSS MiB at rest | heap in use MiB | "
+                  "free in heap MiB | Python objects | tensors (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
         for row in r["rounds"]:
             lines.append(f"| {row['round'] or 'before'} | {row['calls']} | {row['crashes']} | {row['peak_rss_mb'] or '-'} | "
                          f"{row['rss_mb']} | {row['heap_in_use_mb']} | {row['free_in_heap_mb']} | {row['python_objects']} | "
@@ -268,11 +268,11 @@ def markdown(results: dict, paths: dict) -> str:
                   f"audio intact {r['audio_intact']}, errors {r['errors']}.", "",
                   "| | first third | last third |", "|---|---|---|",
                   f"| first audio, median ms | {r['latency_ms_first_third_median']} | {r['latency_ms_last_third_median']} |",
-                  f"| RSS, mean MB | {r['rss_mb_first_third_mean']:.1f} | {r['rss_mb_last_third_mean']:.1f} |"]
+                  f"| RSS, mean MiB | {r['rss_mb_first_third_mean']:.1f} | {r['rss_mb_last_third_mean']:.1f} |"]
         if "audio_kept_mb" in r:
             lines += ["", f"The simulated call keeps its audio to the end, for the recording and the checks (both channels "
                       f"of the line, the agent audio as played, the frames seen on both sides, the call log's PCM): "
-                      f"{r['audio_kept_mb']} MB at its end; RSS grew by {r['rss_mb'][-1][1] - r['rss_mb'][0][1]:.1f} MB from the "
+                      f"{r['audio_kept_mb']} MiB at its end; RSS grew by {r['rss_mb'][-1][1] - r['rss_mb'][0][1]:.1f} MiB from the "
                       f"call's start to its end."]
         if "long_call" in paths:
             lines += ["", f"![long call]({paths['long_call']})"]

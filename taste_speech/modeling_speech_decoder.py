@@ -54,6 +54,7 @@ from torch import nn
 from taste_speech.configuration_taste import TasteConfig
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, KVCache, RelPositionTransformer
 from taste_speech.modeling_rvq import ResidualVQ
+from taste_speech.sampler import draw
 from taste_speech.speech_decoder_batch import SlotSpeechCache
 from taste_speech.speech_decoder_cache import CACHE_KINDS, DEFAULT_CAPACITY, StaticSpeechCache
 from taste_speech.step_graph import MODES as GRAPH_MODES
@@ -99,7 +100,7 @@ class TopKSampler:
     def __call__(self, logp: torch.Tensor, eos_id: int, allow_eos: bool) -> int:
         probs, ids = logp.softmax(dim=-1).topk(min(self.k, logp.shape[-1]))
         for _ in range(self.MAX_REDRAWS):
-            token = int(ids[torch.multinomial(probs, 1, replacement=True, generator=self.generator)])
+            token = int(ids[draw(probs, self.generator, replacement=True)])
             if allow_eos or token != eos_id:
                 return token
         # EOS holds nearly all the mass, so re-drawing could take forever (the original would
@@ -108,7 +109,7 @@ class TopKSampler:
         others = probs.masked_fill(ids == eos_id, 0.0)
         if float(others.sum()) <= 0.0:
             return GreedySampler()(logp, eos_id, allow_eos)
-        return int(ids[torch.multinomial(others, 1, generator=self.generator)])
+        return int(ids[draw(others, self.generator)])
 
 
 def _preallocated(cache) -> bool:

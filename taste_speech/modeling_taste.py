@@ -65,6 +65,17 @@ def run_dtype_for_key(key: str, half_dtype: torch.dtype | None) -> torch.dtype:
     return torch.float32
 
 
+def set_spoken_lm_run_dtypes(spoken_lm, half_dtype: torch.dtype | None):
+    """The spoken LM alone (benchmarks, parity checks) in the layout ``set_run_dtypes`` gives the
+    whole model: the Llama base in ``half_dtype``, its LoRA adapters and the heads in float32."""
+    with torch.no_grad():
+        for name, param in spoken_lm.named_parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(run_dtype_for_key(f"spoken_lm.{name}", half_dtype))
+    spoken_lm.tie_lm_head()
+    return spoken_lm
+
+
 def resolve_run_dtypes(torch_dtype, device: torch.device) -> torch.dtype | None:
     """The half dtype of the mixed layout, or None for float32 everywhere."""
     if isinstance(torch_dtype, str):

@@ -18,6 +18,15 @@ from enum import IntEnum
 
 import torch
 
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None, replacement: bool = False) -> int:
+    """One index drawn from the 1-D ``probs`` with ``generator``, on the generator's device: the
+    callers' generators are CPU ones (the same draws whatever the device), the probabilities may
+    be on CUDA, and ``multinomial`` wants both in one place."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
+    return int(torch.multinomial(probs, 1, replacement=replacement, generator=generator))
+
 BAN_VALUE = -100000.0  # the original's "minus infinity" (representable in bf16 logits)
 LLAMA3_SPECIAL_START = 128000  # every Llama-3 special token counts as a word start
 LLAMA3_END_OF_TEXT = 128001  # <|end_of_text|>: banned (generation never ends by EOS)
@@ -281,7 +290,7 @@ class TasteSampler:
             chosen = logits[ids]
             logits[ids] = torch.where(chosen < 0, chosen * p.repetition_penalty, chosen / p.repetition_penalty)
         logits = logits / p.text_temperature
-        return int(torch.multinomial(logits.softmax(-1), 1, generator=generator)), logits
+        return draw(logits.softmax(-1), generator), logits
 
     @staticmethod
     def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -301,10 +310,10 @@ class TasteSampler:
         if self.params.taste_top_p == 0:
             return taste_logits.argmax(-1)
         codes = [
-            torch.multinomial(self._top_p(level.float(), self.params.taste_top_p).softmax(-1), 1, generator=generator)[0]
+            draw(self._top_p(level.float(), self.params.taste_top_p).softmax(-1), generator)
             for level in taste_logits
         ]
-        return torch.stack(codes)
+        return torch.tensor(codes, dtype=torch.long, device=taste_logits.device)
 
     # -- one step ----------------------------------------------------------------------------------
     def update(self, state: SamplerState, text_logits: torch.Tensor, taste_logits: torch.Tensor, input_ids,

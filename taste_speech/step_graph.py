@@ -25,6 +25,7 @@ keeps the reason in ``fallback_reason`` (a live call must not die because a grap
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable, Generic, TypeVar
 
 import torch
@@ -33,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 MODES = ("auto", "graph", "eager", "rehearse")
 Outputs = TypeVar("Outputs")
+
+# One capture at a time in the process: calls warm up from their own threads, and torch's capture
+# bookkeeping (torch.cuda.graph's shared default capture stream, the allocator's capture pools) is
+# not made for overlapping captures. A capture takes milliseconds; replays never wait for this.
+_CAPTURE_LOCK = threading.Lock()
 
 
 def resolve_mode(mode: str, device: torch.device | str) -> str:
@@ -87,19 +93,26 @@ class StepGraph(Generic[Outputs]):
         if self.mode == "rehearse":
             self._warm_up()
             return
+        caller_stream = torch.cuda.current_stream(self.device)
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._warm_up()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other calls keep using the GPU from their own threads during a capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.outputs = self.step()
+            with _CAPTURE_LOCK:
+                side = torch.cuda.Stream(self.device)  # this capture's own stream, not a shared one
+                side.wait_stream(caller_stream)
+                with torch.cuda.stream(side):
+                    self._warm_up()
+                caller_stream.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: other calls keep using the GPU from their own threads during a capture
+                with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
+                    self.outputs = self.step()
             self.graph = graph
         except Exception as error:  # a step that cannot be captured still runs, eagerly
-            torch.cuda.synchronize(self.device)
+            # a capture that failed half-way can leave its stream current: later work must not land on it
+            torch.cuda.set_stream(caller_stream)
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                pass
             if self.rewind is not None:
                 self.rewind()
             self.graph, self.outputs = None, None

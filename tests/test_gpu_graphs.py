@@ -4,6 +4,8 @@ machine: ``python -m pytest -q tests/test_gpu_graphs.py``). The CPU tests of the
 test_speech_decoder_static.py; here the steps are really captured and replayed, in float32 on the
 golden tiny checkpoint, and must emit the eager path's greedy ids."""
 
+import threading
+
 import pytest
 import torch
 
@@ -15,7 +17,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def loaded(golden):
-    return load_golden_spoken_lm(golden.dir).to("cuda")
+    loaded = load_golden_spoken_lm(golden.dir)  # a namespace: its spoken LM and RVQ move one by one
+    loaded.spoken_lm.to("cuda")
+    loaded.audio_tower.vq.rvq.to("cuda")
+    return loaded
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_tf32():
+    """float32 as float32: cuDNN's default TF32 convolutions round the synthesis paths (bucketed vs
+    not) apart by more than these tests' bounds."""
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def on_cuda(golden, key):
@@ -48,6 +63,30 @@ def test_spoken_lm_step_is_really_captured(loaded):
             a, b = lm.feed(state, rows[:, i:i + 1]), lm.feed(reference, rows[:, i:i + 1])
             assert (a - b).abs().max() < 1e-3
     assert state.cache.captured, state.cache.fallback_reason
+
+
+def test_calls_capturing_their_steps_at_once_all_get_graphs_and_the_right_outputs(loaded):
+    """Calls warm up from their own threads at the same moment (a server's calls starting
+    together): each capture runs alone, none falls back to eager, and every cache's outputs equal
+    its own growing reference."""
+    lm = loaded.spoken_lm
+    hidden = lm.causal_lm.config.hidden_size
+    inputs = [torch.randn(1, 30, hidden, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+              for i in range(4)]
+    caches = []
+
+    def call(rows):
+        state = lm.new_decode_state(cache=lm.new_cache("static", capacity=48))
+        reference = lm.new_decode_state(cache=lm.new_cache("dynamic"))
+        caches.append(state.cache)
+        with torch.no_grad():
+            lm.feed(state, rows[:, :10]), lm.feed(reference, rows[:, :10])
+            for i in range(10, 30):
+                a, b = lm.feed(state, rows[:, i:i + 1]), lm.feed(reference, rows[:, i:i + 1])
+                assert (a - b).abs().max() < 1e-3
+
+    run_in_threads(call, [(rows,) for rows in inputs])
+    assert len(caches) == 4 and all(c.captured for c in caches), [c.fallback_reason for c in caches]
 
 
 def test_batched_lm_steps_are_captured_and_equal_each_call_alone(loaded):
@@ -113,7 +152,7 @@ def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
     from safetensors.torch import load_file
 
     from taste_speech.configuration_taste import TasteConfig
-    from taste_speech.modeling_speech_decoder import TasteSpeechDecoder
+    from taste_speech.modeling_speech_decoder import GreedySampler, TasteSpeechDecoder
 
     weights = load_file(str(taste_lm_tiny_a / "model.safetensors"))
     decoder = TasteSpeechDecoder(TasteConfig.from_pretrained(str(taste_lm_tiny_a))).eval()
@@ -123,7 +162,7 @@ def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
     with torch.no_grad():
         prefix = decoder.prefix_embeds(on_cuda(golden, "in.speaker_embeds"), on_cuda(golden, "d.audio_unit_embeds"),
                                        on_cuda(golden, "in.asr_token_ids"))
-        eager = decoder.generate(prefix, cache_kind="dynamic")
+        eager = decoder.generate(prefix, GreedySampler(), cache_kind="dynamic")  # step() below is greedy too
         cache = decoder.new_cache("static")
         state = decoder.start(prefix, cache=cache)
         tokens = []
@@ -204,3 +243,37 @@ def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks
     steps = [step for bucket in (*graphs._flow.values(), *graphs._vocoder.values()) for step in bucket.steps.values()]
     assert steps and all(step.captured for step in steps)
     print("synthesis batches (stage, windows per step): steps", dict(graphs.batches))
+
+
+@pytest.mark.parametrize("decoding", ["auto", "eager"])
+def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding):
+    """A whole reply on CUDA with the agent's default sampling (text top-p, top-k speech tokens,
+    synthesis noise): the sessions' generators are CPU ones, the logits and weights on the GPU."""
+    import numpy as np
+
+    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from taste_agents.caller import load_utterances
+
+    engine = TasteEngine.from_pretrained(None, device="cuda", decoding=decoding)
+    engine.warm_up()
+    hello = load_utterances()["hello"]
+    session = engine.new_session(GenerationSettings(max_reply_tokens=6))
+    session.warm_up()
+    turn = session.user_turn(hello.audio, hello.text)
+    segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
+    assert segments
+    state = session.start_speech(16000)
+    tokens, audio = [], []
+    for seg in segments:
+        for piece in session.speech_tokens(state, seg.segment):
+            tokens += piece
+            audio += session.vocode(state, piece)
+    audio += session.vocode(state, [], final=True)
+    audio = np.concatenate(audio)
+    assert tokens and audio.size > 0 and np.isfinite(audio).all()
+    session.close()
+
+    # the whole-utterance path (the benchmarks' batch baseline) with a CPU generator
+    wav, _ = engine.voice_generator.inference(torch.tensor([tokens]), session.voice.to("cuda"),
+                                              generator=torch.Generator().manual_seed(0))
+    assert wav.numel() > 0 and torch.isfinite(wav).all()

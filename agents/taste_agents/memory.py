@@ -84,7 +84,7 @@ class _MallInfo2(ctypes.Structure):
 
 
 def heap_stats() -> dict[str, float] | None:
-    """glibc's own account of the heap (``mallinfo2``), in MB: ``in_use`` (blocks the program holds,
+    """glibc's own account of the heap (``mallinfo2``), in MiB: ``in_use`` (blocks the program holds,
     mmapped ones included: what a leak raises), ``free_in_heap`` (freed blocks glibc keeps:
     fragmentation), ``heap`` (the heaps' size). None where it is not available (not glibc >= 2.33)."""
     mallinfo2 = getattr(_libc(), "mallinfo2", None)

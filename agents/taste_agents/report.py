@@ -136,7 +136,10 @@ def build_report(result, meta: dict) -> dict:
         asr = [r for r in decided if r.asr_after_end_ms is not None]
         if asr:  # the built-in ASR gave the transcript: its work after the end of the turn
             entry.update({"asr_after_end_ms": asr[-1].asr_after_end_ms, "asr_partials": asr[-1].asr_partials})
-        first = first_active(agent, stop, next_start)
+        # this reply's audio: from the moment its first sample was handed over (the audio just after
+        # the utterance may still be an earlier reply's tail when the agent is behind)
+        handed = None if reply is None or reply.first_audio_at is None else line.sample_of(reply.first_audio_at)
+        first = first_active(agent, max(stop, handed or 0), next_start)
         if reply is not None and first is not None:
             last = last_active(agent, first, next_start)
             entry.update({

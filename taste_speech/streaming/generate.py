@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from taste_speech.sampler import Action, SamplingParams, TasteSampler, VocabularyTables
+from taste_speech.sampler import Action, SamplingParams, TasteSampler, VocabularyTables, draw
 from taste_speech.streaming.conversation import Conversation
 from taste_speech.streaming.prompt import CONTINUATION
 from taste_speech.streaming.segment import TASTESegment
@@ -163,7 +163,7 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
         choice = fmt.turn_logits(text_logits)
         if params.text_top_p > 0:
             probs = (choice / params.text_temperature).softmax(-1)
-            assistant = bool(torch.multinomial(probs, 1, generator=generator)[0] == 1)
+            assistant = draw(probs, generator) == 1
         else:
             assistant = bool(choice[1] >= choice[0])
         if not assistant:

@@ -219,10 +219,12 @@ class MelFlow(nn.Module):
         return h
 
     def draw_noise(self, n_frames: int, generator: Optional[torch.Generator] = None, device=None) -> torch.Tensor:
-        """The CFM start noise for ``n_frames`` frames: standard normal (1, 80, T)."""
+        """The CFM start noise for ``n_frames`` frames: standard normal (1, 80, T), drawn where the
+        generator lives (a CPU generator gives the same noise on every device)."""
         device = device or self.input_embedding.weight.device
-        return torch.randn((1, self.output_size, n_frames), generator=generator, device=device,
-                           dtype=self.input_embedding.weight.dtype)
+        where = generator.device if generator is not None else device
+        return torch.randn((1, self.output_size, n_frames), generator=generator, device=where,
+                           dtype=self.input_embedding.weight.dtype).to(device)
 
     # -- whole-utterance inference ------------------------------------------------------------
     @torch.inference_mode()

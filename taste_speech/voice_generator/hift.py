@@ -50,10 +50,11 @@ class SourceDraws:
     @classmethod
     def draw(cls, n_harmonics: int, n_samples: int, generator: Optional[torch.Generator] = None,
              device=None) -> "SourceDraws":
-        phase = torch.rand((1, n_harmonics, 1), generator=generator, device=device)
-        noise = torch.randn((1, n_harmonics, n_samples), generator=generator, device=device)
-        branch = torch.randn((1, n_samples, 1), generator=generator, device=device)
-        return cls(phase, noise, branch)
+        where = generator.device if generator is not None else device  # a CPU generator: same draws everywhere
+        phase = torch.rand((1, n_harmonics, 1), generator=generator, device=where)
+        noise = torch.randn((1, n_harmonics, n_samples), generator=generator, device=where)
+        branch = torch.randn((1, n_samples, 1), generator=generator, device=where)
+        return cls(phase.to(device), noise.to(device), branch.to(device))
 
 
 class Snake(nn.Module):
