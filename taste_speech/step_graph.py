@@ -35,10 +35,13 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "graph", "eager", "rehearse")
 Outputs = TypeVar("Outputs")
 
-# One capture at a time in the process: calls warm up from their own threads, and torch's capture
-# bookkeeping (torch.cuda.graph's shared default capture stream, the allocator's capture pools) is
-# not made for overlapping captures. A capture takes milliseconds; replays never wait for this.
+# One capture (with its warm-up runs) at a time in the process: calls warm up from their own
+# threads, and torch's capture bookkeeping (the allocator's capture pools) is not made for
+# overlapping captures. Replays never wait for this.
 _CAPTURE_LOCK = threading.Lock()
+# One capture stream per device, used under the lock: graphs that share a memory pool (the
+# synthesis buckets) reuse its blocks only when captured on the same stream.
+_CAPTURE_STREAMS: dict = {}
 
 
 def resolve_mode(mode: str, device: torch.device | str) -> str:
@@ -96,7 +99,7 @@ class StepGraph(Generic[Outputs]):
         caller_stream = torch.cuda.current_stream(self.device)
         try:
             with _CAPTURE_LOCK:
-                side = torch.cuda.Stream(self.device)  # this capture's own stream, not a shared one
+                side = _CAPTURE_STREAMS.setdefault(self.device, torch.cuda.Stream(self.device))
                 side.wait_stream(caller_stream)
                 with torch.cuda.stream(side):
                     self._warm_up()

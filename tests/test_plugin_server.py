@@ -249,6 +249,21 @@ async def test_offer_and_candidate_checks_status_privacy_and_shutdown():
         assert "shutting down" in server.finished[-1]["ended_because"]
         assert await wait_until(lambda: pc.connectionState == "closed", 5), pc.connectionState
         await pc.close()
+        late, offer = await make_offer()  # a closed server takes no new calls
+        status, body, _ = await post(url + "/api/offer", json.dumps(offer))
+        await late.close()
+        assert status == 503 and "shutting down" in body["error"], body
+
+
+async def test_a_call_in_which_nobody_speaks_ends_at_the_idle_timeout_and_says_so():
+    async with running_server(FakeEngine(), config(idle_seconds=1.5)) as (server, url):
+        pc, answer = await open_peer(url)  # sends silence
+        assert pc is not None, answer
+        try:
+            assert await wait_until(lambda: not server.calls, 8)
+            assert "nobody spoke for 1.5 s" in server.finished[-1]["ended_because"], server.finished[-1]
+        finally:
+            await pc.close()
 
 
 def test_ice_servers_are_checked_when_the_server_is_made():
@@ -262,6 +277,9 @@ def test_ice_servers_are_checked_when_the_server_is_made():
         ice_servers_from(["stun.example.org:3478"])
     with pytest.raises(ValueError, match="--turn-username"):
         ice_servers_from(["turn:turn.example.org"])
+    for unusable in ("stuns:stun.example.org", "turns:turn.example.org?transport=udp"):
+        with pytest.raises(ValueError, match="aiortc"):
+            ice_servers_from([unusable], "user", "secret")
     with pytest.raises(ValueError, match="expected stun:HOST"):
         TasteServer(FakeEngine(), config(ice_servers=["http://example.org"]))
 
@@ -401,7 +419,7 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
         (["serve", "--idle-seconds", "inf"], "--idle-seconds: must be seconds > 0"),
         (["serve", "--ice-server", "stun.example.org:3478"], "expected stun:HOST"),
         (["serve", "--ice-server", "turn:turn.example.org"], "--turn-username"),
-        (["serve", "--ssl-certfile", str(a_file)], "--ssl-certfile and --ssl-keyfile go together"),
+        (["serve", "--ssl-keyfile", str(a_file)], "--ssl-keyfile needs its --ssl-certfile"),
         (["serve", "--voice", str(tmp_path / "missing.wav")], "--voice"),
         (["call", "--simulate", "--out", str(a_file)], "is a file; give a folder"),
         (["call", "--simulate", "--max-reply-tokens", "0"], "--max-reply-tokens: must be a whole number >= 1"),

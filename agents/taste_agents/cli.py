@@ -152,7 +152,11 @@ def load_engine(args, say):
         path = args.model
     say(f"loading {label} on {args.device} ...")
     upstream_only = getattr(args, "transcripts", "auto") == "upstream"
-    asr = None if args.asr_model == "none" or (args.asr_model == "auto" and upstream_only) else args.asr_model
+    # a simulated caller sends its own transcripts: a real checkpoint's Whisper would only be
+    # downloaded and compete with the call (the tiny checkpoint's random ASR is small: kept)
+    simulated = args.command == "call" and args.model is not None
+    asr = (None if args.asr_model == "none" or (args.asr_model == "auto" and (upstream_only or simulated))
+           else args.asr_model)
     engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr,
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),
@@ -277,8 +281,8 @@ def _check_paths(parser: argparse.ArgumentParser, args) -> None:
         path = getattr(args, flag, None)
         if path is not None and not os.path.isfile(path):
             parser.error(f"--{flag.replace('_', '-')} {path!r}: no such file")
-    if bool(getattr(args, "ssl_certfile", None)) != bool(getattr(args, "ssl_keyfile", None)):
-        parser.error("--ssl-certfile and --ssl-keyfile go together")
+    if getattr(args, "ssl_keyfile", None) and not getattr(args, "ssl_certfile", None):
+        parser.error("--ssl-keyfile needs its --ssl-certfile (a certfile may also hold the key)")
     if getattr(args, "ice_servers", None):
         from taste_agents.server import ice_servers_from
 

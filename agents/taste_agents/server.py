@@ -162,10 +162,16 @@ def ice_servers_from(urls, username: str | None = None, credential: str | None =
             servers.append(url)
             continue
         try:
-            scheme = parse_stun_turn_uri(url)["scheme"]
+            parsed = parse_stun_turn_uri(url)
         except (TypeError, ValueError) as e:
             raise ValueError(f"ICE server {url!r}: {e}; expected stun:HOST[:PORT] or "
                              "turn:HOST[:PORT][?transport=udp|tcp] (turns: for TLS)") from None
+        scheme, transport = parsed["scheme"], parsed.get("transport")
+        # what aiortc (the server's side) can use; the page is given the same list
+        if scheme == "stuns" or (scheme == "turn" and transport not in ("udp", "tcp")) or (
+                scheme == "turns" and transport != "tcp"):
+            raise ValueError(f"ICE server {url!r}: the server's WebRTC stack (aiortc) uses stun:, turn: over udp or "
+                             "tcp and turns: over tcp only")
         if scheme.startswith("turn"):
             if not (username and credential):
                 raise ValueError(f"ICE server {url!r} is a TURN server: give its username and credential "
@@ -318,6 +324,8 @@ class TasteServer:
                                        "send the offer the browser's createOffer() made, unedited")
         new_call = pc_id is None
         if new_call:
+            if self._closed:
+                raise SignallingError(503, "the server is shutting down")
             if self.calls_in_use >= self.config.max_calls:
                 raise SignallingError(503, f"the server is at its limit of {self.config.max_calls} concurrent calls")
             self._opening += 1  # counted before the first wait: offers arriving together cannot all pass
@@ -408,15 +416,23 @@ class TasteServer:
     def _launch(self, active: ActiveCall) -> None:
         self.calls[active.call_id] = active
         active.task = asyncio.create_task(self._run(active), name=f"call-{active.call_id}")
+        if self._closed:  # set up while the server was closing: end it at once
+            active.task.get_loop().create_task(self._end(active, "the server is shutting down"))
 
     async def _run(self, active: ActiveCall) -> None:
         runner = WorkerRunner(handle_sigint=False, handle_sigterm=False)
         limits = asyncio.create_task(self._limits(active), name=f"call-limits-{active.call_id}")
+
+        @active.worker.event_handler("on_idle_timeout")
+        async def _idle(_worker):
+            active.end_reason = active.end_reason or f"nobody spoke for {self.config.idle_seconds:g} s"
+
         try:
             await runner.add_workers(active.worker)
             await runner.run()
-        except Exception:
+        except Exception as e:
             logger.exception(f"call {active.call_id} failed")
+            active.end_reason = active.end_reason or f"the call failed: {type(e).__name__}: {e}"
         finally:
             limits.cancel()
             if active.connection is not None:
@@ -464,6 +480,9 @@ class TasteServer:
 
     async def _phone_call(self, websocket) -> None:
         await websocket.accept()
+        if self._closed:
+            await websocket.close(code=1001, reason="the server is shutting down")
+            return
         if self.calls_in_use >= self.config.max_calls:
             await websocket.close(code=1013, reason="at the concurrent call limit")
             return
