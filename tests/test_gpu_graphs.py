@@ -252,6 +252,7 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     import numpy as np
 
     from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from session_helpers import speak_segments
     from taste_agents.caller import load_utterances
 
     engine = TasteEngine.from_pretrained(None, device="cuda", decoding=decoding)
@@ -262,14 +263,7 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     turn = session.user_turn(hello.audio, hello.text)
     segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
     assert segments
-    state = session.start_speech(16000)
-    tokens, audio = [], []
-    for seg in segments:
-        for piece in session.speech_tokens(state, seg.segment):
-            tokens += piece
-            audio += session.vocode(state, piece)
-    audio += session.vocode(state, [], final=True)
-    audio = np.concatenate(audio)
+    tokens, audio = speak_segments(session, segments)
     assert tokens and audio.size > 0 and np.isfinite(audio).all()
     session.close()
 

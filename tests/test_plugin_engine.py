@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from concurrency_helpers import run_in_threads
+from session_helpers import speak_segments
 from pipecat_taste.engine import GenerationSettings, TasteEngine
 from taste_agents.caller import load_utterances
 
@@ -79,18 +80,6 @@ def test_cancelled_reply_ends_within_a_step(engine, hello):
     stop.set()
     rest = list(events)
     assert rest[-1].kind == "end" and rest[-1].reason == "cancelled" and len(rest) <= 2
-
-
-def speak_segments(session, segments):
-    """Speech tokens and audio of reply segments: the speech decoder, then the vocoder, per piece."""
-    state = session.start_speech(16000)
-    tokens, audio = [], []
-    for seg in segments:
-        for piece in session.speech_tokens(state, seg.segment):
-            tokens += piece
-            audio += session.vocode(state, piece)
-    audio += session.vocode(state, [], final=True)
-    return tokens, np.concatenate(audio)
 
 
 def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):
