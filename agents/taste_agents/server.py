@@ -350,8 +350,7 @@ class TasteServer:
                 self._opening -= 1
         if failed:
             connection, error = failed[0]
-            self._handler._pcs_map.pop(connection.pc_id, None)
-            await connection.disconnect()
+            await self._drop_connection(connection)
             raise SignallingError(500, f"the call could not be set up: {type(error).__name__}: {error}")
         if answer is None:
             raise SignallingError(500, "no answer was produced")
@@ -417,7 +416,7 @@ class TasteServer:
         self.calls[active.call_id] = active
         active.task = asyncio.create_task(self._run(active), name=f"call-{active.call_id}")
         if self._closed:  # set up while the server was closing: end it at once
-            active.task.get_loop().create_task(self._end(active, "the server is shutting down"))
+            asyncio.create_task(self._end(active, "the server is shutting down"))
 
     async def _run(self, active: ActiveCall) -> None:
         runner = WorkerRunner(handle_sigint=False, handle_sigterm=False)
@@ -437,9 +436,7 @@ class TasteServer:
             limits.cancel()
             if active.connection is not None:
                 # a peer that never connected (or a call the server ended) still holds its connection
-                self._handler._pcs_map.pop(active.connection.pc_id, None)
-                with contextlib.suppress(Exception):
-                    await active.connection.disconnect()
+                await self._drop_connection(active.connection)
             self.calls.pop(active.call_id, None)
             record = {"call_id": active.call_id, "kind": active.kind, "seconds": round(time.monotonic() - active.started, 1),
                       "ended_because": active.end_reason or "the peer left"}
@@ -459,6 +456,12 @@ class TasteServer:
             # on a thread (trimming a large heap takes a while; the other calls' audio must not wait)
             loop = asyncio.get_running_loop()
             loop.call_soon(loop.run_in_executor, None, release_free_memory)
+
+    async def _drop_connection(self, connection) -> None:
+        """Forget a WebRTC peer connection and close it (closing twice is harmless)."""
+        self._handler._pcs_map.pop(connection.pc_id, None)
+        with contextlib.suppress(Exception):
+            await connection.disconnect()
 
     async def _limits(self, active: ActiveCall) -> None:
         """Ends a call whose WebRTC peer does not connect in time, and any call at its time limit
