@@ -18,6 +18,7 @@ from transformers import AutoConfig, LlamaConfig, PretrainedConfig, WhisperConfi
 # Whisper distil-large-v3: the architecture of the audio tower's joint encoder/segmenter in the
 # published checkpoint (32 encoder layers, 2 decoder layers). Used when the config names a
 # Whisper checkpoint that is not available locally, so that loading never needs the hub.
+JOINT_WHISPER_DIR = "whisper_joint"  # where a non-published tower Whisper config is saved, beside config.json
 DISTIL_LARGE_V3 = dict(
     d_model=1280,
     encoder_layers=32,
@@ -39,7 +40,7 @@ class TasteAudioTowerConfig(PretrainedConfig):
     """Audio tower: Whisper encoder + 2-layer Whisper decoder used as a word-level attention
     pooler + residual VQ (`audio_tower.` in the state dict)."""
 
-    model_type = "taste_audio_tower"
+    model_type = "taste"  # as in the published config.json (sub-configs share the top-level type)
 
     def __init__(
         self,
@@ -105,7 +106,7 @@ class TasteAudioTowerConfig(PretrainedConfig):
 class TasteSpokenLMConfig(PretrainedConfig):
     """Spoken LM: Llama backbone with LoRA, weighted-sum input fusion and latent TASTE head."""
 
-    model_type = "taste_spoken_lm"
+    model_type = "taste"  # as in the published config.json (sub-configs share the top-level type)
 
     def __init__(
         self,
@@ -139,7 +140,7 @@ class TasteSpeechDecoderConfig(PretrainedConfig):
     """Speech decoder: CosyVoice-v1-style AR transformer from (ASR text, TASTE, speaker) to
     50 Hz speech tokens. Block settings use the original's ``encoder__*`` / ``llm__*`` names."""
 
-    model_type = "taste_speech_decoder"
+    model_type = "taste"  # as in the published config.json (sub-configs share the top-level type)
 
     def __init__(
         self,
@@ -244,8 +245,9 @@ class TasteConfig(PretrainedConfig):
     # -- the Whisper architecture of the audio tower -------------------------------------------
     @property
     def joint_whisper_config(self) -> WhisperConfig:
-        if self._joint_whisper_config is None:
-            self._joint_whisper_config = resolve_joint_whisper_config(self, base_dir=None)
+        if self._joint_whisper_config is None:  # e.g. a config from AutoConfig: its folder is its name
+            base = getattr(self, "_name_or_path", "") or ""
+            self._joint_whisper_config = resolve_joint_whisper_config(self, base_dir=base if os.path.isdir(base) else None)
         return self._joint_whisper_config
 
     @joint_whisper_config.setter
@@ -254,14 +256,33 @@ class TasteConfig(PretrainedConfig):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "TasteConfig":
+        base = os.path.expanduser(os.fspath(pretrained_model_name_or_path))
+        if os.path.isdir(base):
+            _check_config_file(base)
         config = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         if isinstance(config, tuple):  # return_unused_kwargs=True
             return config
-        base = str(pretrained_model_name_or_path)
         config.joint_whisper_config = resolve_joint_whisper_config(
             config, base_dir=base if os.path.isdir(base) else None
         )
         return config
+
+    def save_pretrained(self, save_directory, **unused) -> None:
+        """``config.json`` in the published layout, plus ``whisper_joint/config.json`` when the
+        tower's Whisper is not distil-large-v3 (the published config names a copy that is not
+        shipped; any other architecture travels with the checkpoint)."""
+        os.makedirs(save_directory, exist_ok=True)
+        config = self.to_dict()
+        joint = self.joint_whisper_config
+        if any(getattr(joint, k) != v for k, v in DISTIL_LARGE_V3.items()):
+            os.makedirs(os.path.join(save_directory, JOINT_WHISPER_DIR), exist_ok=True)
+            joint.to_json_file(os.path.join(save_directory, JOINT_WHISPER_DIR, "config.json"), use_diff=False)
+            config["audio_tower_config"]["kwargs_for_joint_encoder_segmenter"]["model_name_or_path"] = JOINT_WHISPER_DIR
+        attn = getattr(self.text_config, "_attn_implementation", None)
+        if attn:  # to_dict drops it; the published layout carries it at the top level
+            config["_attn_implementation"] = attn
+        with open(os.path.join(save_directory, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
@@ -270,11 +291,29 @@ class TasteConfig(PretrainedConfig):
         return out
 
 
+def _check_config_file(directory: str) -> None:
+    """A checkpoint folder's config.json exists and describes a TASTE model (transformers would
+    otherwise return a default config, and the weights would fail to match by the thousand)."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{directory} has no config.json: it is not a TASTE checkpoint folder, or its "
+                                "download was interrupted - download it again")
+    try:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a readable JSON config ({exc}); download it again") from exc
+    if model_type != "taste":
+        raise ValueError(f"{path} describes a {model_type!r} model, not a TASTE one (model_type 'taste'): pass the "
+                         "folder of a TASTE checkpoint such as MediaTek-Research/Llama-1B-TASTE-V0")
+
+
 def resolve_joint_whisper_config(config: TasteConfig, base_dir: str | None) -> WhisperConfig:
     """Find the Whisper architecture named by the audio tower config, without the hub.
 
     Order: a folder (absolute, or relative to the checkpoint folder) holding a Whisper
-    ``config.json``; otherwise the built-in distil-large-v3 dimensions (the published model)."""
+    ``config.json``; for a name ending in ``distil-large-v3`` (the published config names a
+    training machine's copy) the built-in dimensions. Any other name must be found."""
     name = config.audio_tower_config.kwargs_for_joint_encoder_segmenter.get("model_name_or_path")
     candidates = []
     if name:
@@ -287,6 +326,10 @@ def resolve_joint_whisper_config(config: TasteConfig, base_dir: str | None) -> W
             with open(path) as f:
                 data = json.load(f)
             return WhisperConfig(**data)
+    if name and os.path.basename(os.path.normpath(name)) != "distil-large-v3":
+        where = f" (looked in {', '.join(candidates)})"
+        raise FileNotFoundError(f"the audio tower's Whisper config {name!r} was not found{where}: the folder "
+                                f"{name}/config.json belongs next to the checkpoint's config.json - download it again")
     return WhisperConfig(**DISTIL_LARGE_V3)
 
 

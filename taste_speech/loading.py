@@ -34,6 +34,8 @@ EMBED_KEY = LORA_PREFIX + "model.embed_tokens.weight"
 _ADAPTED = r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+SAFE_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 # safetensors dtype names -> torch dtypes (the ones a TASTE checkpoint can contain).
@@ -43,6 +45,7 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
 }
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+TRAINING_ONLY_FILE = "cosyvoice/speech_tokenizer_v1.onnx"
 
 
 class CheckpointError(ValueError):
@@ -61,11 +64,14 @@ class TensorInfo:
 
 # -- locating ------------------------------------------------------------------------------------
 def resolve_checkpoint_dir(name_or_path, revision: str | None = None, cache_dir: str | None = None,
-                           token=None, local_files_only: bool | None = None) -> str:
+                           token=None, local_files_only: bool | None = None, force_download: bool = False,
+                           proxies: dict | None = None) -> str:
     """A local directory as is; otherwise a hub id (``owner/name``), fetched with huggingface_hub
-    (taken from the local cache when ``HF_HUB_OFFLINE=1`` or ``local_files_only``)."""
+    (taken from the local cache when ``HF_HUB_OFFLINE=1`` or ``local_files_only``). Either way the
+    directory must hold ``config.json`` and model weights."""
     path = os.path.expanduser(os.fspath(name_or_path))
     if os.path.isdir(path):
+        require_checkpoint_files(path)
         return path
     if os.path.exists(path):
         raise CheckpointError(f"{path} is a file; pass the checkpoint directory that holds config.json")
@@ -74,17 +80,37 @@ def resolve_checkpoint_dir(name_or_path, revision: str | None = None, cache_dir:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(repo_id=str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
-                                 local_files_only=bool(local_files_only))
+        # the S3 speech tokenizer is only used in training (about 0.5 GB): not fetched
+        directory = snapshot_download(repo_id=str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
+                                      local_files_only=bool(local_files_only), force_download=force_download,
+                                      proxies=proxies, ignore_patterns=[TRAINING_ONLY_FILE])
     except Exception as exc:  # offline, unknown repo, no access
         raise CheckpointError(
-            f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). Download it "
-            f"first (hf download {name_or_path} --local-dir DIR) and pass DIR."
+            f"there is no local directory {name_or_path!r}, and fetching it as a Hugging Face hub id failed "
+            f"({type(exc).__name__}: {exc}). For the hub model, download it first "
+            f"(hf download {name_or_path} --local-dir DIR) and pass DIR; for a local folder, check the path."
         ) from exc
+    try:
+        require_checkpoint_files(directory)
+    except CheckpointError as exc:  # e.g. only the processor's files were fetched before, now offline
+        raise CheckpointError(f"the cached copy of {name_or_path} is incomplete: {exc} (run `hf download "
+                              f"{name_or_path}`, or unset HF_HUB_OFFLINE to let it download)") from None
+    return directory
+
+
+def require_checkpoint_files(directory: str) -> None:
+    """A checkpoint folder holds config.json and weights; an interrupted download often does not."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise CheckpointError(f"{directory} has no config.json: it is not a TASTE checkpoint folder, or its "
+                              "download was interrupted - download it again")
+    weight_files(directory)
 
 
 def weight_files(directory: str) -> list[str]:
     """The weight files of a checkpoint directory: the shards named by an index, or one file."""
+    if os.path.exists(os.path.join(directory, SAFE_INDEX)) and os.path.exists(os.path.join(directory, SAFE_SINGLE)):
+        raise CheckpointError(f"{directory} holds both {SAFE_SINGLE} and a shard index ({SAFE_INDEX}): one of "
+                              "them is left over from an older save; delete the older one")
     for index_name in (SAFE_INDEX, BIN_INDEX):
         index = os.path.join(directory, index_name)
         if os.path.exists(index):
@@ -338,8 +364,12 @@ def write_safetensors_checkpoint(state: dict[str, torch.Tensor], directory: str,
         os.replace(path + ".partial", path)
         return path
 
+    # An earlier save's files would be read instead of (or beside) this one's: remove them first.
+    for name in os.listdir(directory):
+        if name in (SAFE_SINGLE, SAFE_INDEX) or SAFE_SHARD.fullmatch(name):
+            os.remove(os.path.join(directory, name))
     if max_shard_size is None:
-        return [save(state, "model.safetensors")]
+        return [save(state, SAFE_SINGLE)]
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, value in state.items():

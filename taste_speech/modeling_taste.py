@@ -32,12 +32,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PreTrainedModel
 
-from taste_speech.configuration_taste import DISTIL_LARGE_V3, TasteConfig, resolve_joint_whisper_config
+from taste_speech.configuration_taste import TasteConfig, resolve_joint_whisper_config
 from taste_speech.loading import (
     LM_HEAD_KEY,
     CheckpointError,
     CheckpointReader,
     KeyMatch,
+    canonical_key,
     match_keys,
     resolve_checkpoint_dir,
 )
@@ -49,8 +50,9 @@ logger = logging.getLogger(__name__)
 
 # Parts that the published model runs in a half dtype (their weights are stored in bfloat16).
 HALF_PRECISION_PREFIXES = ("audio_tower.audio_joint_encoder_segmenter.", "spoken_lm.language_model.")
-JOINT_WHISPER_DIR = "whisper_joint"
 _HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "proxies", "subfolder")
+_IGNORED_KWARGS = ("trust_remote_code", "adapter_kwargs", "attn_implementation", "low_cpu_mem_usage",
+                   "use_safetensors")
 
 __all__ = [
     "TastePreTrainedModel", "TasteForCausalLM", "TasteCompletion", "LoadingInfo", "CheckpointError", "run_dtype_for_key",
@@ -263,18 +265,24 @@ class TasteForCausalLM(TastePreTrainedModel):
         """
         torch_dtype = kwargs.pop("dtype", torch_dtype)  # transformers >= 5 spelling
         device_map = kwargs.pop("device_map", None)
-        if device is None and isinstance(device_map, (str, torch.device)):
+        if device_map is not None and not isinstance(device_map, (str, torch.device)):
+            raise ValueError(f"device_map={device_map!r}: the model loads onto one device; pass device='cuda' "
+                             "(or device_map='cuda')")
+        if device is None and device_map is not None:
             device = device_map
         hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
-        for key in [k for k in kwargs if k.startswith("_") or k in ("trust_remote_code", "adapter_kwargs")]:
-            kwargs.pop(key)
+        # transformers' loading options that have no meaning here (the attention implementation is
+        # the model's own; loading is always memory-mapped and safetensors-first): accepted, ignored
+        for key in [k for k in kwargs if k.startswith("_") or k in _IGNORED_KWARGS]:
+            logger.debug("TasteForCausalLM.from_pretrained ignores %s=%r", key, kwargs.pop(key))
         if kwargs:
             raise TypeError(f"TasteForCausalLM.from_pretrained got unsupported arguments: {sorted(kwargs)}")
         if hub.get("subfolder"):
             raise ValueError("subfolder is not supported: pass the checkpoint directory itself")
         directory = resolve_checkpoint_dir(pretrained_model_name_or_path, revision=hub.get("revision"),
                                            cache_dir=hub.get("cache_dir"), token=hub.get("token"),
-                                           local_files_only=hub.get("local_files_only"))
+                                           local_files_only=hub.get("local_files_only"),
+                                           force_download=bool(hub.get("force_download")), proxies=hub.get("proxies"))
         if config is None:
             config = TasteConfig.from_pretrained(directory)
         elif config._joint_whisper_config is None:  # e.g. from AutoConfig: resolve whisper_joint here
@@ -312,8 +320,9 @@ class TasteForCausalLM(TastePreTrainedModel):
             key = stored_to_model[stored]
             _assign(self, key, _to_run(value, key, half_dtype, device))
             filled.add(key)
+        head_key = self._lm_head_key()
         for key, slot in slots.items():  # zero adapters of a merged checkpoint; zeros for strict=False gaps
-            if key in filled or key == LM_HEAD_KEY:
+            if key in filled or key == head_key:
                 continue
             dtype = run_dtype_for_key(key, half_dtype) if slot.is_floating_point() else slot.dtype
             _assign(self, key, torch.zeros(slot.shape, dtype=dtype, device=device))
@@ -322,10 +331,15 @@ class TasteForCausalLM(TastePreTrainedModel):
         self.spoken_lm.round_rope_frequencies()
         self.rvq.check_initialised()
 
+    def _lm_head_key(self) -> str:
+        """The head's state-dict key: its peft spelling with LoRA, the plain one without."""
+        lora_model = any(".lora_A." in name for name, _ in self.named_parameters())
+        return canonical_key(LM_HEAD_KEY, lora_model)
+
     def _settle_lm_head(self, filled: set, device, half_dtype) -> None:
         """Tie the head to the embedding unless the checkpoint stores a different head."""
         lm = self.spoken_lm
-        if LM_HEAD_KEY in filled:
+        if self._lm_head_key() in filled:
             head = lm.causal_lm.lm_head.weight
             if head.shape == lm.embed_tokens.weight.shape and torch.equal(head, lm.embed_tokens.weight):
                 lm.tie_lm_head()  # a stored duplicate: share one tensor
@@ -353,23 +367,12 @@ class TasteForCausalLM(TastePreTrainedModel):
         sharded with an index when ``max_shard_size`` (bytes) is given."""
         from taste_speech.loading import write_safetensors_checkpoint
 
-        os.makedirs(save_directory, exist_ok=True)
-        config = self.config.to_dict()
-        joint = self.config.joint_whisper_config
-        if any(getattr(joint, k) != v for k, v in DISTIL_LARGE_V3.items()):
-            os.makedirs(os.path.join(save_directory, JOINT_WHISPER_DIR), exist_ok=True)
-            joint.to_json_file(os.path.join(save_directory, JOINT_WHISPER_DIR, "config.json"), use_diff=False)
-            config["audio_tower_config"]["kwargs_for_joint_encoder_segmenter"]["model_name_or_path"] = JOINT_WHISPER_DIR
-        config["architectures"] = [type(self).__name__]
-        attn = getattr(self.config.text_config, "_attn_implementation", None)
-        if attn:  # to_dict drops it; the published layout carries it at the top level
-            config["_attn_implementation"] = attn
-        with open(os.path.join(save_directory, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        self.config.architectures = [type(self).__name__]
+        self.config.save_pretrained(save_directory)
         state = self.state_dict()
         lm = self.spoken_lm
         if lm.causal_lm.lm_head.weight is lm.embed_tokens.weight:
-            state.pop(LM_HEAD_KEY, None)
+            state.pop(self._lm_head_key(), None)
         write_safetensors_checkpoint(state, save_directory, max_shard_size)
 
 

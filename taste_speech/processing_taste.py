@@ -51,6 +51,7 @@ COSYVOICE_DIR = "cosyvoice"
 SPEAKER_MODEL_FILE = "speaker_embed.onnx"
 VOICE_GENERATOR_FILE = "voice_generator.pth"
 DEFAULT_SPEAKER_FILE = "default_speaker.npy"
+DEFAULT_VOICE_WAV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_voice.wav")
 PUBLISHED_ASR_MODEL = "openai/whisper-large-v3"
 WHISPER_PROMPT_TOKENS = 5  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|> ... <|endoftext|>
 
@@ -136,6 +137,7 @@ class TasteProcessor:
         self.asr_model = asr_model
         self.max_asr_tokens = max_asr_tokens
         self._speaker_session = None
+        self._default_voice: torch.Tensor | None = None  # made on first use (it may run the speaker encoder)
         self._asr_pipeline = None
         self._llm_special_ids: set[int] | None = None
 
@@ -411,13 +413,23 @@ class TasteProcessor:
         return self._speaker_session
 
     def default_speaker_embedding(self) -> torch.Tensor:
-        """The checkpoint's default voice (``cosyvoice/default_speaker.npy``), (1, D)."""
-        if self.default_speaker_path is None:
-            raise ValueError(
-                f"this checkpoint has no default voice ({COSYVOICE_DIR}/{DEFAULT_SPEAKER_FILE}): give reference audio"
-            )
-        vec = torch.from_numpy(np.load(self.default_speaker_path, allow_pickle=False)).float().reshape(1, -1)
-        return torch.nn.functional.normalize(vec, dim=-1)
+        """The voice used when none is given, (1, D): the checkpoint's own
+        (``cosyvoice/default_speaker.npy``) if it ships one; otherwise the speaker encoder's vector
+        of ``taste_speech/default_voice.wav``, a synthetic placeholder voice (the published checkpoint
+        has no default voice: give reference audio of a real voice for a natural one)."""
+        if self._default_voice is None:
+            if self.default_speaker_path is not None:
+                vec = torch.from_numpy(np.load(self.default_speaker_path, allow_pickle=False)).float().reshape(1, -1)
+                self._default_voice = torch.nn.functional.normalize(vec, dim=-1)
+            elif self.speaker_model_path is not None:
+                self._default_voice = self.speaker_embedding(*_read_default_voice())
+            else:
+                raise ValueError(
+                    f"this checkpoint has neither a default voice ({COSYVOICE_DIR}/{DEFAULT_SPEAKER_FILE}) nor a "
+                    f"speaker encoder ({COSYVOICE_DIR}/{SPEAKER_MODEL_FILE}) to make one: pass speaker embeddings "
+                    "directly, or download the checkpoint's cosyvoice folder"
+                )
+        return self._default_voice.clone()
 
     # -- ASR -------------------------------------------------------------------------------------
     def transcribe(self, audio, sampling_rate: int) -> str:
@@ -459,6 +471,15 @@ class TasteProcessor:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+def _read_default_voice() -> tuple[np.ndarray, int]:
+    """The placeholder voice's reference recording (16-bit mono WAV shipped with the package)."""
+    import wave
+
+    with wave.open(DEFAULT_VOICE_WAV, "rb") as f:
+        rate, frames = f.getframerate(), f.readframes(f.getnframes())
+    return np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32768.0, rate
+
+
 def _check_rate(sampling_rate) -> None:
     if sampling_rate is None:
         raise ValueError("sampling_rate is required: pass the rate of the audio in Hz (e.g. 16000, 48000)")

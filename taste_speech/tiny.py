@@ -10,13 +10,15 @@
                                        tokens, <|reserved_special_token_50..54|> included
     DIR/asr_tokenizer/                 small Whisper-style BPE tokenizer (ids < text_token_size)
     DIR/cosyvoice/voice_generator.pth  tiny flow + HiFT (+ voice_generator_config.json)
-    DIR/cosyvoice/default_speaker.npy  a default voice (unit vector), used when no speaker
-                                       encoder (speaker_embed.onnx) is shipped
+    DIR/cosyvoice/speaker_embed.onnx   a tiny stand-in for the CAMPPlus speaker encoder
+                                       (taste_speech.tiny_speaker); like the published checkpoint,
+                                       no default voice: the processor makes one from
+                                       taste_speech/default_voice.wav
 
 It loads offline with ``TasteForCausalLM.from_pretrained(DIR)``,
 ``TasteProcessor.from_pretrained(DIR)`` and ``VoiceGenerator.from_pretrained(DIR)``. The same seed
 gives the same bytes (``--seed`` changes the weights, the tokenizers' training subset and the
-default voice). ``default_tiny_checkpoint()`` builds the embedded default (seed 0) once, under the
+speaker encoder). ``default_tiny_checkpoint()`` builds the embedded default (seed 0) once, under the
 user cache (``$PIPECAT_TASTE_CACHE`` or ``~/.cache/pipecat-taste``), atomically.
 
 Sizes: every architectural feature of the published model is kept - Whisper encoder with the
@@ -63,14 +65,13 @@ import os
 import shutil
 import tempfile
 
-import numpy as np
 import torch
 from torch import nn
 
 SEED_DEFAULT = 0
 CACHE_VERSION = "v2"  # bump when the layout changes in a way the builder sources do not show
 # Sources whose content decides the bytes of a tiny checkpoint (part of the cache key).
-_BUILDER_SOURCES = ("tiny.py", "tiny_tokenizers.py", os.path.join("voice_generator", "tiny.py"),
+_BUILDER_SOURCES = ("tiny.py", "tiny_tokenizers.py", "tiny_speaker.py", os.path.join("voice_generator", "tiny.py"),
                     os.path.join("voice_generator", "config.py"))
 LLM_VOCAB_SIZE = 1024
 ASR_VOCAB_SIZE = 512
@@ -279,6 +280,7 @@ def build_tiny_checkpoint(directory: str, seed: int = SEED_DEFAULT) -> str:
     from taste_speech.configuration_taste import TasteConfig
     from taste_speech.loading import write_safetensors_checkpoint
     from taste_speech.modeling_taste import TasteForCausalLM
+    from taste_speech.tiny_speaker import FBANK_BINS, write_speaker_model
     from taste_speech.tiny_tokenizers import build_tiny_tokenizers
     from taste_speech.voice_generator import write_tiny_voice_generator
 
@@ -306,8 +308,9 @@ def build_tiny_checkpoint(directory: str, seed: int = SEED_DEFAULT) -> str:
 
     sd = config.speech_decoder_config
     write_tiny_voice_generator(directory, seed, vocab_size=int(sd.speech_token_size), spk_embed_dim=int(sd.spk_embed_dim))
-    voice = torch.randn(int(sd.spk_embed_dim), generator=_generator(seed, "default_speaker"))
-    np.save(os.path.join(directory, "cosyvoice", "default_speaker.npy"), (voice / voice.norm()).numpy())
+    # The speaker encoder, as published (no default voice: it comes from taste_speech/default_voice.wav)
+    projection = torch.randn(FBANK_BINS, int(sd.spk_embed_dim), generator=_generator(seed, "speaker_encoder"))
+    write_speaker_model(os.path.join(directory, "cosyvoice", "speaker_embed.onnx"), (0.05 * projection).numpy())
     return directory
 
 

@@ -196,7 +196,79 @@ def test_a_different_stored_head_is_kept(stored, taste_lm_tiny_a, tmp_path):
     assert torch.equal(model.spoken_lm.embed_tokens.weight, stored[EMBED_KEY])
 
 
+def test_a_head_without_lora_is_kept_and_saved(stored, taste_lm_tiny_a, tmp_path):
+    """Without LoRA the head has the plain spelling; a stored, different head must not be re-tied."""
+    plain = {}
+    for key, value in stored.items():
+        if ".lora_" in key:
+            continue
+        key = key.replace("spoken_lm.language_model.base_model.model.", "spoken_lm.language_model.")
+        plain[key.replace(".base_layer.weight", ".weight")] = value
+    head = torch.randn_like(stored[EMBED_KEY])
+    plain["spoken_lm.language_model.lm_head.weight"] = head
+    directory = _variant(taste_lm_tiny_a, tmp_path / "nolora", plain)
+    config = json.loads((directory / "config.json").read_text())
+    config["spoken_lm_config"]["use_lora"] = False
+    (directory / "config.json").write_text(json.dumps(config))
+    model = TasteForCausalLM.from_pretrained(directory)
+    lm = model.spoken_lm.causal_lm
+    assert not model.loading_info.tied_lm_head and torch.equal(lm.lm_head.weight, head)
+    model.save_pretrained(tmp_path / "saved")  # two distinct tensors: nothing shared in the file
+    again = TasteForCausalLM.from_pretrained(tmp_path / "saved")
+    assert torch.equal(again.spoken_lm.causal_lm.lm_head.weight, head)
+
+
+def test_transformers_loading_options_are_accepted(taste_lm_tiny_a):
+    # the original README's call, and options scripts pass out of habit
+    model = TasteForCausalLM.from_pretrained(str(taste_lm_tiny_a), attn_implementation="eager",
+                                             low_cpu_mem_usage=False, use_safetensors=True)
+    assert model.loading_info.missing_keys == []
+    with pytest.raises(ValueError, match="one device"):
+        TasteForCausalLM.from_pretrained(str(taste_lm_tiny_a), device_map={"": 0, "spoken_lm": 1})
+
+
+def test_a_second_save_replaces_the_first(reference, tmp_path):
+    model = reference[0]
+    model.save_pretrained(tmp_path, max_shard_size=2_000_000)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model.save_pretrained(tmp_path)  # single file: the old shards and index must go
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("model")) == ["model.safetensors"]
+    shutil.copy(tmp_path / "model.safetensors", tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in load_file(str(tmp_path / "model.safetensors"))}}))
+    with pytest.raises(CheckpointError, match="left over from an older save"):
+        TasteForCausalLM.from_pretrained(tmp_path)
+
+
 # -- broken checkpoints ------------------------------------------------------------------------------
+def test_a_folder_without_config_is_named(taste_lm_tiny_a, tmp_path):
+    """An interrupted download: transformers alone would return a default config and every tensor
+    would be reported as mis-shaped."""
+    shutil.copytree(taste_lm_tiny_a, tmp_path / "partial", ignore=shutil.ignore_patterns("config.json"))
+    for load in (TasteForCausalLM.from_pretrained, TasteConfig.from_pretrained):
+        with pytest.raises((CheckpointError, FileNotFoundError), match="has no config.json"):
+            load(str(tmp_path / "partial"))
+    os.remove(tmp_path / "partial" / "model.safetensors")
+    (tmp_path / "partial" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a TASTE one"):
+        TasteConfig.from_pretrained(str(tmp_path / "partial"))
+
+
+def test_a_missing_tower_whisper_config_is_named(taste_lm_tiny_a, tmp_path):
+    shutil.copytree(taste_lm_tiny_a, tmp_path / "c", ignore=shutil.ignore_patterns("whisper_joint"))
+    with pytest.raises(FileNotFoundError, match="whisper_joint"):
+        TasteConfig.from_pretrained(str(tmp_path / "c"))
+
+
+def test_auto_config_finds_the_tower_whisper_next_to_it(taste_lm_tiny_a):
+    from transformers import AutoConfig
+
+    import taste_speech  # noqa: F401  (registers the taste model type)
+
+    config = AutoConfig.from_pretrained(str(taste_lm_tiny_a))
+    assert config.joint_whisper_config.d_model == TasteConfig.from_pretrained(str(taste_lm_tiny_a)).joint_whisper_config.d_model != 1280
+
+
 def test_missing_unexpected_and_misshaped_tensors_are_named(stored, taste_lm_tiny_a, tmp_path):
     state = dict(stored)
     del state["speech_decoder.llm_decoder.bias"]
@@ -277,6 +349,21 @@ def test_unknown_hub_id_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckpointError, match="hf download"):
         TasteForCausalLM.from_pretrained("no-such-owner/no-such-taste-model")
+    with pytest.raises(CheckpointError, match="no local directory 'models/x'"):  # a mistyped relative path
+        TasteForCausalLM.from_pretrained("models/x")
+
+
+def test_an_incomplete_cached_snapshot_names_the_fix(taste_lm_tiny_a, tmp_path, monkeypatch):
+    """Only the processor's files were cached (an earlier TasteProcessor.from_pretrained), now offline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hub" / "models--owner--taste"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    shutil.copy(taste_lm_tiny_a / "config.json", snapshot / "config.json")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    with pytest.raises(CheckpointError, match="cached copy of owner/taste is incomplete.*hf download owner/taste"):
+        TasteForCausalLM.from_pretrained("owner/taste", cache_dir=str(tmp_path / "hub"))
 
 
 # -- python -m taste_speech.check -------------------------------------------------------------------

@@ -12,68 +12,15 @@ import torch
 from safetensors.torch import load_file
 
 from taste_speech.audio import kaldi_fbank, mean_normalise, resample
-from taste_speech.processing_taste import TasteProcessor, TextInputs, _asr_model_name
+from taste_speech.processing_taste import DEFAULT_VOICE_WAV, TasteProcessor, TextInputs, _asr_model_name, _read_default_voice
+from taste_speech.tiny_speaker import write_speaker_model
 from taste_speech.tiny_tokenizers import build_tiny_tokenizers, llama3_special_tokens
 
 SPEAKER_DIM = 192
 
 
-# -- a real ONNX speaker model, written without the `onnx` package --------------------------------
-# The `onnx` package (needed by torch.onnx.export) is not installed here, so the test writes the
-# ONNX protobuf itself: feats (1, T, 80) -> MatMul W (80, D) -> Tanh -> ReduceMean over T -> (1, D).
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _int(field: int, value: int) -> bytes:
-    return _varint(field << 3) + _varint(value)
-
-
-def _bytes(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _str(field: int, text: str) -> bytes:
-    return _bytes(field, text.encode())
-
-
-def _value_info(name: str, dims: list) -> bytes:
-    shape = b"".join(_bytes(1, _str(2, d) if isinstance(d, str) else _int(1, d)) for d in dims)
-    tensor_type = _int(1, 1) + _bytes(2, shape)  # elem_type FLOAT, shape
-    return _str(1, name) + _bytes(2, _bytes(1, tensor_type))
-
-
-def _node(op: str, inputs: list[str], outputs: list[str], attributes: bytes = b"") -> bytes:
-    return b"".join(_str(1, i) for i in inputs) + b"".join(_str(2, o) for o in outputs) + _str(4, op) + attributes
-
-
-def write_speaker_onnx(path, weight: np.ndarray, input_name: str = "feats") -> None:
-    weight = np.ascontiguousarray(weight, dtype="<f4")
-    initializer = _int(1, weight.shape[0]) + _int(1, weight.shape[1]) + _int(2, 1) + _str(8, "W") + _bytes(9, weight.tobytes())
-    axes = _bytes(5, _str(1, "axes") + _int(8, 1) + _int(20, 7))  # INTS [1]
-    keepdims = _bytes(5, _str(1, "keepdims") + _int(3, 0) + _int(20, 2))  # INT 0
-    graph = (
-        _bytes(1, _node("MatMul", [input_name, "W"], ["projected"]))
-        + _bytes(1, _node("Tanh", ["projected"], ["activated"]))
-        + _bytes(1, _node("ReduceMean", ["activated"], ["embedding"], axes + keepdims))
-        + _str(2, "tiny_campplus")
-        + _bytes(5, initializer)
-        + _bytes(11, _value_info(input_name, [1, "T", weight.shape[0]]))
-        + _bytes(12, _value_info("embedding", [1, weight.shape[1]]))
-    )
-    model = _int(1, 7) + _str(2, "pipecat-taste-tests") + _bytes(7, graph) + _bytes(8, _str(1, "") + _int(2, 13))
-    with open(path, "wb") as f:
-        f.write(model)
-
-
+# The speaker model is a real ONNX graph (the tiny checkpoints' stand-in for CAMPPlus):
+# feats (1, T, 80) -> MatMul W (80, D) -> Tanh -> ReduceMean over T -> (1, D).
 def expected_speaker_vector(weight, clips16k):
     vectors = [np.tanh(mean_normalise(kaldi_fbank(c)).astype(np.float64) @ weight).mean(axis=0) for c in clips16k]
     mean = np.mean(vectors, axis=0)
@@ -110,7 +57,7 @@ def checkpoint_dir(tmp_path_factory, tokenizers, taste_lm_tiny_a, speaker_weight
     shutil.copytree(tokenizers.llm_dir, root / "llama_tokenizer")
     shutil.copytree(tokenizers.asr_dir, root / "asr_tokenizer")
     (root / "cosyvoice").mkdir()
-    write_speaker_onnx(root / "cosyvoice" / "speaker_embed.onnx", speaker_weight)
+    write_speaker_model(root / "cosyvoice" / "speaker_embed.onnx", speaker_weight)
     (root / "cosyvoice" / "voice_generator.pth").write_bytes(b"")  # only its path is exposed
     return root
 
@@ -365,11 +312,25 @@ def test_speaker_embedding_errors(processor, checkpoint_dir, tmp_path):
     assert without.speaker_model_path is None
     with pytest.raises(ValueError, match="speaker_embed.onnx"):
         without.speaker_embedding([speechlike(1.0)], 16000)
-    with pytest.raises(ValueError, match="default voice"):
+    with pytest.raises(ValueError, match="neither a default voice .* nor a speaker encoder"):
         without.default_speaker_embedding()
     np.save(bare / "cosyvoice" / "default_speaker.npy", np.full(SPEAKER_DIM, 2.0, np.float32))
+    assert processor.default_speaker_path is None and processor.speaker_model_path is not None
     voice = TasteProcessor.from_pretrained(str(bare)).default_speaker_embedding()
     assert voice.shape == (1, SPEAKER_DIM) and abs(float(voice.norm()) - 1.0) < 1e-6
+
+
+def test_default_voice_without_a_default_speaker_file(processor, speaker_weight):
+    """The published layout: a speaker encoder, no default voice. The placeholder reference
+    recording goes through the checkpoint's own encoder, once."""
+    wav, rate = _read_default_voice()
+    assert rate == 16000 and 3.0 < len(wav) / rate < 15.0 and 0.3 < np.abs(wav).max() <= 1.0
+    voice = processor.default_speaker_embedding()
+    expected = expected_speaker_vector(speaker_weight, [wav])
+    assert voice.shape == (1, SPEAKER_DIM) and np.abs(voice[0].numpy() - expected).max() < 1e-4
+    voice[0, 0] = 9.0  # callers get a copy of the cached vector
+    assert float(processor.default_speaker_embedding()[0, 0]) != 9.0
+    assert os.path.isfile(DEFAULT_VOICE_WAV)
 
 
 def test_speaker_embedding_with_a_torch_exported_model(processor, tmp_path):

@@ -18,7 +18,7 @@ from taste_speech.modeling_taste import TasteForCausalLM
 LAYOUT = [
     "config.json", "model.safetensors", "whisper_joint/config.json",
     "llama_tokenizer/tokenizer.json", "asr_tokenizer/tokenizer.json",
-    "cosyvoice/voice_generator.pth", "cosyvoice/voice_generator_config.json", "cosyvoice/default_speaker.npy",
+    "cosyvoice/voice_generator.pth", "cosyvoice/voice_generator_config.json", "cosyvoice/speaker_embed.onnx",
 ]
 
 
@@ -104,8 +104,11 @@ def test_same_seed_same_bytes_other_seed_other_weights(tiny_checkpoint, tmp_path
     base = load_file(str(tiny_checkpoint / "model.safetensors"))
     assert set(other) == set(base)
     assert not torch.equal(other[EMBED_KEY], base[EMBED_KEY])
-    assert not np.array_equal(np.load(tmp_path / "seed1" / "cosyvoice" / "default_speaker.npy"),
-                              np.load(tiny_checkpoint / "cosyvoice" / "default_speaker.npy"))
+    assert not (tiny_checkpoint / "cosyvoice" / "default_speaker.npy").exists()  # none published either
+    from taste_speech.processing_taste import TasteProcessor
+
+    voices = [TasteProcessor.from_pretrained(str(d)).default_speaker_embedding() for d in (tiny_checkpoint, tmp_path / "seed1")]
+    assert voices[0].shape == (1, 192) and not torch.allclose(voices[0], voices[1], atol=1e-3)
 
 
 PROMPTS = ["the birds return to the trees", "hello how are you today", "we went down to the river",

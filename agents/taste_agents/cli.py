@@ -45,7 +45,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "fine-tuned checkpoint)")
     parser.add_argument("--max-reply-tokens", type=positive_int, default=None,
                         help="longest reply in LLM tokens (default: 6 on the tiny checkpoint, 48 otherwise)")
-    parser.add_argument("--voice", default=None, help="reference WAV for the agent's voice (default: the checkpoint's)")
+    parser.add_argument("--voice", default=None, help="reference WAV for the agent's voice, a few seconds of clean speech (default: the checkpoint's "
+                        "default voice, or a synthetic placeholder: docs/CHECKPOINTS.md)")
     parser.add_argument("--asr-model", default="auto",
                         help="Whisper folder or hub id for the built-in ASR (live calls need transcripts); 'none' to "
                              "rely on transcripts sent by the client or an upstream STT (default: auto - the Whisper "

@@ -23,7 +23,7 @@ DEFAULT_PROMPT = "You are the friendly host of a small restaurant, taking reserv
 @dataclass
 class PhoneAgentConfig:
     """system_prompt: the instruct/dialogue formats' system turn (None: none). voice: a reference
-    WAV for the agent's voice (None: the checkpoint's default voice). vad_*: WebRTC VAD settings
+    WAV for the agent's voice (None: ``TasteProcessor.default_speaker_embedding``). vad_*: WebRTC VAD settings
     (stop_secs is the silence that ends a caller's turn)."""
 
     system_prompt: str | None = DEFAULT_PROMPT
@@ -50,9 +50,10 @@ class PhoneAgentConfig:
 
 
 def load_voice(engine, path: str | None):
-    """Speaker embedding from a reference recording, or None for the default voice."""
+    """Speaker embedding from a reference recording, or the engine's default voice (made here, so
+    that a checkpoint without a usable one fails at start-up rather than at every call)."""
     if path is None:
-        return None
+        return engine.speaker_embedding()
     from taste_agents.caller import read_wav
 
     try:

@@ -203,7 +203,8 @@ class TasteEngine:
         return self.asr is not None
 
     def speaker_embedding(self, reference_audio: np.ndarray | None = None, sample_rate: int = INPUT_SAMPLE_RATE):
-        """The call's voice: from reference audio (CAMPPlus) or the checkpoint's default voice."""
+        """The call's voice: from reference audio (CAMPPlus), or the default voice (the checkpoint's,
+        or the placeholder made from ``taste_speech/default_voice.wav``)."""
         if reference_audio is not None:
             return self.processor.speaker_embedding(reference_audio, sample_rate)
         return self.processor.default_speaker_embedding()

@@ -7,7 +7,8 @@ What it has released is exactly what the caller hears; that makes three things p
 
 * barge-in stops the audio within ``lead_ms`` + ``fade_out_ms``: the audio not yet released is
   dropped and replaced by a ``fade_out_ms`` fade of its first samples, which continues the
-  waveform where the released audio ends (no click). Released frames are marked
+  waveform where the released audio ends (no click; when nothing unreleased has arrived yet, the
+  released audio mirrored about its last sample is faded instead). Released frames are marked
   uninterruptible so that the transport plays them out instead of cutting them mid-waveform;
 * the conversation keeps exactly the words that were played: a segment counts as heard when at
   least half of its audio was released (``TastePlaybackFrame`` upstream to the generator);
@@ -115,6 +116,7 @@ class _Reply:
     received: int = 0  # samples that arrived from the synthesizer
     arrivals: list[tuple[int, float]] = field(default_factory=list)  # (first sample, time) of each chunk at the start
     first_release: float | None = None  # when its first audio was released (the origin before any underrun)
+    last_released: np.ndarray | None = None  # the last frame handed over (a barge-in fade continues it)
 
 
 class TastePlayout(FrameProcessor):
@@ -328,6 +330,7 @@ class TastePlayout(FrameProcessor):
         frame.interruptible = False  # the playout decides what gets dropped, not the transport
         reply.released += samples.size
         reply.queued_samples -= samples.size
+        reply.last_released = samples
         if self._call.log.keep_audio:
             self._call.log.released_audio.setdefault(reply.turn_id, []).append(pcm)
         await self.push_frame(frame)
@@ -342,19 +345,7 @@ class TastePlayout(FrameProcessor):
         reply = self._playing
         active = self._call.active_reply_turn
         await self._stop_task()
-        # The fade continues the waveform from the last released sample: it is made of the first
-        # samples that were about to be released.
-        fade = np.zeros(0, dtype=np.float32)
-        if reply is not None and reply.origin is not None:
-            need = samples_for_ms(self._params.fade_out_ms, self._rate)
-            pieces, have = [], 0
-            for kind, item_reply, payload in self._queue:
-                if kind != "audio" or item_reply is not reply or have >= need:
-                    continue
-                pieces.append(payload[: need - have])
-                have += pieces[-1].size
-            if pieces:
-                fade = fade_out(np.concatenate(pieces), have)
+        fade = self._fade_tail(reply) if reply is not None and reply.origin is not None else np.zeros(0, np.float32)
         cut = max([self._cancelled_upto, active or 0] + list(self._replies))
         self._cancelled_upto = cut
         self._queue.clear()
@@ -377,6 +368,28 @@ class TastePlayout(FrameProcessor):
         self._replies = {k: v for k, v in self._replies.items() if k > cut}
         self._playing = None
         self._start_task()
+
+    def _fade_tail(self, reply: _Reply) -> np.ndarray:
+        """``fade_out_ms`` that continue the waveform from the last released sample, faded to 0: the
+        samples about to be released (queued frames, then the slicer's partial frame). When fewer
+        have arrived (synthesis just in time: everything received is out), the released audio
+        mirrored about its last sample makes up the rest - its value goes on, so there is no step."""
+        need = samples_for_ms(self._params.fade_out_ms, self._rate)
+        pieces, have = [], 0
+        for kind, item_reply, payload in self._queue:
+            if kind == "audio" and item_reply is reply and have < need:
+                pieces.append(payload[: need - have])
+                have += pieces[-1].size
+        if have < need:
+            pieces.append(reply.slicer.clear()[: need - have])
+            have += pieces[-1].size
+        if have < need and reply.last_released is not None:
+            heard = np.concatenate([reply.last_released] + pieces)
+            pieces.append(heard[::-1][: need - have])
+            have += pieces[-1].size
+        if not have:
+            return np.zeros(0, np.float32)
+        return fade_out(np.concatenate(pieces), have)
 
     async def _pass_held_interruption_later(self):
         await asyncio.sleep(self._params.interruption_hold_secs)

@@ -54,6 +54,12 @@ class FakeEngine:
     def has_asr(self) -> bool:
         return self.asr_text is not None
 
+    def speaker_embedding(self, reference_audio=None, sample_rate: int = INPUT_SAMPLE_RATE) -> np.ndarray:
+        """A voice vector like TasteEngine's (the fake sessions do not use it)."""
+        if reference_audio is not None and len(reference_audio) == 0:
+            raise ValueError("no reference audio")
+        return np.full((1, 192), 192 ** -0.5, np.float32)
+
     def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "FakeSession":
         session = FakeSession(self, settings or GenerationSettings())
         self.sessions.append(session)

@@ -1,0 +1,38 @@
+"""TastePlayout alone: a barge-in ends the audio with a fade that continues the waveform, however
+much of the reply had arrived unreleased (the just-in-time case has none)."""
+
+import numpy as np
+import pytest
+from pipecat.frames.frames import InterruptionFrame, TTSAudioRawFrame, TTSStartedFrame
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.tests.utils import SleepFrame, run_test
+
+from pipecat_taste.audio import float_to_pcm16, pcm16_to_float
+from pipecat_taste.call import TasteCall
+from pipecat_taste.playout import TastePlayout
+from pipecat_taste.synthesis import context_id_for
+from pipecat_taste.testing import FakeEngine
+
+RATE = 24000
+
+
+@pytest.mark.parametrize("chunk_ms, barge_in_after_s", [
+    (100, 0.03),  # unreleased frames queued: the fade is made of them
+    (100, 0.085),  # everything received is out: nothing queued, nothing pending
+    (110, 0.085),  # only the slicer's partial frame is left
+])
+async def test_barge_in_fades_without_a_step(chunk_ms, barge_in_after_s):
+    call = TasteCall(FakeEngine())
+    call.active_reply_turn = 1
+    t = np.arange(RATE * chunk_ms // 1000) / RATE
+    tone = (0.3 * np.sin(2 * np.pi * 437 * t)).astype(np.float32)
+    context = context_id_for(1)
+    frames = [TTSStartedFrame(context_id=context), TTSAudioRawFrame(float_to_pcm16(tone), RATE, 1, context_id=context),
+              SleepFrame(barge_in_after_s), InterruptionFrame(), SleepFrame(0.3)]
+    down, _ = await run_test(TastePlayout(call), frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    audio = np.concatenate([pcm16_to_float(f.audio) for f in down if isinstance(f, TTSAudioRawFrame)])
+    assert audio.size >= 480  # some of the reply was heard
+    steepest_in_tone = np.abs(np.diff(tone)).max()
+    assert abs(audio[-1]) < 1e-3  # faded to silence
+    assert np.abs(np.diff(audio)).max() <= 1.1 * steepest_in_tone + 2e-3  # and no step anywhere: no click
