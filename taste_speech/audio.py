@@ -30,6 +30,10 @@ DYNAMIC_RANGE = 8.0  # log10 units kept below the loudest bin
 # A 2-D array whose smaller side is at most this is read as (channels, samples) or
 # (samples, channels); anything wider is refused as ambiguous.
 _MAX_CHANNELS = 16
+# Float audio peaking above this is int16-scale samples passed as float (e.g. pcm.astype(np.float32)).
+# Hot float audio beyond [-1, 1] (a clipped microphone, too much gain) is accepted: it stays far
+# below, while int16-scale speech peaks in the hundreds or thousands.
+FLOAT_PEAK_LIMIT = 64.0
 
 
 # -- waveform normalisation ---------------------------------------------------------------------
@@ -38,7 +42,8 @@ def to_mono_float(audio) -> np.ndarray:
 
     Accepts numpy arrays or torch tensors shaped (T,), (C, T) / (1, T) or, as soundfile returns
     them, (T, C). Integer samples are scaled to [-1, 1] (int16 / 32768, int32 / 2**31, uint8
-    centred at 128); float samples are taken as they are.
+    centred at 128); float samples are taken as they are, unless they peak above
+    ``FLOAT_PEAK_LIMIT`` (int16-scale samples stored as float: refused).
     """
     if isinstance(audio, torch.Tensor):
         tensor = audio.detach().cpu()
@@ -55,6 +60,7 @@ def to_mono_float(audio) -> np.ndarray:
             "load files first (e.g. soundfile.read(path)) and pass the samples"
         )
 
+    float_input = np.issubdtype(array.dtype, np.floating)
     array = _to_float32(array)
     if array.size == 0:
         raise ValueError("audio is empty (0 samples); pass at least a few milliseconds of sound")
@@ -67,6 +73,11 @@ def to_mono_float(audio) -> np.ndarray:
         )
     if not np.isfinite(array).all():
         raise ValueError("audio contains NaN or infinite samples; clean or replace them (e.g. np.nan_to_num)")
+    if float_input:
+        peak = float(np.abs(array).max())
+        if peak > FLOAT_PEAK_LIMIT:
+            raise ValueError(f"float audio must be in [-1, 1] but peaks at {peak:.0f}, like int16 samples: pass the "
+                             "int16 array itself or divide by 32768")
     return np.ascontiguousarray(array, dtype=np.float32)
 
 

@@ -252,6 +252,29 @@ def test_detokenize_two_segments_with_state_is_one_utterance(speech_setup):
                          22050, voice_generator=vg, state=second["state"])
 
 
+def test_with_a_state_the_decoder_continues_only_the_previous_segment(speech_setup):
+    """Its text prefix holds the previous segment's words: the speech fed after it is that
+    segment's, not the whole utterance's (which would also cost more with every segment)."""
+    model, processor, vg, speaker, ids, taste, _ = speech_setup
+    starts = (taste[0, :, 0] != -1).nonzero().view(-1).tolist() + [ids.shape[1]]
+    fed = []  # a continuation is embedded at once, generated tokens one by one
+    hook = model.speech_decoder.speech_embedding.register_forward_hook(lambda m, args, out: fed.append(args[0].shape[-1]))
+    g, state, prev, played, new_counts = torch.Generator().manual_seed(0), None, None, 0.0, []
+    try:
+        for i in range(3):  # three one-word segments
+            a, b = starts[i], starts[i + 1]
+            prev_text = ids[:, starts[i - 1]:a] if i else None
+            prev_taste = taste[:, starts[i - 1]:a] if i else None
+            out = taste_detokenize(model, processor, speaker, prev_text, prev_taste, prev, played, ids[:, a:b],
+                                   taste[:, a:b], 22050, voice_generator=vg, generator=g, state=state, final=i == 2)
+            state, prev, played = out["state"], out["speech_ids"], played + out["chunk_duration_ms"]
+            new_counts.append(out["new_speech_ids"].shape[1])
+    finally:
+        hook.remove()
+    assert prev.shape[1] == sum(new_counts)  # speech_ids is still the whole utterance
+    assert [n for n in fed if n > 1] == new_counts[:2]  # segment 2 was fed segment 1's tokens, 3 those of 2
+
+
 def test_detokenize_stateless_continuation_and_stream(speech_setup):
     model, processor, vg, speaker, ids, taste, cut = speech_setup
     prev = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))

@@ -514,8 +514,8 @@ class TasteSession:
                 yield new[-(len(new) % 5):]
         if not new:
             raise ValueError("the speech decoder produced no speech tokens for this segment")
-        state.prev_text_ids, state.prev_taste_ids = text_ids, taste_ids
-        state.prev_speech_ids = state.prev_speech_ids + new
+        # the next segment continues this one's words and speech (as taste_detokenize with a state)
+        state.prev_text_ids, state.prev_taste_ids, state.prev_speech_ids = text_ids, taste_ids, new
 
     def vocode(self, state: SpeechState, tokens: list[int], final: bool = False) -> list[np.ndarray]:
         import torch

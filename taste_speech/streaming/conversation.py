@@ -15,11 +15,18 @@ history every few exchanges rather than at every turn. All of it lives in one
 With ``lm_batch`` (an ``LMStepBatch`` shared by the conversations of one model) the cache is a
 slot of that batch: every decode step runs batched with the other conversations' steps. Such a
 conversation holds its slot until ``close()``.
+
+A conversation serves one reply at a time: while a ``streaming_generate`` iterator on it is open
+(or running in another thread), every other use of it - another ``streaming_generate``, a turn
+added, ``truncate_last_assistant``, ``forget_from``, a snapshot - raises instead of changing the
+cache under the reply. Finish or close the iterator first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +39,8 @@ from taste_speech.streaming.segment import TASTESegment
 
 REPLY_ROWS = 512  # room a static cache keeps beyond the window for the reply in progress
 WINDOW_LOW_WATER = 0.75  # past a limit, the window drops old exchanges down to this share of it
+REPLY_IN_PROGRESS = ("a reply is being generated on this conversation (another streaming_generate iterator is open "
+                     "or running in another thread): finish or close it first")
 
 
 @dataclass
@@ -82,6 +91,44 @@ class Conversation:
         self.lm_batch = lm_batch
         self.state = ConversationState(system=system)
         self.closed = False
+        # Who holds the conversation now (a reply being generated, or a method running): two users
+        # at once would crop or feed the cache under each other, so the second one raises.
+        self._lock = threading.Lock()
+        self._holder: tuple[object, str] | None = None
+
+    # -- one user at a time -----------------------------------------------------------------------------
+    def _claim(self, what: str) -> object:
+        """Take the conversation for ``what`` ('reply' for a generation); returns the token that
+        releases it. Raises when someone else holds it."""
+        with self._lock:
+            if self._holder is not None:
+                held = self._holder[1]
+                if held == "reply":
+                    raise RuntimeError(REPLY_IN_PROGRESS)
+                raise RuntimeError(f"another thread is running Conversation.{held}() on this conversation: "
+                                   "a Conversation serves one caller at a time")
+            token = object()
+            self._holder = (token, what)
+            return token
+
+    def _release(self, token: object) -> None:
+        with self._lock:
+            if self._holder is not None and self._holder[0] is token:  # never someone else's claim
+                self._holder = None
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str):
+        token = self._claim(what)
+        try:
+            yield
+        finally:
+            self._release(token)
+
+    @property
+    def reply_in_progress(self) -> bool:
+        """True while a streaming_generate iterator on this conversation is open."""
+        holder = self._holder
+        return holder is not None and holder[1] == "reply"
 
     def _check_system_fits(self, system: TASTESegment) -> None:
         """The window never drops the system segment: it must leave room for the conversation."""
@@ -160,6 +207,10 @@ class Conversation:
     def ready(self) -> LMDecodeState:
         """The decode state holding exactly the committed history (rows of an abandoned reply are
         dropped)."""
+        with self._exclusive("ready"):
+            return self._ready()
+
+    def _ready(self) -> LMDecodeState:
         st = self.state
         if st.decode is None:
             self._rebuild()
@@ -171,9 +222,13 @@ class Conversation:
         return st.decode
 
     # -- turns ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def add_turn(self, segment: TASTESegment) -> None:
         """Append a committed turn (user speech or text; an assistant turn given from outside)."""
+        with self._exclusive("add_turn"):
+            self._add_turn(segment)
+
+    @torch.no_grad()
+    def _add_turn(self, segment: TASTESegment) -> None:
         if not isinstance(segment, TASTESegment):
             raise ValueError(f"turns must be TASTESegment objects, got {type(segment).__name__}")
         st = self.state
@@ -184,7 +239,7 @@ class Conversation:
                 st.system, st.decode = segment, None
                 return
             raise ValueError("a system segment can only open a conversation (pass it as Conversation(system=...))")
-        decode = self.ready()
+        decode = self._ready()
         rows, ids, carry = self.format.segment_rows(segment, st.carry)
         self.lm.feed(decode, rows)
         decode.input_ids.extend(ids)
@@ -196,10 +251,14 @@ class Conversation:
         self._mark_committed()
         self._apply_window()
 
-    @torch.no_grad()
     def begin_reply(self, eos_id: int | None = None):
         """Feed the reply's opening rows after the committed history; returns the ReplyOpening."""
-        decode = self.ready()
+        with self._exclusive("begin_reply"):
+            return self._begin_reply(eos_id)
+
+    @torch.no_grad()
+    def _begin_reply(self, eos_id: int | None = None):
+        decode = self._ready()
         opening = self.format.reply_opening(self.state.carry, eos_id)
         if opening.rows is not None:
             self.lm.feed(decode, opening.rows)
@@ -207,12 +266,16 @@ class Conversation:
         self.state.reply_opening = 0 if opening.rows is None else opening.rows.shape[1]
         return opening
 
-    @torch.no_grad()
     def commit_reply(self, reply: TASTESegment | None) -> None:
         """Close the reply whose rows the generation fed (opening + one row per token)."""
+        with self._exclusive("commit_reply"):
+            self._commit_reply(reply)
+
+    @torch.no_grad()
+    def _commit_reply(self, reply: TASTESegment | None) -> None:
         st = self.state
         if reply is None:
-            self.ready()  # nothing was said: drop the opening rows
+            self._ready()  # nothing was said: drop the opening rows
             return
         decode = st.decode
         expected = st.committed_rows + st.reply_opening + reply.length
@@ -231,11 +294,15 @@ class Conversation:
         self._mark_committed()
         self._apply_window()
 
-    @torch.no_grad()
     def truncate_last_assistant(self, played_words: int) -> TASTESegment | None:
         """Keep only the first ``played_words`` words of the last assistant turn (barge-in: what
         the caller actually heard); returns the kept turn (None when nothing was kept). When that
         turn is the newest one the cache is cut in place (no re-prefill)."""
+        with self._exclusive("truncate_last_assistant"):
+            return self._truncate_last_assistant(played_words)
+
+    @torch.no_grad()
+    def _truncate_last_assistant(self, played_words: int) -> TASTESegment | None:
         if isinstance(played_words, bool) or not isinstance(played_words, int) or played_words < 0:
             raise ValueError(f"played_words must be an integer >= 0, got {played_words!r}")
         st = self.state
@@ -254,7 +321,7 @@ class Conversation:
             _close_cache(st.decode)
             st.decode = None
             return kept
-        self.ready()
+        self._ready()
         start_rows = st.committed_rows - st.turn_rows[index]
         start_ids = st.committed_ids - st.turn_ids[index]
         carry_before = st.turn_carry[index]
@@ -281,13 +348,17 @@ class Conversation:
         self._mark_committed()
         return kept
 
-    @torch.no_grad()
     def forget_from(self, segment: TASTESegment) -> int:
         """Forget ``segment`` (a committed turn, found by identity) and every turn after it, as if
         they had never been added: a user turn that turned out not to be over (the caller went on
         speaking) and the reply begun to it. Returns the number of turns forgotten (0 when
         ``segment`` is not in the history). The cache is cut in place; turns the rolling window
         dropped meanwhile stay dropped."""
+        with self._exclusive("forget_from"):
+            return self._forget_from(segment)
+
+    @torch.no_grad()
+    def _forget_from(self, segment: TASTESegment) -> int:
         st = self.state
         index = next((i for i in range(len(st.turns) - 1, -1, -1) if st.turns[i] is segment), None)
         if index is None:
@@ -296,7 +367,7 @@ class Conversation:
         if st.decode is None:  # no cache yet: the next use prefills what is left
             del st.turns[index:], st.turn_rows[index:], st.turn_ids[index:], st.turn_carry[index:]
             return forgotten
-        self.ready()
+        self._ready()
         rows, ids, carry = sum(st.turn_rows[index:]), sum(st.turn_ids[index:]), st.turn_carry[index]
         del st.turns[index:], st.turn_rows[index:], st.turn_ids[index:], st.turn_carry[index:]
         self._cut(st.committed_rows - rows, st.committed_ids - ids)
@@ -332,8 +403,9 @@ class Conversation:
     def snapshot(self) -> ConversationState:
         """A deep copy of the whole state (cache, window bookkeeping); the segments themselves, never
         changed in place, are shared."""
-        memo = {id(segment): segment for segment in self.state.segments}
-        return copy.deepcopy(self.state, memo)
+        with self._exclusive("snapshot"):
+            memo = {id(segment): segment for segment in self.state.segments}
+            return copy.deepcopy(self.state, memo)
 
     def restore(self, snapshot: ConversationState) -> None:
         """Put a snapshot back (in a batched conversation the restored cache is a private one)."""
@@ -343,15 +415,20 @@ class Conversation:
         # finds the caller's objects
         memo = {id(segment): segment for segment in snapshot.segments}
         restored = copy.deepcopy(snapshot, memo)
+        with self._exclusive("restore"):
+            _close_cache(self.state.decode)
+            self.state = restored
+
+    def _drop_cache(self) -> None:
+        """Forget the cache (the next use prefills the history again): after it failed mid-feed."""
         _close_cache(self.state.decode)
-        self.state = restored
+        self.state.decode = None
 
     def close(self) -> None:
         """End of the conversation: give its cache's slot back (batched caches; otherwise the
         cache is just dropped). The history stays readable; feeding it again is an error."""
         self.closed = True
-        _close_cache(self.state.decode)
-        self.state.decode = None
+        self._drop_cache()
 
 
 def _close_cache(decode: LMDecodeState | None) -> None:

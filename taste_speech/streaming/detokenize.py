@@ -6,7 +6,8 @@ Pipeline per segment (spec §6-§7):
    re-tokenised into Whisper (ASR) tokens by the processor; each word's TASTE codes are spread
    onto its ASR tokens and turned into TASTE embeddings with the audio tower's RVQ;
 2. the speech decoder reads ``[SOS, speaker, fused(previous + current words), TASK]``, is
-   force-fed the previous segment's speech tokens (so the new tokens continue that utterance),
+   force-fed the previous segment's speech tokens (so the new tokens continue that utterance;
+   with a ``state`` only that segment's, whatever ``prev_speech_ids`` holds before them),
    then generates the new speech tokens one at a time (KV cache, top-25 sampling);
 3. the new speech tokens stream into the voice generator (:mod:`taste_speech.streaming.synthesis`)
    as they are generated; audio chunks come out as soon as the emission policy allows.
@@ -29,6 +30,7 @@ device placement, and the LM never needs it).
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -41,10 +43,11 @@ from taste_speech.streaming.synthesis_state import (
     SynthesisState,
     frames_for_tokens,
 )
+from taste_speech.streaming.tokenize import check_llm_ids
 from taste_speech.voice_generator import VoiceGenerator
 
 IGNORE = -1
-PREV_AUDIO_TOLERANCE_MS = 30.0  # resampler delay + one mel frame
+PREV_AUDIO_TOLERANCE_MS = 30.0  # rounding of durations summed by the caller, plus one mel frame
 
 
 def resolve_voice_generator(processor, voice_generator: Optional[VoiceGenerator]) -> VoiceGenerator:
@@ -102,6 +105,27 @@ def _check_word_rows(processor, text_ids: torch.Tensor, taste_ids: torch.Tensor,
         )
 
 
+def _as_prev_audio_ms(value) -> float:
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = math.nan
+    if not math.isfinite(ms) or ms < 0:
+        raise ValueError(f"prev_audio_ms must be a finite number of milliseconds >= 0 (0 for the first segment), "
+                         f"got {value!r}")
+    return ms
+
+
+def _check_stateless_prev_audio(prev_speech_ids: torch.Tensor, prev_audio_ms: float) -> None:
+    """Without a state the audio restarts at ``prev_audio_ms``: it must lie within the previous tokens' audio."""
+    n_prev = prev_speech_ids.shape[1]
+    available_ms = 1000.0 * frames_for_tokens(n_prev) * SAMPLES_PER_FRAME / SOURCE_RATE
+    if prev_audio_ms > available_ms + PREV_AUDIO_TOLERANCE_MS:
+        raise ValueError(f"prev_audio_ms={prev_audio_ms:.1f} but prev_speech_ids ({n_prev} tokens) make only "
+                         f"{available_ms:.1f} ms of audio: pass the duration of the audio played for those tokens "
+                         "(the sum of the previous calls' chunk_duration_ms)")
+
+
 def _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, prev_speech_ids, prev_audio_ms):
     """A fresh state primed with the tail of the previous speech tokens (computed, not emitted)."""
     state = start_speaking(vg, speaker_embeds, policy, out_sampling_rate, generator)
@@ -133,10 +157,14 @@ def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.T
     kept = state.tokens[0].cpu()
     if n_prev and not torch.equal(prev_speech_ids[0, n_prev - kept.shape[0]:].cpu(), kept):
         raise ValueError("prev_speech_ids do not end with the speech tokens this state synthesised")
-    expected_ms = state.audio_ms_before + state.emitted_ms
-    if abs(prev_audio_ms - expected_ms) > PREV_AUDIO_TOLERANCE_MS:
+    # The output resampler holds back some of what was synthesised, so the audio returned so far
+    # (what the caller can have summed) is a little shorter than the audio synthesised; accept both.
+    returned_ms = state.audio_ms_before + 1000.0 * state.out_samples_emitted / state.out_sampling_rate
+    synthesised_ms = state.audio_ms_before + state.emitted_ms
+    if not returned_ms - PREV_AUDIO_TOLERANCE_MS <= prev_audio_ms <= synthesised_ms + PREV_AUDIO_TOLERANCE_MS:
         raise ValueError(f"prev_audio_ms={prev_audio_ms:.1f} but the audio returned with this state so far lasts "
-                         f"{expected_ms:.1f} ms; pass the total duration of the utterance's audio played so far")
+                         f"{returned_ms:.1f} ms; pass the total duration of the utterance's audio played so far "
+                         "(the sum of the returned chunk_duration_ms)")
 
 
 @torch.inference_mode()
@@ -169,6 +197,9 @@ def taste_detokenize_stream(
 
     vg = resolve_voice_generator(processor, voice_generator)
     speaker_embeds = torch.as_tensor(speaker_embeds).float()
+    if not bool(torch.isfinite(speaker_embeds).all()):  # it would only fail deep in the sampler
+        raise ValueError("speaker_embeds contains NaN or infinite values: compute it again "
+                         "(processor.speaker_embedding(audio, rate)) or use processor.default_speaker_embedding()")
     text_ids = _as_ids(text_ids, "text_ids", allow_empty=False)
     taste_ids = _as_codes(taste_ids, text_ids.shape[1], "taste_ids", None)
     prev_text_ids = _as_ids(prev_text_ids, "prev_text_ids", allow_empty=True)
@@ -176,8 +207,9 @@ def taste_detokenize_stream(
     prev_speech_ids = _as_ids(prev_speech_ids, "prev_speech_ids", allow_empty=True)
     if prev_taste_ids.shape[1] and prev_taste_ids.shape[2] != taste_ids.shape[2]:
         raise ValueError(f"prev_taste_ids has K={prev_taste_ids.shape[2]} codes per row, taste_ids K={taste_ids.shape[2]}")
-    if prev_audio_ms is None or prev_audio_ms < 0:
-        raise ValueError(f"prev_audio_ms must be >= 0 (0 for the first segment), got {prev_audio_ms}")
+    check_llm_ids(processor, text_ids, "text_ids")
+    check_llm_ids(processor, prev_text_ids, "prev_text_ids")
+    prev_audio_ms = _as_prev_audio_ms(prev_audio_ms)
     decoder = model.speech_decoder
     if prev_speech_ids.shape[1] and bool(((prev_speech_ids < 0) | (prev_speech_ids >= decoder.speech_token_size)).any()):
         raise ValueError(f"prev_speech_ids must lie in [0, {decoder.speech_token_size})")
@@ -186,6 +218,12 @@ def taste_detokenize_stream(
                          f"knows {vg.flow.vocab_size}: they come from different checkpoints")
     _check_word_rows(processor, prev_text_ids, prev_taste_ids, "prev_taste_ids")
     _check_word_rows(processor, text_ids, taste_ids, "taste_ids")
+    if state is None:
+        _check_stateless_prev_audio(prev_speech_ids, prev_audio_ms)
+    else:
+        _check_state(state, speaker_embeds, prev_speech_ids, prev_audio_ms)
+        if state.out_sampling_rate != out_sampling_rate:
+            raise ValueError(f"the state resamples to {state.out_sampling_rate} Hz, not {out_sampling_rate}")
 
     # 1. words -> ASR tokens and TASTE embeddings (previous segment first)
     full_text = torch.cat([prev_text_ids, text_ids], dim=1)
@@ -196,21 +234,22 @@ def taste_detokenize_stream(
     audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste.to(device), aligned.asr_word_ids.to(device))
     prefix = decoder.prefix_embeds(speaker_embeds.to(device), audio_embeds, aligned.asr_token_ids.to(device))
 
-    # 2. the speech decoder, continuing the previous segment's speech tokens
+    # 2. the speech decoder, continuing the previous segment's speech tokens. With a state they are
+    # the last segment's (the prefix holds that segment's words; feeding the whole utterance would
+    # also cost more with every segment); without one, what the caller gave.
     min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
     dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=decoder_cache)
-    if prev_speech_ids.shape[1]:
-        dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev_speech_ids.to(device)))
+    continued = prev_speech_ids
+    if state is not None:
+        continued = prev_speech_ids[:, prev_speech_ids.shape[1] - state.segment_tokens:]
+    if continued.shape[1]:
+        dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(continued.to(device)))
     sampler = TopKSampler(generator=generator) if sampler is None else sampler
 
     # 3. the voice generator, fed token by token
     if state is None:
         state = _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, prev_speech_ids,
-                                 float(prev_audio_ms))
-    else:
-        _check_state(state, speaker_embeds, prev_speech_ids, float(prev_audio_ms))
-        if state.out_sampling_rate != out_sampling_rate:
-            raise ValueError(f"the state resamples to {state.out_sampling_rate} Hz, not {out_sampling_rate}")
+                                 prev_audio_ms)
     new_tokens: list[int] = []
 
     def item(chunk: SpeechChunk, is_final: bool) -> dict:
@@ -229,6 +268,7 @@ def taste_detokenize_stream(
             yield item(chunk, False)
     if not new_tokens:
         raise ValueError("the speech decoder produced no speech tokens for this segment")
+    state.segment_tokens = len(new_tokens)
     if final:
         chunks = speak(vg, state, final=True)
     else:
@@ -262,9 +302,14 @@ def taste_detokenize(
         model: TasteForCausalLM (its speech decoder and the audio tower's RVQ are used).
         processor: TasteProcessor (LLM-token words -> ASR tokens; ``get_generator()`` if available).
         speaker_embeds: (1, spk_dim) x-vector (the voice; the same for every segment of a call).
-        prev_text_ids / prev_taste_ids / prev_speech_ids: the previous segment's Llama ids (1, P),
-            TASTE codes (1, P, K) and speech tokens (1, Q); empty tensors (or None) for the first segment.
-        prev_audio_ms: duration of the audio already played for this utterance (0 for the first segment).
+        prev_text_ids / prev_taste_ids: the previous segment's Llama ids (1, P) and TASTE codes
+            (1, P, K); empty tensors (or None) for the first segment.
+        prev_speech_ids: (1, Q) the utterance's speech tokens so far (the previous call's
+            ``speech_ids``). The decoder continues the previous segment's part of them when a
+            ``state`` is given, all of them otherwise (their cost grows with the utterance).
+        prev_audio_ms: duration of the audio already played for this utterance (0 for the first segment):
+            the sum of the ``chunk_duration_ms`` returned so far. Without a state it must not exceed
+            the audio of ``prev_speech_ids``.
         text_ids / taste_ids: this segment's Llama ids (1, S) and codes (1, S, K) (codes on word starts).
         out_sampling_rate: 8000, 16000, 22050, 24000, 32000, 44100 or 48000.
         keyword-only: voice_generator, state (continuity from the previous call), final (this segment

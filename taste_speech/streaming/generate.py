@@ -97,20 +97,24 @@ def _item(complete: bool, reason: str | None, segment: TASTESegment | None, **ex
 def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3, taste_top_p: float = 0.0,
                        text_temperature: float = 0.5, repetition_penalty: float = 1.1, max_length: int = 512,
                        eos_id: int | None = None, should_emit_segment=None, *,
-                       conversation: Conversation | None = None, prompt_format: str = CONTINUATION,
+                       conversation: Conversation | None = None, prompt_format: str | None = None,
                        extra_words: int = 8, stop=None, generator: torch.Generator | None = None,
                        sampler_tables: VocabularyTables | None = None) -> Iterator[dict]:
     """Yield ``{'is_complete', 'completion_reason', 'segment'}`` items for one reply.
 
     ``input_segments``: new turns (TASTESegments) - appended to ``conversation`` when one is given
     (its KV cache already holds the earlier turns), else the whole history of a fresh
-    Conversation in ``prompt_format`` ('continuation', 'instruct' or 'dialogue', see prompt.py).
+    Conversation in ``prompt_format`` ('continuation', 'instruct' or 'dialogue', see prompt.py;
+    'continuation' when not given; with a conversation it must be the conversation's format).
+    A conversation serves one reply at a time: until this iterator ends or is closed, any other
+    use of the conversation raises.
 
     Items: ``is_complete=False`` items carry a segment of finished words; the last item has
     ``is_complete=True`` and ``completion_reason``:
 
     * ``'no_speech'`` (dialogue format only): the model chose the user role - nothing to say,
-      keep listening; ``segment`` is None and nothing is added to the conversation;
+      keep listening; ``segment`` is None, no reply is added, and ``input_segments`` stay in the
+      conversation (the next call continues after them);
     * ``'finished'``: the reply ended, by the sampler's end rules (``end_reason`` 'sentence_end'
       or 'max_words'), a stop token (segment_end in the dialogue format, or ``eos_id``:
       'stop_id'), ``max_length`` generated tokens ('max_length', ``truncated=True``) or ``stop``
@@ -121,7 +125,9 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
     Sampling is the original TasteSampler's (``text_top_p == 0`` is greedy); ``generator`` makes
     sampling reproducible. ``stop`` (a threading.Event or a callable) is checked before every
     step, so a cancelled reply ends within one step. Abandoning the iterator early discards the
-    reply (the next call starts from the committed history).
+    reply (the next call starts from the committed history; ``input_segments`` stay). An error
+    during the call takes ``input_segments`` back out of the conversation before it propagates,
+    so the same turns can be given again.
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"max_length must be an integer >= 1 (generated tokens), got {max_length!r}")
@@ -137,24 +143,59 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
     _check_stop(stop)  # before any work (without asking it: a callable may answer only once)
     emit = should_emit_segment or every_word
     if conversation is None:
-        conversation = Conversation(model, processor, prompt_format=prompt_format)
-    elif prompt_format != CONTINUATION and prompt_format != conversation.prompt_format:
-        raise ValueError(f"prompt_format {prompt_format!r} differs from the conversation's "
-                         f"{conversation.prompt_format!r}: the format is fixed per conversation")
+        conversation = Conversation(model, processor, prompt_format=prompt_format or CONTINUATION)
+    else:
+        if not isinstance(conversation, Conversation):
+            raise ValueError(f"conversation must be a Conversation, got {type(conversation).__name__}")
+        if conversation.model is not model:
+            raise ValueError("the conversation was made for another model: its cache holds that model's rows; "
+                             "make one with Conversation(model, processor) for this model")
+        if prompt_format is not None and prompt_format != conversation.prompt_format:
+            raise ValueError(f"prompt_format {prompt_format!r} differs from the conversation's "
+                             f"{conversation.prompt_format!r}: the format is fixed per conversation")
     if not segments and not conversation.state.turns and conversation.state.system is None:
         raise ValueError("input_segments is empty and the conversation has no history: give at least one turn")
 
-    lm, rvq = model.spoken_lm, model.audio_tower.vq.rvq
+    lm = model.spoken_lm
     tables = sampler_tables or vocabulary_tables(processor, lm.vocab_size)
     sampler = TasteSampler(tables, params)
-    for added, segment in enumerate(segments):
-        try:
-            conversation.add_turn(segment)
-        except Exception:
-            if added:  # all or nothing: take back the turns of this call already added
-                conversation.forget_from(segments[0])
-            raise
-    decode = conversation.ready()
+    # The conversation is this reply's until the reply is committed (or the iterator closed).
+    token = conversation._claim("reply")
+    added, committed = 0, False
+    try:
+        for segment in segments:
+            conversation._add_turn(segment)
+            added += 1
+        for item in _reply(model, processor, conversation, sampler, params, eos_id, emit, stop, generator, max_length):
+            if item["is_complete"]:  # committed (or nothing to say): the conversation is free again
+                committed = True
+                conversation._release(token)
+            yield item
+    except GeneratorExit:  # closed early: the turns stay, the uncommitted reply rows are cropped on next use
+        raise
+    except BaseException:
+        if added and not committed:  # all or nothing: a retry must not find the turns twice
+            _take_back(conversation, segments[0])
+        raise
+    finally:
+        conversation._release(token)
+
+
+def _take_back(conversation: Conversation, first: TASTESegment) -> None:
+    """Forget the turns this call added (from ``first`` on)."""
+    try:
+        conversation._forget_from(first)
+    except Exception:  # the cache itself failed: drop it, the next use prefills what is left
+        conversation._drop_cache()
+        conversation._forget_from(first)
+
+
+def _reply(model, processor, conversation: Conversation, sampler: TasteSampler, params: SamplingParams, eos_id,
+           emit, stop, generator, max_length: int) -> Iterator[dict]:
+    """The turn decision and the reply, after the input turns were added; commits the reply
+    before its last item."""
+    lm, rvq = model.spoken_lm, model.audio_tower.vq.rvq
+    decode = conversation._ready()
     fmt = conversation.format
 
     if fmt.decides_turns:
@@ -171,7 +212,7 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
                         cancelled=False, steps=0)
             return
 
-    opening = conversation.begin_reply(eos_id)
+    opening = conversation._begin_reply(eos_id)
     sstate = sampler.reset(has_prefix=opening.pending_audio is not None, stop_id=opening.stop_ids or None)
     decode.audio_vec = lm.pad_audio()
     decode.pending_audio = opening.pending_audio
@@ -216,6 +257,6 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
         lm.feed(decode, lm.next_row(decode, decision.text_id))
 
     reply = _segment(reply_words, k) if reply_words else None
-    conversation.commit_reply(reply)
+    conversation._commit_reply(reply)
     yield _item(True, "finished", _segment(words, k) if words else None, end_reason=end_reason, reply=reply,
                 truncated=flags.get("truncated", False), cancelled=flags.get("cancelled", False), steps=generated)

@@ -216,6 +216,9 @@ class SynthesisState:
     out_samples_emitted: int = 0  # at out_sampling_rate
     chunks_emitted: int = 0
     finished: bool = False  # the final chunk (with fade-out) was emitted
+    # detokenize: speech tokens of the last segment spoken with this state (the speech decoder
+    # continues only those: its text prefix holds the previous segment's words, not the utterance's)
+    segment_tokens: int = 0
 
     def frames(self, n_tokens: int) -> int:
         """Mel frames of this state's first ``n_tokens`` tokens, on the utterance's frame grid."""

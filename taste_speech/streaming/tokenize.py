@@ -20,6 +20,7 @@ def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int = 16000
     at pauses, each piece with its own part of the transcript.
     """
     text_ids = _check_text_ids(text_ids)
+    check_llm_ids(processor, text_ids, "text_ids")
     wav = processor.prepare_audio(audio, sampling_rate)  # mono 16 kHz; empty / NaN / too long raise
     peak = float(np.abs(wav).max()) if wav.size else 0.0
     if peak < SILENCE_PEAK:
@@ -48,3 +49,14 @@ def _check_text_ids(text_ids) -> torch.Tensor:
     if text_ids.shape[1] == 0:
         raise ValueError("text_ids is empty: give the Llama ids of the turn's transcript")
     return text_ids.long().cpu()
+
+
+def check_llm_ids(processor, ids: torch.Tensor, name: str) -> None:
+    """Ids outside the tokenizer's vocabulary would fail deep in decoding (or decode to nothing)."""
+    if ids.numel() == 0:
+        return
+    vocab = len(processor.llm_tokenizer)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"{name} must be Llama token ids in [0, {vocab}), got values in [{low}, {high}]: "
+                         "encode the text with processor.process_text(text).llm_token_ids")

@@ -1,0 +1,274 @@
+"""taste_speech.streaming used the wrong way round: a Conversation shared by two replies, a
+generation that fails half-way, durations summed from resampled chunks, and inputs that are
+plausible but wrong (int16-scale float audio, ids outside the vocabulary, a NaN voice, a
+conversation of another model). Each must either work or fail with an error that names the
+problem, and leave the conversation consistent."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from taste_speech.audio import to_mono_float
+from taste_speech.streaming import (
+    CONTINUATION,
+    INSTRUCT,
+    Conversation,
+    TASTESegment,
+    streaming_generate,
+    taste_detokenize,
+    taste_tokenize,
+)
+from taste_speech.streaming.detokenize import PREV_AUDIO_TOLERANCE_MS
+from taste_speech.voice_generator import VoiceGenerator
+
+BUSY = "a reply is being generated on this conversation"
+
+
+def voiced(seconds=1.5, rate=16000, seed=0):
+    t = np.arange(int(seconds * rate)) / rate
+    rng = np.random.RandomState(seed)
+    tone = 0.2 * np.sin(2 * np.pi * 150 * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    return (tone + 0.01 * rng.randn(t.size)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model[0]
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_model):
+    return tiny_model[1]
+
+
+def audio_turn(model, processor, text, seed=0):
+    ids = processor.process_text(text).llm_token_ids
+    return TASTESegment("user", "audio", ids, taste_tokenize(model, processor, voiced(seed=seed)[None], ids))
+
+
+@pytest.fixture(scope="module")
+def user_turn(model, processor):
+    return audio_turn(model, processor, "hello there how are you doing today")
+
+
+@pytest.fixture(scope="module")
+def second_turn(model, processor):
+    return audio_turn(model, processor, "tell me about the garden", seed=1)
+
+
+def generate(model, processor, segments, conv, **kw):
+    kw.setdefault("generator", torch.Generator().manual_seed(0))
+    kw.setdefault("extra_words", 3)
+    return streaming_generate(model, processor, segments, conversation=conv, **kw)
+
+
+def assert_consistent(model, processor, conv):
+    """The cache holds exactly the rows of the conversation's turns, as a fresh prefill does."""
+    fresh = Conversation(model, processor, system=conv.system, prompt_format=conv.prompt_format)
+    fresh.state.turns = list(conv.state.turns)
+    built, ours = fresh.ready(), conv.ready()
+    assert built.length == ours.length and built.input_ids == ours.input_ids
+    assert torch.allclose(built.last_hidden, ours.last_hidden, atol=1e-4)
+
+
+# -- one reply at a time ------------------------------------------------------------------------------
+def test_an_open_reply_holds_the_conversation(model, processor, user_turn, second_turn):
+    conv = Conversation(model, processor)
+    first = generate(model, processor, [user_turn], conv)
+    assert not conv.reply_in_progress  # a generator not started yet holds nothing
+    next(first)
+    assert conv.reply_in_progress
+    with pytest.raises(RuntimeError, match=BUSY):
+        next(generate(model, processor, [second_turn], conv))
+    for use in (lambda: conv.add_turn(second_turn), conv.ready, conv.begin_reply, conv.snapshot,
+                lambda: conv.truncate_last_assistant(0), lambda: conv.forget_from(user_turn),
+                lambda: conv.commit_reply(None)):
+        with pytest.raises(RuntimeError, match=BUSY):
+            use()
+    assert conv.turns == [user_turn]  # the refused turn was not added
+    items = list(first)  # the first reply goes on undisturbed
+    assert items[-1]["is_complete"] and not conv.reply_in_progress
+    assert [t.role for t in conv.turns] == ["user", "assistant"]
+    assert_consistent(model, processor, conv)
+    list(generate(model, processor, [second_turn], conv))  # free again
+    assert [t.role for t in conv.turns] == ["user", "assistant", "user", "assistant"]
+
+
+def test_the_conversation_is_free_once_the_reply_is_committed(model, processor, user_turn):
+    """What a voice agent does: read up to the final item, then cut the reply to what was heard
+    (barge-in) or forget the turn (answered too early) - without exhausting the iterator."""
+    conv = Conversation(model, processor)
+    items = generate(model, processor, [user_turn], conv, extra_words=4)
+    last = next(item for item in items if item["is_complete"])
+    assert last["reply"] is not None and not conv.reply_in_progress
+    kept = conv.truncate_last_assistant(1)
+    assert kept.num_words == 1
+    assert conv.forget_from(user_turn) == 2 and conv.turns == []
+    assert_consistent(model, processor, conv)
+    # closing an iterator half-way frees it too (its turn stays, the reply is dropped)
+    items = generate(model, processor, [user_turn], conv, extra_words=8)
+    next(items)
+    items.close()
+    assert not conv.reply_in_progress and conv.turns == [user_turn]
+    conv.add_turn(user_turn)
+    assert_consistent(model, processor, conv)
+
+
+def test_a_reply_running_in_another_thread_holds_the_conversation(model, processor, user_turn, second_turn):
+    conv = Conversation(model, processor)
+    inside, go = threading.Event(), threading.Event()
+
+    def stop():  # pauses the other thread inside its generation until the test lets it go
+        inside.set()
+        assert go.wait(30)
+        return False
+
+    errors = []
+
+    def worker():
+        try:
+            list(generate(model, processor, [user_turn], conv, stop=stop, max_length=4))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(RuntimeError, match=BUSY):
+            list(generate(model, processor, [second_turn], conv))
+        with pytest.raises(RuntimeError, match=BUSY):
+            conv.add_turn(second_turn)
+    finally:
+        go.set()
+        thread.join(60)
+    assert errors == [] and [t.role for t in conv.turns] == ["user", "assistant"]
+    assert_consistent(model, processor, conv)
+
+
+# -- a failed generation leaves nothing behind --------------------------------------------------------
+def test_an_error_mid_reply_takes_the_input_turns_back(model, processor, user_turn, second_turn):
+    conv = Conversation(model, processor)
+    list(generate(model, processor, [user_turn], conv))
+    before = list(conv.turns)
+    steps = []
+
+    def failing_stop():
+        steps.append(1)
+        if len(steps) == 3:
+            raise ConnectionError("transient failure")
+        return False
+
+    with pytest.raises(ConnectionError, match="transient"):
+        list(generate(model, processor, [second_turn], conv, stop=failing_stop))
+    assert conv.turns == before and not conv.reply_in_progress
+    assert_consistent(model, processor, conv)
+    items = list(generate(model, processor, [second_turn], conv))  # the retry adds the turn once
+    assert [t for t in conv.turns if t is second_turn] == [second_turn]
+    assert conv.turns[-1] is items[-1]["reply"]
+
+
+# -- prev_audio_ms --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def speech(model, processor, tiny_checkpoint):
+    ids = processor.process_text("hello there how are you doing today my friend").llm_token_ids
+    t = np.arange(24000) / 16000
+    taste = taste_tokenize(model, processor, (0.2 * np.sin(2 * np.pi * 150 * t)).astype(np.float32)[None], ids)
+    starts = (taste[0, :, 0] != -1).nonzero().view(-1).tolist()
+    return VoiceGenerator.from_pretrained(tiny_checkpoint), ids, taste, starts
+
+
+@pytest.mark.parametrize("rate", [16000, 48000])
+@pytest.mark.parametrize("split", ["two_segments", "word_by_word"])
+def test_a_state_continues_with_the_summed_chunk_durations(model, processor, speech, rate, split):
+    """prev_audio_ms = the sum of the returned chunk_duration_ms, at a rate the output resampler
+    converts to (it holds back some audio, so that sum falls behind the audio synthesised)."""
+    vg, ids, taste, starts = speech
+    cuts = [0, starts[len(starts) // 2]] if split == "two_segments" else starts
+    cuts = cuts + [ids.shape[1]]
+    speaker = processor.default_speaker_embedding()
+    state, prev, played_ms, samples, behind = None, (None, None, None), 0.0, 0, []
+    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        out = taste_detokenize(model, processor, speaker, *prev, played_ms, ids[:, a:b], taste[:, a:b], rate,
+                               voice_generator=vg, state=state, final=b == ids.shape[1],
+                               generator=torch.Generator().manual_seed(i))
+        state, prev = out["state"], (ids[:, a:b], taste[:, a:b], out["speech_ids"])
+        played_ms += out["chunk_duration_ms"]
+        samples += out["audio_waveform"].shape[-1]
+        behind.append(state.audio_ms_before + state.emitted_ms - played_ms)
+    assert state.finished and played_ms == pytest.approx(1000 * samples / rate)
+    if split == "word_by_word":  # the case that used to be refused really happened
+        assert max(behind) > PREV_AUDIO_TOLERANCE_MS, behind
+
+
+def test_prev_audio_ms_must_match_the_audio(model, processor, speech):
+    vg, ids, taste, starts = speech
+    speaker, cut, kw = processor.default_speaker_embedding(), starts[len(starts) // 2], dict(voice_generator=vg)
+    first = taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, :cut], taste[:, :cut], 16000,
+                             final=False, **kw)
+    played = first["chunk_duration_ms"]
+    for wrong in (played + 500, played - 500):  # with a state: the audio returned so far
+        with pytest.raises(ValueError, match="audio returned with this state"):
+            taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"], wrong,
+                             ids[:, cut:], taste[:, cut:], 16000, state=first["state"], **kw)
+    for bad in (float("nan"), float("inf"), None, "soon", -1.0):
+        with pytest.raises(ValueError, match="prev_audio_ms must be a finite number"):
+            taste_detokenize(model, processor, speaker, None, None, None, bad, ids, taste, **kw)
+    # stateless: no further than the previous tokens' audio (5 tokens: 93 ms)
+    prev_tokens = torch.ones(1, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"prev_speech_ids \(5 tokens\) make only 92.9 ms"):
+        taste_detokenize(model, processor, speaker, None, None, prev_tokens, 1e6, ids, taste, **kw)
+    out = taste_detokenize(model, processor, speaker, None, None, prev_tokens, 90.0, ids, taste, **kw)
+    assert out["audio_waveform"].shape[-1] > 0
+
+
+# -- plausible but wrong inputs --------------------------------------------------------------------------
+def test_int16_scale_float_audio_is_refused(model, processor, user_turn):
+    pcm = np.round(voiced() * 32767).astype(np.int16)
+    with pytest.raises(ValueError, match="divide by 32768"):
+        taste_tokenize(model, processor, pcm.astype(np.float32)[None], user_turn.text_ids)
+    with pytest.raises(ValueError, match="float audio must be in"):
+        to_mono_float(torch.from_numpy(pcm.astype(np.float64)))
+    assert torch.equal(taste_tokenize(model, processor, pcm[None], user_turn.text_ids),
+                       taste_tokenize(model, processor, (pcm / 32768.0)[None], user_turn.text_ids))
+    assert to_mono_float(np.array([0.5, -8.0], np.float32)).tolist() == [0.5, -8.0]  # hot, not int16: kept
+
+
+def test_text_ids_outside_the_vocabulary(model, processor, speech):
+    vg, ids, taste, _ = speech
+    vocab = len(processor.llm_tokenizer)
+    speaker = processor.default_speaker_embedding()
+    wav = voiced()[None]
+    for bad in (torch.tensor([[-5, 3]]), torch.tensor([[3, vocab]])):
+        with pytest.raises(ValueError, match=rf"text_ids must be Llama token ids in \[0, {vocab}\)"):
+            taste_tokenize(model, processor, wav, bad)
+        codes = torch.full((1, 2, taste.shape[2]), -1)
+        codes[0, 0] = 0
+        with pytest.raises(ValueError, match=rf"text_ids must be Llama token ids in \[0, {vocab}\)"):
+            taste_detokenize(model, processor, speaker, None, None, None, 0, bad, codes, voice_generator=vg)
+        with pytest.raises(ValueError, match=r"prev_text_ids must be Llama token ids"):
+            taste_detokenize(model, processor, speaker, bad, codes, None, 0, ids, taste, voice_generator=vg)
+
+
+def test_a_non_finite_voice_is_refused(model, processor, speech):
+    vg, ids, taste, _ = speech
+    speaker = processor.default_speaker_embedding().clone()
+    speaker[0, 3] = float("nan")
+    with pytest.raises(ValueError, match="speaker_embeds contains NaN or infinite"):
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, voice_generator=vg)
+
+
+def test_a_conversation_belongs_to_its_model_and_format(model, processor, user_turn):
+    conv = Conversation(model, processor, prompt_format=INSTRUCT)
+    with pytest.raises(ValueError, match="made for another model"):
+        list(generate(copy.deepcopy(model), processor, [user_turn], conv))
+    with pytest.raises(ValueError, match="fixed per conversation"):  # the default format, given explicitly
+        list(generate(model, processor, [user_turn], conv, prompt_format=CONTINUATION))
+    assert conv.turns == []
+    items = list(generate(model, processor, [user_turn], conv, prompt_format=INSTRUCT, max_length=3))
+    assert items[-1]["is_complete"] and conv.turns[0] is user_turn
