@@ -50,3 +50,11 @@ def test_hang_up_keeps_a_prefix_only():
     assert reply_audio_intact(synth, synth[:1500], record(hangup=True), CHUNK, FADE)[0]
     assert not reply_audio_intact(synth, np.concatenate([synth[:1500], speech(10, seed=1)]), record(hangup=True),
                                   CHUNK, FADE)[0]
+
+
+def test_a_barge_in_after_all_audio_was_out_may_fade_the_heard_audio_mirrored():
+    synth = speech()
+    mirrored = (synth[::-1][:FADE] * np.linspace(1, 0, FADE)).astype("<i2")
+    assert reply_audio_intact(synth, np.concatenate([synth, mirrored]), record(interrupted=True), CHUNK, FADE)[0]
+    other = (speech(FADE, seed=2) * np.linspace(1, 0, FADE)).astype("<i2")
+    assert not reply_audio_intact(synth, np.concatenate([synth, other]), record(interrupted=True), CHUNK, FADE)[0]

@@ -62,8 +62,8 @@ def reply_audio_intact(synth: np.ndarray, released: np.ndarray, record, chunk_sa
                        fade_samples: int) -> tuple[bool, int]:
     """The rule for one reply: the audio the playout released is the synthesizer's audio, bit-exact -
     all of it, then only the zero padding of the last frame; or a prefix when the reply was cut
-    (barge-in: followed by at most a fade-out of what came next; hang-up: cut where the line went
-    dead). Returns (intact, length of the identical prefix)."""
+    (barge-in: followed by at most a fade-out of what came next, or of the heard audio mirrored when
+    nothing more had come; hang-up: cut where the line went dead). Returns (intact, length of the identical prefix)."""
     n = min(synth.size, released.size)
     common = int(np.argmin(np.append(synth[:n] == released[:n], False)))
     if record.ended_by_hangup and not record.interrupted:
@@ -71,6 +71,9 @@ def reply_audio_intact(synth: np.ndarray, released: np.ndarray, record, chunk_sa
     elif record.interrupted and released.size <= synth.size + fade_samples:
         tail = released[common:]
         faded = synth[common:common + tail.size]
+        if faded.size < tail.size:  # nothing more had arrived: the fade mirrors what was heard before it
+            heard = np.concatenate([released[:common], faded])
+            faded = np.concatenate([faded, heard[::-1][: tail.size - faded.size]])
         good = tail.size <= fade_samples and bool(np.all(np.abs(tail.astype(np.int32)) <= np.abs(faded.astype(np.int32)) + 1))
     else:
         good = common == synth.size and not released[synth.size:].any() and released.size - synth.size < chunk_samples
