@@ -1,10 +1,9 @@
-"""Barge-in at the output end, one processor at a time: the playout ends the audio with a fade that
-continues the waveform however much of the reply had arrived unreleased (the just-in-time case
-has none), and the synthesizer starts nothing for a reply cut off before it got any of it."""
+"""TastePlayout alone: a barge-in ends the audio with a fade that continues the waveform, however
+much of the reply had arrived unreleased (the just-in-time case has none)."""
 
 import numpy as np
 import pytest
-from pipecat.frames.frames import InterruptionFrame, TTSAudioRawFrame, TTSStartedFrame, TTSStoppedFrame
+from pipecat.frames.frames import InterruptionFrame, TTSAudioRawFrame, TTSStartedFrame
 from pipecat.pipeline.worker import PipelineParams
 from pipecat.tests.utils import SleepFrame, run_test
 
@@ -38,17 +37,3 @@ async def test_barge_in_fades_without_a_step(chunk_ms, barge_in_after_s):
     assert abs(audio[-1]) < 1e-3  # faded to silence
     assert np.abs(np.diff(audio)).max() <= 1.1 * steepest_in_tone + 2e-3  # and no step anywhere: no click
 
-
-async def test_a_reply_cut_off_before_its_segments_arrived_is_not_started():
-    """Barge-in while the synthesizer holds nothing of the reply yet (Pipecat's queue reset may
-    have dropped its segments): the reply's end frame, coming after, starts no speech."""
-    from pipecat_taste.frames import TasteReplyEndFrame
-    from pipecat_taste.synthesis import TasteSynthesizer
-
-    engine = FakeEngine()
-    call = TasteCall(engine)
-    call.active_reply_turn = 1
-    frames = [InterruptionFrame(), SleepFrame(0.05), TasteReplyEndFrame(1, "cancelled", 0), SleepFrame(0.2)]
-    down, _ = await run_test(TasteSynthesizer(call), frames_to_send=frames,
-                             pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
-    assert not [f for f in down if isinstance(f, (TTSStartedFrame, TTSAudioRawFrame, TTSStoppedFrame))]

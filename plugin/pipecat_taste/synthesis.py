@@ -149,11 +149,9 @@ class TasteSynthesizer(FrameProcessor):
 
     async def _interrupt(self):
         turn = self._current_turn
-        # Recorded even when nothing is here yet (Pipecat's queue reset may have dropped the reply's
-        # segments): its end frame, still to come, must not start a speech state for nothing.
-        self._cancelled_upto = max(self._cancelled_upto, turn or 0, self._call.active_reply_turn or 0)
         if turn is None and self._segments is not None and self._segments.empty() and self._groups.empty():
             return
+        self._cancelled_upto = max(self._cancelled_upto, turn or 0, self._call.active_reply_turn or 0)
         await self._stop_stages()
         self._current_turn = None
         await self.stop_all_metrics()
