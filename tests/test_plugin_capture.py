@@ -87,8 +87,11 @@ async def test_turn_with_upstream_transcript(utterances, rate):
 
 async def test_failing_turn_gives_error_frame_and_the_next_turn_still_works(utterances):
     hello, time_u = utterances["hello"], utterances["time"]
-    frames = audio_frames(np.concatenate([silence(0.5), hello.audio])) + transcript("please explode now") + \
-        audio_frames(silence(1.0)) + audio_frames(time_u.audio) + transcript(time_u.text) + audio_frames(silence(1.0))
+    # the STT answers a little after the speech ended, so its finalized transcript ends turn 1's
+    # wait at once: else the next turn's words, pushed at once here, would still find it collecting
+    frames = audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.2)])) + \
+        transcript("please explode now") + audio_frames(silence(0.8)) + audio_frames(time_u.audio) + \
+        transcript(time_u.text) + audio_frames(silence(1.0))
     call, down, up = await run_capture(frames)
     errors = of(up, ErrorFrame)
     assert len(errors) == 1 and "explode" in errors[0].error
@@ -291,3 +294,103 @@ async def test_a_call_without_a_playout_ends_when_its_processors_clean_up():
             break
         await asyncio.sleep(0.02)
     assert call.worker_threads() == []
+
+
+# -- transcripts in parts, late words, short noises, what the capture holds on to ---------------------------
+def vad_turn(seconds):
+    """A turn as an upstream VAD reports it (the capture follows its frames): noise between them."""
+    noise = 0.1 * np.random.default_rng(0).standard_normal(int(seconds * SR)).astype(np.float32)
+    return [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio_frames(noise) + [VADUserStoppedSpeakingFrame(stop_secs=0.2)]
+
+
+def stt(text, finalized=True):
+    return TranscriptionFrame(text, "caller", time_now_iso8601(), finalized=finalized)
+
+
+async def run_with(capture, frames, tail_secs=2.0):
+    return await run_test(capture, frames_to_send=frames + [SleepFrame(tail_secs)],
+                          pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+
+
+@pytest.mark.parametrize("mode", ["auto", "upstream"])
+@pytest.mark.parametrize("parts", ["last_finalized", "none_finalized", "one_finalized_while_speaking"])
+async def test_a_transcript_in_parts_is_one_turn_s_and_the_next_turn_gets_its_own(mode, parts):
+    """An STT may send a turn's transcript in parts: the turn takes them all (until one finalized
+    after the turn, or transcript_quiet_secs without one), none goes to the next turn."""
+    first, second = "I would like to book a table", "for two people tonight."
+    if parts == "one_finalized_while_speaking":  # said of the speech before a pause, not of all of it
+        turn = vad_turn(1.0)[:-1] + [SleepFrame(0.1), stt(first), SleepFrame(0.1)] + vad_turn(1.0)[1:]
+        frames = turn + [SleepFrame(0.2), stt(second), SleepFrame(0.6)]
+    else:
+        frames = vad_turn(2.0) + [SleepFrame(0.2), stt(first, finalized=False), SleepFrame(0.15),
+                                  stt(second, finalized=parts == "last_finalized"), SleepFrame(0.6)]
+    frames += vad_turn(1.0) + [SleepFrame(0.2), stt("Yes.")]
+    capture = TasteTurnCapture(TasteCall(FakeEngine()), params=TurnCaptureParams(transcripts=mode))
+    down, _ = await run_with(capture, frames)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [f"{first} {second}", "Yes."]
+
+
+async def test_late_words_of_a_turn_already_taken_are_dropped_not_given_to_the_next_turn():
+    """'auto': the first turn falls back to the built-in ASR before the STT answers; the STT's late
+    words for it are logged and dropped, and the next turn gets its own transcript."""
+    frames = vad_turn(1.0) + [SleepFrame(0.5), stt("book a table for two"), SleepFrame(0.3)] + \
+        vad_turn(1.0) + [SleepFrame(0.5), stt("at seven")]
+    call = TasteCall(FakeEngine(asr_text="around seven"))
+    down, _ = await run_with(TasteTurnCapture(call), frames)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["around seven", "at seven"]
+    assert [e["text"] for e in call.log.events if e["kind"] == "transcript_dropped"] == ["book a table for two"]
+
+
+async def test_words_that_come_just_before_the_vad_confirms_the_speech_are_that_turn_s():
+    frames = [stt("hello there"), SleepFrame(0.05)] + vad_turn(1.0)
+    capture = TasteTurnCapture(TasteCall(FakeEngine()), params=TurnCaptureParams(transcripts="upstream"))
+    down, _ = await run_with(capture, frames)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["hello there"]
+
+
+@pytest.mark.parametrize("own_vad", [True, False])
+async def test_a_short_noise_neither_barges_in_nor_mutes_the_pending_reply(utterances, own_vad):
+    """A noise long enough for the VAD but shorter than min_speech_secs is ignored as a turn, so it
+    must not cut off or mute the agent's reply (pipecat #4308); real speech still barges in."""
+    hello = utterances["hello"].audio
+    energy = np.convolve(hello ** 2, np.ones(int(0.3 * SR)), "valid")
+    loudest = int(np.argmax(energy))
+    noise, speech = hello[loudest:loudest + int(0.3 * SR)], hello
+    if not own_vad:  # the upstream VAD's frames around the same lengths of audio
+        def around(audio):
+            return [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio_frames(audio) + \
+                [VADUserStoppedSpeakingFrame(stop_secs=0.2)]
+        noise_frames, speech_frames = around(noise), around(speech)
+    else:
+        noise_frames = audio_frames(np.concatenate([silence(0.5), noise, silence(1.0)]))
+        speech_frames = audio_frames(np.concatenate([speech, silence(1.0)]))
+    results = []
+    for frames in (noise_frames, noise_frames + [SleepFrame(0.3)] + speech_frames):
+        call = TasteCall(FakeEngine(asr_text="hello there"))
+        answering = call.new_turn_id()  # the turn whose reply is being generated or played
+        call.active_reply_turn = answering
+        capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer() if own_vad else None,
+                                   params=TurnCaptureParams(transcripts="asr", min_speech_secs=0.5))
+        await run_with(capture, frames, tail_secs=1.0)
+        results.append((call, answering))
+    (call, answering), (call2, answering2) = results
+    assert call.log.turns[answering + 1].decision == "ignored"  # the noise
+    assert [e for e in call.log.events if e["kind"] == "barge_in"] == []
+    assert call.replies_muted_upto == 0 and not call.log.turn(answering).interrupted
+    # the same noise and then speech: one barge-in, by the speech
+    assert [e["by_turn"] for e in call2.log.events if e["kind"] == "barge_in"] == [answering2 + 2]
+    assert call2.replies_muted_upto == answering2 + 1 and call2.log.turn(answering2).interrupted
+
+
+@pytest.mark.parametrize("mode", ["asr", "auto"])
+async def test_finished_turns_are_not_held_for_the_rest_of_the_call(mode):
+    """With the built-in ASR, no turn waits for upstream words once its finisher is done with it
+    (they held their audio for the whole call: ~0.2 MiB per second of speech at 48 kHz)."""
+    frames = []
+    for _ in range(3):
+        frames += vad_turn(1.0) + [SleepFrame(0.05)]
+    call = TasteCall(FakeEngine(asr_text="hello there"))
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts=mode))
+    down, _ = await run_with(capture, frames)
+    assert len(of(down, TasteUserTurnFrame)) == 3
+    assert not capture._waiting_for_words

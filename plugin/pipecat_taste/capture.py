@@ -7,8 +7,10 @@ word onsets are quiet), and when the VAD confirms silence the turn ends (keeping
 after the speech). Then, on a worker thread: the transcript (an upstream ``TranscriptionFrame``
 from any Pipecat STT, or the engine's built-in ASR), ``taste_tokenize``, and a
 ``TasteUserTurnFrame`` downstream plus the ``TranscriptionFrame`` upstream. Upstream transcripts
-go to the turns in order: the oldest closed turn still without its words takes the next one (an
-STT may answer after the caller has begun the next turn), else the turn being captured.
+go to the turns in order: the oldest closed turn still collecting its words takes the next one (an
+STT may answer after the caller has begun the next turn), else the turn being captured. A closed
+turn collects parts until one marked ``finalized`` arrives after the speech ended, or
+``transcript_quiet_secs`` pass without one; words that come later for a turn already taken are logged and dropped.
 
 Incremental ASR (``incremental_asr``, on by default): when the built-in ASR gives the transcript,
 the audio captured so far is transcribed on the call's listening thread every
@@ -36,10 +38,12 @@ runs it and broadcasts ``VADUserStarted/StoppedSpeakingFrame`` and ``UserStarted
 SpeakingFrame``; or leave it None and put a ``VADProcessor`` upstream - the capture then follows
 its VAD frames.
 
-Barge-in: when speech starts while the agent is answering (generating or playing), the capture
-broadcasts an ``InterruptionFrame``; the generator, synthesizer and playout stop at once. Earlier
-turns whose reply has not begun yet get none (``TasteCall.replies_muted_upto``): it would talk over
-the caller.
+Barge-in: when the caller has spoken ``min_speech_secs`` while the agent is answering (generating
+or playing), the capture broadcasts an ``InterruptionFrame``; the generator, synthesizer and
+playout stop at once. Earlier turns whose reply has not begun yet get none from then on
+(``TasteCall.replies_muted_upto``): it would talk over the caller. A shorter sound (a cough, an
+'mm') is ignored as a turn, so it must neither interrupt nor mute. With an upstream VAD, whose
+state the capture does not see, that is ``min_speech_secs`` plus the VAD's ``stop_secs``.
 """
 
 from __future__ import annotations
@@ -77,22 +81,27 @@ from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, T
 @dataclass
 class TurnCaptureParams:
     """pre_roll_secs: audio kept before the estimated speech onset. post_roll_secs: audio kept
-    after the estimated speech end. min_speech_secs: shorter turns are ignored (coughs, clicks).
-    transcript_timeout_secs: how long to wait after the turn for an upstream transcript before
-    falling back to the built-in ASR; in 'auto' with a built-in ASR, until the call's first upstream
-    transcript arrives, only first_transcript_grace_secs (a call that relies on the built-in ASR
-    would otherwise lose the whole timeout on every turn). interrupt_on_speech: barge-in. transcripts: 'auto'
-    (upstream if one arrives, else built-in ASR), 'upstream' or 'asr'. incremental_asr: transcribe
-    with the built-in ASR while the user speaks, every incremental_asr_every_secs of new audio
-    (in 'auto' only until the call's first upstream transcript arrives). early_reply_secs: hand
-    the turn on after this much silence, before the VAD confirms its end (module docstring; None:
-    wait for the VAD; needs the capture's own VAD and less than its stop_secs)."""
+    after the estimated speech end. min_speech_secs: shorter turns are ignored (coughs, clicks)
+    and neither barge in nor mute earlier replies. transcript_timeout_secs: how long to wait after
+    the turn for an upstream transcript before falling back to the built-in ASR; in 'auto' with a
+    built-in ASR, until the call's first upstream transcript arrives, only
+    first_transcript_grace_secs (a call that relies on the built-in ASR would otherwise lose the
+    whole timeout on every turn). transcript_quiet_secs: an STT may send a turn's transcript in
+    parts; after the turn they are collected until one marked ``finalized`` arrives after the
+    speech ended, or none has come for this long (or the timeout is over). interrupt_on_speech:
+    barge-in. transcripts: 'auto' (upstream if one arrives, else built-in ASR), 'upstream' or
+    'asr'. incremental_asr: transcribe with the built-in ASR while the user speaks, every
+    incremental_asr_every_secs of new audio (in 'auto' only until the call's first upstream
+    transcript arrives). early_reply_secs: hand the turn on after this much silence, before the
+    VAD confirms its end (module docstring; None: wait for the VAD; needs the capture's own VAD
+    and less than its stop_secs)."""
 
     pre_roll_secs: float = 0.3
     post_roll_secs: float = 0.2
     min_speech_secs: float = 0.25
     transcript_timeout_secs: float = 1.5
     first_transcript_grace_secs: float = 0.3
+    transcript_quiet_secs: float = 0.4
     interrupt_on_speech: bool = True
     transcripts: str = "auto"
     user_id: str = "user"
@@ -104,7 +113,7 @@ class TurnCaptureParams:
         if self.transcripts not in ("auto", "upstream", "asr"):
             raise ValueError(f"transcripts must be 'auto', 'upstream' or 'asr', got {self.transcripts!r}")
         for name in ("pre_roll_secs", "post_roll_secs", "min_speech_secs", "transcript_timeout_secs",
-                     "first_transcript_grace_secs"):
+                     "first_transcript_grace_secs", "transcript_quiet_secs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TurnCaptureParams.{name} must be >= 0")
         if self.early_reply_secs is not None and self.early_reply_secs <= 0:
@@ -141,18 +150,34 @@ class _UpstreamWords:
 
     parts: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, text)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set at each arrival
-    taken: bool = False  # the turn's finisher took them: later words belong to another turn
     # A turn that went on after a retracted early hand-over is complete only with words that came
     # after its (last) speech end: words about the speech before the pause do not finish it.
     continued: bool = False
     after: float | None = None
+    # On the capture's sample clock: where the last part marked finalized arrived, and where the
+    # turn's speech ended (set when the turn is closed, at closed_at).
+    final_sample: int | None = None
+    end_sample: int | None = None
+    closed_at: float | None = None
 
-    def add(self, text: str, at: float) -> None:
+    def add(self, text: str, at: float, finalized: bool = False, sample: int = 0) -> None:
         self.parts.append((at, text))
+        if finalized:
+            self.final_sample = sample
         self.arrived.set()
 
     def complete(self) -> bool:
         return any(self.after is None or at > self.after for at, _ in self.parts)
+
+    def done(self, now: float, quiet: float) -> bool:
+        """No more parts are expected: the STT finalized one after the speech ended (one finalized
+        while the caller went on speaking does not cover the rest), or none has come for ``quiet``
+        seconds since the last part and the turn's close."""
+        if self.closed_at is None or not self.complete():
+            return False
+        if self.final_sample is not None and self.final_sample >= self.end_sample:
+            return True
+        return now - max(self.parts[-1][0], self.closed_at) >= quiet
 
     def text(self) -> str:
         return " ".join(text for _, text in self.parts)
@@ -178,6 +203,9 @@ class _CapturedTurn:
     deferred: list = field(default_factory=list)  # coroutine functions to run on confirmation
 
 
+_NO_AUDIO = np.zeros(0, np.float32)
+
+
 class TasteTurnCapture(FrameProcessor):
     def __init__(self, call: TasteCall, *, vad_analyzer: VADAnalyzer | None = None,
                  params: TurnCaptureParams | None = None, **kwargs):
@@ -195,9 +223,11 @@ class TasteTurnCapture(FrameProcessor):
         self._turn_samples = 0
         self._turn_id: int | None = None
         self._vad_start_at = 0.0
+        self._long_enough = False  # the current turn has min_speech_secs of speech: it mutes and barges in
         self._words: _UpstreamWords | None = None  # the current turn's upstream transcript
-        self._waiting_for_words: collections.deque[_CapturedTurn] = collections.deque()  # closed turns, in order
-        self._early_transcript: tuple[float, str] | None = None
+        # Closed turns still collecting upstream words, in order (none with the built-in ASR only).
+        self._waiting_for_words: collections.deque[_CapturedTurn] = collections.deque()
+        self._early_transcript: tuple[float, str] | None = None  # words no turn took yet: (arrival, text)
         self._finish_queue: asyncio.Queue | None = None
         self._finisher: asyncio.Task | None = None
         # Sample clock of the input: turn lengths are measured in audio, not in wall-clock time.
@@ -277,7 +307,7 @@ class TasteTurnCapture(FrameProcessor):
             await self._speech_stopped(time.monotonic())
         elif isinstance(frame, TranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
             self._upstream_transcripts = True
-            self._add_transcript(frame.text)  # consumed: the turn's transcript goes upstream later
+            self._add_transcript(frame.text, frame.finalized)  # consumed: the turn's transcript goes upstream later
         else:
             await self.push_frame(frame, direction)
 
@@ -302,6 +332,7 @@ class TasteTurnCapture(FrameProcessor):
             else:
                 self._maybe_partial()
         if self._vad is None:
+            await self._speech_heard(now)
             return
         pcm = frame.audio if frame.sample_rate == self._sample_rate and frame.num_channels == 1 else None
         if pcm is None:
@@ -318,6 +349,7 @@ class TasteTurnCapture(FrameProcessor):
             await self._speech_stopped(now)
         else:
             await self._follow_pause(state, samples.size, now)
+        await self._speech_heard(now, speaking=state == VADState.SPEAKING)
 
     async def _follow_pause(self, state: VADState, new_samples: int, now: float):
         """Early replies: hand the turn on after ``early_reply_secs`` of a pause; take it back if
@@ -355,14 +387,18 @@ class TasteTurnCapture(FrameProcessor):
         self._capturing = True
         self._silence_from = None
         self._turn_id = self._call.new_turn_id()
-        self._call.replies_muted_upto = self._turn_id - 1  # earlier turns not yet answered: not any more
+        self._long_enough = False
         self._vad_start_at = now
         self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
         self._words = _UpstreamWords()
         self._turn_asr = self._new_turn_asr()
-        if self._early_transcript is not None and now - self._early_transcript[0] < 1.0:
-            self._words.add(self._early_transcript[1], self._early_transcript[0])
-        self._early_transcript = None
+        early, self._early_transcript = self._early_transcript, None
+        if early is not None:
+            # An STT cannot transcribe speech before it began: older words are a taken turn's.
+            if now - early[0] <= self._start_secs():
+                self._words.add(early[1], early[0])
+            else:
+                self._drop_late_words(early[1])
         if forced:
             self._turn_chunks, self._turn_samples = [], 0
         else:
@@ -374,8 +410,24 @@ class TasteTurnCapture(FrameProcessor):
         self._call.log.event("user_speech_started", self._turn_id)
         if not forced:
             await self.broadcast_frame(UserStartedSpeakingFrame)
-            if self._params.interrupt_on_speech and self._call.agent_busy:
-                await self._barge_in(now)
+        await self._speech_heard(now, forced=forced)
+
+    async def _speech_heard(self, now: float, speaking: bool = True, forced: bool = False):
+        """Mute earlier replies and barge in only once the turn has min_speech_secs of speech: a
+        shorter one is ignored as noise (a cough, an 'mm') and must not silence the agent."""
+        if not self._capturing or self._long_enough:
+            return
+        if not forced:  # a forced start goes on with speech already heard
+            heard = (self._samples_seen - self._start_sample) / self._sample_rate
+            need = self._params.min_speech_secs
+            if self._vad is None:  # no VAD state here: long enough once its stop could no longer make it short
+                need += self._stop_secs()
+            if not speaking or heard < need:
+                return
+        self._long_enough = True
+        self._call.replies_muted_upto = self._turn_id - 1  # earlier turns not yet answered: not any more
+        if not forced and self._params.interrupt_on_speech and self._call.agent_busy:
+            await self._barge_in(now)
 
     async def _barge_in(self, now: float):
         active = self._call.active_reply_turn
@@ -425,6 +477,7 @@ class TasteTurnCapture(FrameProcessor):
         record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
         if self._words.continued:
             self._words.after = record.speech_end
+        self._words.end_sample, self._words.closed_at = end_sample, now
         return _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
                              record.speech_start, record.speech_end, record.speech_seconds, self._words, self._turn_asr)
 
@@ -432,7 +485,7 @@ class TasteTurnCapture(FrameProcessor):
         if self._finish_queue is not None:
             self._turns_finishing += 1
             self._finish_queue.put_nowait(turn)
-            if turn.speech_seconds >= self._params.min_speech_secs:
+            if turn.speech_seconds >= self._params.min_speech_secs and self._params.transcripts != "asr":
                 self._waiting_for_words.append(turn)
 
     # -- early replies ------------------------------------------------------------------------------------
@@ -454,6 +507,7 @@ class TasteTurnCapture(FrameProcessor):
         """The caller speaks again: take the early turn back; the speech goes on as a new turn."""
         early, self._early = self._early, None
         early.retracted.set()
+        self._stop_waiting(early)
         old = self._call.log.retract(early.turn_id)
         self._call.log.event("user_turn_retracted", early.turn_id)
         self._turn_id = self._call.new_turn_id()
@@ -485,26 +539,33 @@ class TasteTurnCapture(FrameProcessor):
             return
         await announce()
 
-    def _add_transcript(self, text: str):
-        """An upstream transcript goes to the oldest turn still waiting for its words (an STT may
-        answer after the caller has begun the next turn), else to the turn being captured, else to
-        the last turn while it is not yet taken (a second part), else to the next turn."""
+    def _add_transcript(self, text: str, finalized: bool = False):
+        """An upstream transcript goes to the oldest closed turn still collecting its words (an STT
+        may answer after the caller has begun the next turn), else to the turn being captured. Words
+        that no turn takes are held for the next turn, which keeps them only if they came after
+        its speech began (``_speech_started``): else they are a taken turn's late words."""
         text = (text or "").strip()
         if not text:
             return
         now = time.monotonic()
-        waiting = self._waiting_for_words
-        while waiting and (waiting[0].words.taken or waiting[0].retracted.is_set()):
-            waiting.popleft()
-        incomplete = next((turn for turn in waiting if not turn.words.complete()), None)
-        if incomplete is not None:
-            incomplete.words.add(text, now)
+        quiet = self._params.transcript_quiet_secs
+        collecting = next((turn for turn in self._waiting_for_words if not turn.words.done(now, quiet)), None)
+        if collecting is not None:
+            collecting.words.add(text, now, finalized, self._samples_seen)
         elif self._capturing:
-            self._words.add(text, now)
-        elif self._words is not None and not self._words.taken:
-            self._words.add(text, now)
+            self._words.add(text, now, finalized, self._samples_seen)
         else:
+            if self._early_transcript is not None:
+                self._drop_late_words(self._early_transcript[1])
             self._early_transcript = (now, text)
+
+    def _drop_late_words(self, text: str) -> None:
+        logger.info(f"{self}: dropped upstream transcript {text!r}: late words of a turn already taken")
+        self._call.log.event("transcript_dropped", text=text)
+
+    def _stop_waiting(self, turn: _CapturedTurn) -> None:
+        """The turn takes no more upstream words (taken, ignored, failed or retracted)."""
+        self._waiting_for_words = collections.deque(t for t in self._waiting_for_words if t is not turn)
 
     # -- finishing turns (in order, off the input path) ---------------------------------------------
     async def _finish_turns(self):
@@ -518,11 +579,12 @@ class TasteTurnCapture(FrameProcessor):
                 await self._fail(turn, f"could not process the user's turn: {e}", e)
             finally:
                 self._turns_finishing -= 1
+                self._stop_waiting(turn)
+                turn.audio = _NO_AUDIO  # not needed any more (a tentative turn lives on until confirmed)
 
     async def _finish(self, turn: _CapturedTurn):
         record = self._call.log.turn(turn.turn_id)
         if turn.speech_seconds < self._params.min_speech_secs:
-            turn.words.taken = True  # words arriving now belong to the next turn
             await self._decide(turn, "ignored", f"speech too short ({turn.speech_seconds:.2f} s)")
             return
         transcript = await self._transcript(turn)
@@ -558,30 +620,35 @@ class TasteTurnCapture(FrameProcessor):
         return params.transcript_timeout_secs
 
     async def _wait_for_words(self, turn: _CapturedTurn) -> None:
-        """Until the turn's upstream transcript is complete, it is retracted, or the wait is over."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._upstream_wait_secs()
-        while not turn.words.complete() and not turn.retracted.is_set():
-            remaining = deadline - loop.time()
+        """Until all parts of the turn's upstream transcript are in (``_UpstreamWords.done``), it is
+        retracted, or the wait is over."""
+        started, words, quiet = time.monotonic(), turn.words, self._params.transcript_quiet_secs
+        while not turn.retracted.is_set():
+            now = time.monotonic()
+            if words.done(now, quiet):
+                return
+            # re-read: once the call's first upstream words came, 'auto' waits the whole timeout
+            remaining = started + self._upstream_wait_secs() - now
             if remaining <= 0:
                 return
-            turn.words.arrived.clear()
-            await _first_of(remaining, turn.words.arrived, turn.retracted)
+            if words.complete():
+                remaining = min(remaining, max(words.parts[-1][0], words.closed_at) + quiet - now)
+            words.arrived.clear()
+            await _first_of(remaining, words.arrived, turn.retracted)
 
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
         if mode in ("auto", "upstream"):
             await self._wait_for_words(turn)
+            self._stop_waiting(turn)  # taken: later words belong to the next turn
             if turn.retracted.is_set():
                 return None
             if turn.words.parts:
-                turn.words.taken = True  # later transcripts belong to the next turn
                 return turn.words.text()
             if mode == "upstream":
                 await self._fail(turn, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
                                                 "(is an STT service upstream of TasteTurnCapture?)")
                 return None
-        turn.words.taken = True
         session = await self._call.ensure_session()
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
         asr = turn.asr or _TurnASR(None)
