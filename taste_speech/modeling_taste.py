@@ -24,9 +24,7 @@ Run dtypes (``torch_dtype``):
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch

@@ -261,9 +261,7 @@ def test_a_missing_tower_whisper_config_is_named(taste_lm_tiny_a, tmp_path):
 
 
 def test_auto_config_finds_the_tower_whisper_next_to_it(taste_lm_tiny_a):
-    from transformers import AutoConfig
-
-    import taste_speech  # noqa: F401  (registers the taste model type)
+    from transformers import AutoConfig  # the taste type is registered by importing taste_speech
 
     config = AutoConfig.from_pretrained(str(taste_lm_tiny_a))
     assert config.joint_whisper_config.d_model == TasteConfig.from_pretrained(str(taste_lm_tiny_a)).joint_whisper_config.d_model != 1280

@@ -1,5 +1,6 @@
-"""TastePlayout alone: a barge-in ends the audio with a fade that continues the waveform, however
-much of the reply had arrived unreleased (the just-in-time case has none)."""
+"""The output end, one processor at a time: on barge-in the playout ends the audio with a fade that
+continues the waveform however much of the reply had arrived unreleased (the just-in-time case has
+none), and the synthesizer gives each segment's back-pressure slot back where it was taken."""
 
 import numpy as np
 import pytest
@@ -37,3 +38,27 @@ async def test_barge_in_fades_without_a_step(chunk_ms, barge_in_after_s):
     assert abs(audio[-1]) < 1e-3  # faded to silence
     assert np.abs(np.diff(audio)).max() <= 1.1 * steepest_in_tone + 2e-3  # and no step anywhere: no click
 
+
+
+async def test_a_segment_gives_its_slot_back_to_the_semaphore_it_took_it_from():
+    """After a barge-in the generator has a new back-pressure semaphore; a segment sent before it
+    that the synthesizer takes afterwards must not add a place to the new one (the limit would
+    loosen for good, a little at each barge-in)."""
+    import asyncio
+
+    from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeSegment
+
+    call = TasteCall(FakeEngine())
+    old = asyncio.Semaphore(1)
+    await old.acquire()  # the generator's place for the segment below
+    call.reset_segment_slots()  # the barge-in's new semaphore, every place taken
+    new = call.segment_slots
+    for _ in range(call.max_pending_segments):
+        await new.acquire()
+    segment = TasteReplySegmentFrame(1, 0, " sure", 1, FakeSegment(["sure"], 2), old)
+    frames = [segment, TasteReplyEndFrame(1, "finished", 1), SleepFrame(0.3)]
+    await run_test(TasteSynthesizer(call), frames_to_send=frames,
+                   pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    assert not old.locked() and new.locked()

@@ -77,6 +77,9 @@ class TasteReplySegmentFrame(DataFrame):
     text: str
     n_words: int
     segment: Any  # engine's segment object (a taste_speech TASTESegment for the real engine)
+    # The back-pressure semaphore the generator took a place in for it (the synthesizer gives the
+    # place back to this one: after a barge-in the generator has a new one)
+    slot: Any = None
 
 
 @dataclass

@@ -232,7 +232,7 @@ class TasteGenerator(FrameProcessor):
                         await self.stop_ttfb_metrics()
                     await self._announce(turn_id, LLMTextFrame(event.text))
                     await self.push_frame(TasteReplySegmentFrame(turn_id, n_segments, event.text, event.n_words,
-                                                                 event.segment))
+                                                                 event.segment, slot))
                     n_segments += 1
                     total_words += event.n_words
                     texts.append(event.text)

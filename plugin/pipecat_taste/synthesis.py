@@ -160,7 +160,6 @@ class TasteSynthesizer(FrameProcessor):
 
     # Speech-token stage ----------------------------------------------------------------------------
     async def _decode_stage(self):
-        call = self._call
         reply: _Reply | None = None
         while True:
             frame = await self._segments.get()
@@ -168,7 +167,7 @@ class TasteSynthesizer(FrameProcessor):
                 continue
             if frame.turn_id in self._retracted:
                 if isinstance(frame, TasteReplySegmentFrame):
-                    call.segment_slots.release()  # the generator holds a slot per segment sent on
+                    _give_back(frame)  # the generator holds a slot per segment sent on
                 continue
             if reply is None or reply.turn_id != frame.turn_id:
                 reply = await self._start_reply(frame.turn_id)
@@ -176,7 +175,7 @@ class TasteSynthesizer(FrameProcessor):
                 await self._groups.put(("end", reply, frame.reason))
                 reply = None
                 continue
-            call.segment_slots.release()  # the generator may go on: this segment is taken
+            _give_back(frame)  # the generator may go on: this segment is taken
             if reply.decode_failed:
                 continue
             try:
@@ -297,3 +296,10 @@ class TasteSynthesizer(FrameProcessor):
         logger.warning(f"{self}: turn {turn_id}: {message}")
         self._call.log.turn(turn_id).errors.append(message)
         await self.push_error(f"turn {turn_id}: {message}", exception, category=ErrorCategory.UNKNOWN)
+
+
+def _give_back(segment: TasteReplySegmentFrame) -> None:
+    """Release the segment's back-pressure slot in the semaphore it was taken from (an old one after
+    a barge-in: releasing into the generator's new one would loosen its limit for good)."""
+    if segment.slot is not None:
+        segment.slot.release()
