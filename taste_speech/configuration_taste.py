@@ -267,10 +267,12 @@ class TasteConfig(PretrainedConfig):
         )
         return config
 
-    def save_pretrained(self, save_directory, **unused) -> None:
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **unused) -> None:
         """``config.json`` in the published layout, plus ``whisper_joint/config.json`` when the
         tower's Whisper is not distil-large-v3 (the published config names a copy that is not
         shipped; any other architecture travels with the checkpoint)."""
+        if push_to_hub:
+            raise NotImplementedError("push_to_hub is not supported: save to a folder, then upload it (hf upload)")
         os.makedirs(save_directory, exist_ok=True)
         config = self.to_dict()
         joint = self.joint_whisper_config

@@ -360,16 +360,19 @@ def write_safetensors_checkpoint(state: dict[str, torch.Tensor], directory: str,
     def save(tensors, name):
         # Through a temporary file: a model still memory-mapping an older file keeps its data.
         path = os.path.join(directory, name)
-        save_file(tensors, path + ".partial", metadata={"format": "pt"})
+        try:
+            save_file(tensors, path + ".partial", metadata={"format": "pt"})
+        except BaseException:  # e.g. the disk is full: no half-written file is left behind
+            if os.path.exists(path + ".partial"):
+                os.remove(path + ".partial")
+            raise
         os.replace(path + ".partial", path)
         return path
 
-    # An earlier save's files would be read instead of (or beside) this one's: remove them first.
-    for name in os.listdir(directory):
-        if name in (SAFE_SINGLE, SAFE_INDEX) or SAFE_SHARD.fullmatch(name):
-            os.remove(os.path.join(directory, name))
     if max_shard_size is None:
-        return [save(state, SAFE_SINGLE)]
+        written = [save(state, SAFE_SINGLE)]
+        _remove_other_weight_files(directory, [SAFE_SINGLE])
+        return written
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, value in state.items():
@@ -385,6 +388,17 @@ def write_safetensors_checkpoint(state: dict[str, torch.Tensor], directory: str,
         save(shard, name)
         weight_map.update({k: name for k in shard})
     total = sum(v.numel() * v.element_size() for v in state.values())
-    with open(os.path.join(directory, SAFE_INDEX), "w") as f:
+    index = os.path.join(directory, SAFE_INDEX)
+    with open(index + ".partial", "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    os.replace(index + ".partial", index)
+    _remove_other_weight_files(directory, names + [SAFE_INDEX])
     return [os.path.join(directory, n) for n in names]
+
+
+def _remove_other_weight_files(directory: str, keep: list[str]) -> None:
+    """An earlier save's weight files would be read instead of (or beside) this one's. Removed only
+    once the new files are all in place, so a save that fails leaves the old checkpoint whole."""
+    for name in os.listdir(directory):
+        if name not in keep and (name in (SAFE_SINGLE, SAFE_INDEX) or SAFE_SHARD.fullmatch(name)):
+            os.remove(os.path.join(directory, name))

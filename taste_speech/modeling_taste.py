@@ -359,14 +359,15 @@ class TasteForCausalLM(TastePreTrainedModel):
         return self
 
     # -- saving -----------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory, max_shard_size: int | None = None, **unused) -> None:
+    def save_pretrained(self, save_directory, max_shard_size: int | None = None, push_to_hub: bool = False,
+                        **unused) -> None:
         """Write the published layout: ``config.json`` (plus ``whisper_joint/config.json`` when the
         tower's Whisper is not distil-large-v3) and safetensors weights without the tied lm_head,
         sharded with an index when ``max_shard_size`` (bytes) is given."""
         from taste_speech.loading import write_safetensors_checkpoint
 
         self.config.architectures = [type(self).__name__]
-        self.config.save_pretrained(save_directory)
+        self.config.save_pretrained(save_directory, push_to_hub=push_to_hub)
         state = self.state_dict()
         lm = self.spoken_lm
         if lm.causal_lm.lm_head.weight is lm.embed_tokens.weight:

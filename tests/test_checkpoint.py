@@ -240,6 +240,24 @@ def test_a_second_save_replaces_the_first(reference, tmp_path):
         TasteForCausalLM.from_pretrained(tmp_path)
 
 
+def test_a_failed_save_leaves_the_previous_checkpoint_whole(reference, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    model = reference[0]
+    model.save_pretrained(tmp_path, max_shard_size=2_000_000)
+    before = sorted(os.listdir(tmp_path))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        model.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == before
+    monkeypatch.undo()
+    assert TasteForCausalLM.from_pretrained(tmp_path).loading_info.missing_keys == []
+
+
 # -- broken checkpoints ------------------------------------------------------------------------------
 def test_a_folder_without_config_is_named(taste_lm_tiny_a, tmp_path):
     """An interrupted download: transformers alone would return a default config and every tensor

@@ -394,3 +394,26 @@ async def test_finished_turns_are_not_held_for_the_rest_of_the_call(mode):
     down, _ = await run_with(capture, frames)
     assert len(of(down, TasteUserTurnFrame)) == 3
     assert not capture._waiting_for_words
+
+
+def test_an_stt_known_to_mark_no_part_final_is_taken_at_its_first_words():
+    """The quiet wait is for STTs that mark their last part finalized (and for the first turn, until
+    that is known); one known to mark none costs no wait: its turn is done at its first words."""
+    from pipecat_taste.capture import _UpstreamWords
+
+    words = _UpstreamWords()
+    words.add("book a table", at=10.0)
+    words.end_sample, words.closed_at = 16000, 10.0
+    assert not words.done(10.1, 0.4, None) and not words.done(10.1, 0.4, True)
+    assert words.done(10.1, 0.4, False) and words.done(10.5, 0.4, None)
+    words.add("for two", at=10.2, finalized=True, sample=17000)  # finalized after the speech ended
+    assert words.done(10.2, 0.4, True)
+
+
+@pytest.mark.parametrize("finalized, flagged", [(False, False), (True, True)])
+async def test_the_capture_learns_whether_the_stt_marks_final_parts(finalized, flagged):
+    frames = vad_turn(1.0) + [SleepFrame(0.2), stt("book a table", finalized=finalized), SleepFrame(0.6)]
+    capture = TasteTurnCapture(TasteCall(FakeEngine()), params=TurnCaptureParams(transcripts="upstream"))
+    down, _ = await run_with(capture, frames, tail_secs=0.5)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["book a table"]
+    assert capture._finals_flagged is flagged

@@ -82,6 +82,32 @@ def test_cancelled_reply_ends_within_a_step(engine, hello):
     assert rest[-1].kind == "end" and rest[-1].reason == "cancelled" and len(rest) <= 2
 
 
+def test_a_failed_reply_keeps_the_callers_turn_and_an_abandoned_one_frees_the_conversation(engine, hello):
+    """The library takes a failed reply's input turns back (for a retry); the call does not retry,
+    so what the caller said stays in the history. A reply left unfinished frees the conversation."""
+
+    class FailingStop:  # the reply's stop check fails at its fourth step, as a model error would
+        asks = 0
+
+        def is_set(self):
+            self.asks += 1
+            if self.asks > 3:
+                raise RuntimeError("injected failure mid-reply")
+            return False
+
+    session = engine.new_session(GenerationSettings(max_reply_tokens=40))
+    turn = session.user_turn(hello.audio, hello.text)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        list(session.reply(turn, FailingStop()))
+    turns = session.conversation.state.turns
+    assert len(turns) == 1 and turns[0] is turn.segment
+    events = session.reply(session.user_turn(hello.audio, hello.text), threading.Event())
+    next(events)
+    events.close()  # abandoned after its decision
+    assert not session.conversation.reply_in_progress
+    assert [e.kind for e in session.reply(session.user_turn(hello.audio, hello.text), threading.Event())][-1] == "end"
+
+
 def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):
     """Speech tokens on one thread and vocoding on another give exactly the library's audio."""
     from taste_speech.modeling_speech_decoder import TopKSampler

@@ -10,7 +10,8 @@ from any Pipecat STT, or the engine's built-in ASR), ``taste_tokenize``, and a
 go to the turns in order: the oldest closed turn still collecting its words takes the next one (an
 STT may answer after the caller has begun the next turn), else the turn being captured. A closed
 turn collects parts until one marked ``finalized`` arrives after the speech ended, or
-``transcript_quiet_secs`` pass without one; words that come later for a turn already taken are logged and dropped.
+``transcript_quiet_secs`` pass without one (an STT seen to mark no part finalized is taken at its
+first words); words that come later for a turn already taken are logged and dropped.
 
 Incremental ASR (``incremental_asr``, on by default): when the built-in ASR gives the transcript,
 the audio captured so far is transcribed on the call's listening thread every
@@ -169,13 +170,17 @@ class _UpstreamWords:
     def complete(self) -> bool:
         return any(self.after is None or at > self.after for at, _ in self.parts)
 
-    def done(self, now: float, quiet: float) -> bool:
+    def done(self, now: float, quiet: float, finals_flagged: bool | None) -> bool:
         """No more parts are expected: the STT finalized one after the speech ended (one finalized
         while the caller went on speaking does not cover the rest), or none has come for ``quiet``
-        seconds since the last part and the turn's close."""
+        seconds since the last part and the turn's close. Once the STT is known to mark no part
+        finalized (``finals_flagged`` False: many of Pipecat's send one transcript per turn), a turn
+        is taken at its first words, without the wait."""
         if self.closed_at is None or not self.complete():
             return False
         if self.final_sample is not None and self.final_sample >= self.end_sample:
+            return True
+        if finals_flagged is False:
             return True
         return now - max(self.parts[-1][0], self.closed_at) >= quiet
 
@@ -238,6 +243,9 @@ class TasteTurnCapture(FrameProcessor):
         self._partial_task: asyncio.Task | None = None
         self._turns_finishing = 0
         self._upstream_transcripts = False
+        # Whether the upstream STT marks the last part of a turn finalized: None until known (a part
+        # marked so arrives: True; a turn's parts end without one: False)
+        self._finals_flagged: bool | None = None
         # Early replies: where the current pause began (input samples), the turn handed on early,
         # and a lock that keeps a turn's frame before what is said about it.
         self._silence_from: int | None = None
@@ -549,7 +557,10 @@ class TasteTurnCapture(FrameProcessor):
             return
         now = time.monotonic()
         quiet = self._params.transcript_quiet_secs
-        collecting = next((turn for turn in self._waiting_for_words if not turn.words.done(now, quiet)), None)
+        if finalized:
+            self._finals_flagged = True
+        flagged = self._finals_flagged
+        collecting = next((turn for turn in self._waiting_for_words if not turn.words.done(now, quiet, flagged)), None)
         if collecting is not None:
             collecting.words.add(text, now, finalized, self._samples_seen)
         elif self._capturing:
@@ -625,7 +636,9 @@ class TasteTurnCapture(FrameProcessor):
         started, words, quiet = time.monotonic(), turn.words, self._params.transcript_quiet_secs
         while not turn.retracted.is_set():
             now = time.monotonic()
-            if words.done(now, quiet):
+            if words.done(now, quiet, self._finals_flagged):
+                if self._finals_flagged is None and words.final_sample is None:
+                    self._finals_flagged = False  # the parts ended without a final mark: it sets none
                 return
             # re-read: once the call's first upstream words came, 'auto' waits the whole timeout
             remaining = started + self._upstream_wait_secs() - now

@@ -22,6 +22,7 @@ model-free engine with the same interface for tests of the processors.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from pipecat_taste.start_hold import StartNeeds
+
+logger = logging.getLogger(__name__)
 
 INPUT_SAMPLE_RATE = 16000
 
@@ -392,23 +395,39 @@ class TasteSession:
             decided = True
             yield ReplyEvent("decision", decision="reply")
         self._last_reply_words = 0
-        for item in items:
-            if item["completion_reason"] == "no_speech":
-                yield ReplyEvent("decision", decision="no_speech")
-                return
-            if not decided:
-                decided = True
-                yield ReplyEvent("decision", decision="reply")
-            segment = item["segment"]
-            if segment is not None:
-                text = self.processor.llm_tokenizer.decode(segment.text_ids[0].tolist())
-                yield ReplyEvent("segment", text=text, n_words=int(segment.word_starts().sum()), segment=segment)
-            if item["is_complete"]:
-                reply = item.get("reply")  # streaming_generate has committed it to the conversation
-                self._last_reply_words = 0 if reply is None else int(reply.word_starts().sum())
-                reason = "cancelled" if item.get("cancelled") else "truncated" if item.get("truncated") else "finished"
-                yield ReplyEvent("end", reason=reason)
-                return
+        try:
+            for item in items:
+                if item["completion_reason"] == "no_speech":
+                    yield ReplyEvent("decision", decision="no_speech")
+                    return
+                if not decided:
+                    decided = True
+                    yield ReplyEvent("decision", decision="reply")
+                segment = item["segment"]
+                if segment is not None:
+                    text = self.processor.llm_tokenizer.decode(segment.text_ids[0].tolist())
+                    yield ReplyEvent("segment", text=text, n_words=int(segment.word_starts().sum()), segment=segment)
+                if item["is_complete"]:
+                    reply = item.get("reply")  # streaming_generate has committed it to the conversation
+                    self._last_reply_words = 0 if reply is None else int(reply.word_starts().sum())
+                    reason = "cancelled" if item.get("cancelled") else "truncated" if item.get("truncated") else "finished"
+                    yield ReplyEvent("end", reason=reason)
+                    return
+        except Exception:
+            self._keep_turn(turn)
+            raise
+        finally:
+            items.close()  # a reply abandoned by its consumer frees the conversation now, not at collection
+
+    def _keep_turn(self, turn: UserTurn) -> None:
+        """A failed reply: the library took the caller's turn back (ready for a retry), but the call
+        goes on to the next turn, so the conversation keeps what the caller said."""
+        if self.conversation.closed or any(t is turn.segment for t in self.conversation.state.turns):
+            return
+        try:
+            self.conversation.add_turn(turn.segment)
+        except Exception as exc:  # the model itself fails: the next turn will say so
+            logger.warning("the caller's turn could not be kept after a failed reply: %s", exc)
 
     def commit_reply(self, played_words: int | None) -> int:
         """After a reply: keep all of it (None) or only its first ``played_words`` words (what the

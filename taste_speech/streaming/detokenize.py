@@ -240,7 +240,7 @@ def taste_detokenize_stream(
     min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
     dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=decoder_cache)
     continued = prev_speech_ids
-    if state is not None:
+    if state is not None and state.segment_tokens:  # (0: the state spoke tokens outside detokenize)
         continued = prev_speech_ids[:, prev_speech_ids.shape[1] - state.segment_tokens:]
     if continued.shape[1]:
         dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(continued.to(device)))
