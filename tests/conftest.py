@@ -40,6 +40,16 @@ def tiny_model(tiny_checkpoint):
     return TasteForCausalLM.from_pretrained(str(tiny_checkpoint)), TasteProcessor.from_pretrained(str(tiny_checkpoint))
 
 
+@pytest.fixture(scope="session")
+def model(tiny_model):
+    return tiny_model[0]
+
+
+@pytest.fixture(scope="session")
+def processor(tiny_model):
+    return tiny_model[1]
+
+
 # Golden set A, and the spoken LM loaded from it: per test module, so that one module's changes to
 # the model (caches, graphs) never reach another's. A module with other goldens defines its own.
 @pytest.fixture(scope="module")

@@ -75,16 +75,6 @@ def golden_turn(golden):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model[0]
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_model):
-    return tiny_model[1]
-
-
-@pytest.fixture(scope="module")
 def user_turn(model, processor):
     text = processor.process_text("hello there how are you doing today")
     taste = taste_tokenize(model, processor, voiced()[None], text.llm_token_ids)

@@ -36,16 +36,6 @@ def voiced(seconds=1.5, rate=16000, seed=0):
     return (tone + 0.01 * rng.randn(t.size)).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model[0]
-
-
-@pytest.fixture(scope="module")
-def processor(tiny_model):
-    return tiny_model[1]
-
-
 def audio_turn(model, processor, text, seed=0):
     ids = processor.process_text(text).llm_token_ids
     return TASTESegment("user", "audio", ids, taste_tokenize(model, processor, voiced(seed=seed)[None], ids))
