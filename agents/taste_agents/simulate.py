@@ -25,8 +25,6 @@ import numpy as np
 from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     BotStoppedSpeakingFrame,
-    CancelFrame,
-    EndFrame,
     ErrorFrame,
     Frame,
     InputAudioRawFrame,
@@ -227,12 +225,9 @@ async def simulate_call(engine, script: list, *, config=None, sample_rate: int =
         log.t0 = line.t0
         say("call connected")
         timed_out = not await _drive_caller(line, caller, worker, transport, stt_delay_s, tail_s, max_call_s, printer)
-        await worker.queue_frame(EndFrame())
-        try:
-            await asyncio.wait_for(asyncio.shield(run_task), timeout=10)
-        except asyncio.TimeoutError:
-            await worker.queue_frame(CancelFrame())
-            await asyncio.wait_for(run_task, timeout=10)
+        # The caller hangs up (as the server does when the peer leaves): what is still playing is cut.
+        await worker.cancel(reason="the caller hung up")
+        await asyncio.wait_for(run_task, timeout=20)
     finally:
         if not run_task.done():
             run_task.cancel()

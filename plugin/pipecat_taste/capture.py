@@ -45,6 +45,10 @@ playout stop at once. Earlier turns whose reply has not begun yet get none from 
 (``TasteCall.replies_muted_upto``): it would talk over the caller. A shorter sound (a cough, an
 'mm') is ignored as a turn, so it must neither interrupt nor mute. With an upstream VAD, whose
 state the capture does not see, that is ``min_speech_secs`` plus the VAD's ``stop_secs``.
+
+``EndFrame``: the turns already ended are finished (transcribed with the words that came before
+it, tokenized, handed on; a turn handed on early is confirmed) and the EndFrame follows them; the
+speech still going on is dropped (decision 'ignored'). ``CancelFrame`` stops everything at once.
 """
 
 from __future__ import annotations
@@ -211,6 +215,13 @@ class _CapturedTurn:
 _NO_AUDIO = np.zeros(0, np.float32)
 
 
+@dataclass
+class _EndOfCall:
+    """The EndFrame, queued behind the turns still being finished."""
+    frame: EndFrame
+    direction: FrameDirection
+
+
 class TasteTurnCapture(FrameProcessor):
     def __init__(self, call: TasteCall, *, vad_analyzer: VADAnalyzer | None = None,
                  params: TurnCaptureParams | None = None, **kwargs):
@@ -251,6 +262,7 @@ class TasteTurnCapture(FrameProcessor):
         self._silence_from: int | None = None
         self._early: _CapturedTurn | None = None
         self._turn_frames_lock = asyncio.Lock()
+        self._ending = False  # an EndFrame came: no new turns; the ones already ended are finished
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -299,12 +311,15 @@ class TasteTurnCapture(FrameProcessor):
             await self.push_frame(frame, direction)
             self._finish_queue = asyncio.Queue()
             self._finisher = self.create_task(self._finish_turns())
-        elif isinstance(frame, (EndFrame, CancelFrame)):
+        elif isinstance(frame, EndFrame):
+            await self._end_of_call(frame, direction)
+        elif isinstance(frame, CancelFrame):
             await self._stop_finisher()
             await self.push_frame(frame, direction)
         elif isinstance(frame, InputAudioRawFrame):
             await self.push_frame(frame, direction)
-            await self._handle_audio(frame)
+            if not self._ending:
+                await self._handle_audio(frame)
         elif isinstance(frame, VADUserStartedSpeakingFrame) and self._vad is None:
             self._upstream_start_secs = frame.start_secs or self._upstream_start_secs
             await self.push_frame(frame, direction)
@@ -318,6 +333,22 @@ class TasteTurnCapture(FrameProcessor):
             self._add_transcript(frame.text, frame.finalized)  # consumed: the turn's transcript goes upstream later
         else:
             await self.push_frame(frame, direction)
+
+    async def _end_of_call(self, frame: EndFrame, direction: FrameDirection):
+        """EndFrame: the turns the caller has ended are still transcribed and handed on (a turn
+        handed on early is confirmed: no more speech can retract it); speech still going on is
+        not a turn yet and is dropped. The EndFrame follows the last turn out."""
+        self._ending = True
+        if self._capturing:
+            if self._vad is not None and self._vad_state != VADState.QUIET:
+                await self.broadcast_frame(VADUserStoppedSpeakingFrame, stop_secs=0.0)
+            await self._speech_stopped(time.monotonic(), keep=self._early is not None)
+        for turn in self._waiting_for_words:  # what an upstream STT had to say came before the EndFrame
+            turn.words.arrived.set()
+        if self._finish_queue is None:
+            await self.push_frame(frame, direction)
+        else:
+            self._finish_queue.put_nowait(_EndOfCall(frame, direction))
 
     async def _handle_audio(self, frame: InputAudioRawFrame):
         now = time.monotonic()
@@ -448,7 +479,8 @@ class TasteTurnCapture(FrameProcessor):
         logger.debug(f"{self}: barge-in on turn {active} by turn {self._turn_id}")
         await self.broadcast_interruption()
 
-    async def _speech_stopped(self, now: float, forced: bool = False):
+    async def _speech_stopped(self, now: float, forced: bool = False, keep: bool = True):
+        """The turn being captured ends (``keep=False``: dropped, the call is ending)."""
         if not self._capturing:
             return
         self._capturing = False
@@ -467,8 +499,10 @@ class TasteTurnCapture(FrameProcessor):
             await self.broadcast_frame(UserStoppedSpeakingFrame)
         if early is not None:
             await self._confirm(early)
-        else:
+        elif keep:
             self._enqueue(turn)
+        else:
+            await self._decide(turn, "ignored", "the call ended while the caller was speaking")
 
     def _close_turn(self, now: float, silence_secs: float) -> _CapturedTurn:
         """The current turn's audio up to ``post_roll_secs`` after its estimated end (``silence_secs``
@@ -582,6 +616,9 @@ class TasteTurnCapture(FrameProcessor):
     async def _finish_turns(self):
         while True:
             turn = await self._finish_queue.get()
+            if isinstance(turn, _EndOfCall):  # every turn before it is out
+                await self.push_frame(turn.frame, turn.direction)
+                return
             try:
                 await self._finish(turn)
             except asyncio.CancelledError:
@@ -634,7 +671,7 @@ class TasteTurnCapture(FrameProcessor):
         """Until all parts of the turn's upstream transcript are in (``_UpstreamWords.done``), it is
         retracted, or the wait is over."""
         started, words, quiet = time.monotonic(), turn.words, self._params.transcript_quiet_secs
-        while not turn.retracted.is_set():
+        while not turn.retracted.is_set() and not self._ending:
             now = time.monotonic()
             if words.done(now, quiet, self._finals_flagged):
                 if self._finals_flagged is None and words.final_sample is None:

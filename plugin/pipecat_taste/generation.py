@@ -17,6 +17,9 @@ What the conversation keeps: with a ``TastePlayout`` in the call, the reply is c
 playout reports what was actually played (all of it, or, after a barge-in, only the words the
 caller heard); without one, everything generated is kept. Either way the commit happens before
 the next user turn is answered, so history always matches what was heard, in order.
+
+``EndFrame`` waits its turn: the turns that came before it are answered (and, with a playout,
+heard) before it goes on. ``CancelFrame`` stops everything at once.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ from pipecat_taste.frames import (
     TasteTurnStatusFrame,
     TasteUserTurnFrame,
 )
+
+
+class _EndOfCall:
+    """A queued job: pass the EndFrame on, after the turns ahead of it."""
+
+    def __init__(self, frame: EndFrame, direction: FrameDirection):
+        self.frame, self.direction = frame, direction
 
 
 class _Forget:
@@ -99,6 +109,8 @@ class TasteGenerator(FrameProcessor):
             await self.push_frame(frame, direction)
             self._turns = asyncio.Queue()
             self._worker = self.create_task(self._answer_turns())
+        elif isinstance(frame, EndFrame) and self._turns is not None:
+            self._turns.put_nowait(_EndOfCall(frame, direction))
         elif isinstance(frame, (EndFrame, CancelFrame)):
             await self._stop_worker()
             await self.push_frame(frame, direction)
@@ -163,6 +175,9 @@ class TasteGenerator(FrameProcessor):
     async def _answer_turns(self):
         while True:
             frame = await self._turns.get()
+            if isinstance(frame, _EndOfCall):
+                await self.push_frame(frame.frame, frame.direction)
+                return
             if isinstance(frame, _Forget):
                 await self._forget(frame.frame)
                 continue

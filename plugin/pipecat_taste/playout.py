@@ -40,6 +40,12 @@ Passed on at once, it would find the transport's queue empty half of the time (i
 ``lead_ms`` of audio), make it report the bot stopped, and the fade would then start a second
 BotStarted/BotStopped pair for the same reply. All the reply's audio is uninterruptible, so the
 transport has nothing of it to drop; what the late interruption still drops is other audio.
+
+``EndFrame`` is queued behind the audio: it goes on once the replies before it have been heard,
+so ending a call after the agent's last words is ``queue_frame(EndFrame())`` (the capture, the
+generator and the synthesizer pass it on only after the turns and replies ahead of it, too).
+``CancelFrame`` is a hang-up: the audio not yet released is dropped and the reply's record says
+``ended_by_hangup``.
 """
 
 from __future__ import annotations
@@ -136,6 +142,9 @@ class TastePlayout(FrameProcessor):
         self._retracted: set[int] = set()
         self._held_interruption: tuple[InterruptionFrame, FrameDirection] | None = None
         self._hold_task: asyncio.Task | None = None
+        self._end: tuple[EndFrame, FrameDirection] | None = None  # queued behind the audio
+        self._end_passed = False
+        self._started = False
         call.has_playout = True
 
     @property
@@ -180,14 +189,14 @@ class TastePlayout(FrameProcessor):
         if isinstance(frame, StartFrame):
             await self.push_frame(frame, direction)
             self._start_task()
+            self._started = True
+        elif isinstance(frame, EndFrame) and self._started:
+            self._end = (frame, direction)
+            self._queue.append(("end_of_call", None, self._end))
+            self._wake.set()
         elif isinstance(frame, (EndFrame, CancelFrame)):
             await self._stop_task()
-            await self._pass_held_interruption()
-            for reply in self._replies.values():  # the call ends before these were played to the end
-                record = self._call.log.turn(reply.turn_id)
-                record.ended_by_hangup = True
-                record.played_samples = reply.released
-            await self.push_frame(frame, direction)
+            await self._end_of_call(frame, direction)
         elif isinstance(frame, InterruptionFrame):
             await self._interrupt(frame, direction)
         elif isinstance(frame, BotStartedSpeakingFrame):
@@ -208,6 +217,15 @@ class TastePlayout(FrameProcessor):
         else:
             await self.push_frame(frame, direction)
 
+    async def _end_of_call(self, frame: Frame, direction: FrameDirection):
+        await self._pass_held_interruption()
+        for reply in self._replies.values():  # the call ends before these were played to the end
+            record = self._call.log.turn(reply.turn_id)
+            record.ended_by_hangup = True
+            record.played_samples = reply.released
+        self._end_passed = True
+        await self.push_frame(frame, direction)
+
     def _turn_status(self, frame: TasteTurnStatusFrame):
         if frame.status == "tentative":
             self._unconfirmed.add(frame.turn_id)
@@ -215,7 +233,8 @@ class TastePlayout(FrameProcessor):
         self._unconfirmed.discard(frame.turn_id)
         if frame.status == "retracted":
             self._retracted.add(frame.turn_id)
-            self._queue = collections.deque(item for item in self._queue if item[1].turn_id != frame.turn_id)
+            self._queue = collections.deque(item for item in self._queue
+                                            if item[1] is None or item[1].turn_id != frame.turn_id)
             self._replies.pop(frame.turn_id, None)
         self._wake.set()
 
@@ -259,6 +278,10 @@ class TastePlayout(FrameProcessor):
                 continue
             kind, reply, payload = self._queue[0]
             now = time.monotonic()
+            if kind == "end_of_call":  # every reply before it has been heard
+                self._queue.popleft()
+                await self._end_of_call(*payload)
+                return
             if kind == "start":
                 if reply.turn_id in self._unconfirmed:  # its turn may still be retracted
                     self._wake.clear()
@@ -349,6 +372,8 @@ class TastePlayout(FrameProcessor):
         cut = max([self._cancelled_upto, active or 0] + list(self._replies))
         self._cancelled_upto = cut
         self._queue.clear()
+        if self._end is not None and not self._end_passed:
+            self._queue.append(("end_of_call", None, self._end))
         await self._pass_held_interruption()  # an earlier barge-in's
         transport_speaking = reply is not None and reply.released > 0 and self._call.bot_speaking
         if reply is not None and reply.started:

@@ -21,6 +21,9 @@ On an ``InterruptionFrame`` both stages stop at once; anything still queued for 
 reply is dropped (a computation already running on a worker thread finishes and is discarded).
 A retracted tentative turn (``TasteTurnStatusFrame`` 'retracted') drops only that reply: nothing of
 it was heard, and an earlier reply still being synthesized goes on.
+
+``EndFrame`` goes through both stages behind the segments ahead of it, so it follows the last
+reply's audio out; ``CancelFrame`` stops both stages at once.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ class TasteSynthesizer(FrameProcessor):
         self._cancelled_upto = 0  # turns up to this id were interrupted
         self._retracted: set[int] = set()  # tentative turns taken back
         self._current_turn: int | None = None
+        self._end: EndFrame | None = None  # the call's EndFrame, on its way through the stages
+        self._end_passed = False
         call.has_synthesizer = True
         call.join(self)
 
@@ -127,6 +132,9 @@ class TasteSynthesizer(FrameProcessor):
         if isinstance(frame, StartFrame):
             await self.push_frame(frame, direction)
             self._start_stages()
+        elif isinstance(frame, EndFrame) and self._segments is not None:
+            self._end = frame
+            self._segments.put_nowait(frame)
         elif isinstance(frame, (EndFrame, CancelFrame)):
             await self._stop_stages()
             await self.push_frame(frame, direction)
@@ -156,6 +164,8 @@ class TasteSynthesizer(FrameProcessor):
         self._current_turn = None
         await self.stop_all_metrics()
         self._start_stages()
+        if self._end is not None and not self._end_passed:  # it was in the queues just dropped
+            self._segments.put_nowait(self._end)
         self._call.log.event("synthesis_cancelled", turn)
 
     # Speech-token stage ----------------------------------------------------------------------------
@@ -163,6 +173,9 @@ class TasteSynthesizer(FrameProcessor):
         reply: _Reply | None = None
         while True:
             frame = await self._segments.get()
+            if isinstance(frame, EndFrame):
+                await self._groups.put(("end_of_call", None, frame))
+                continue
             if frame.turn_id <= self._cancelled_upto:
                 continue
             if frame.turn_id in self._retracted:
@@ -229,6 +242,10 @@ class TasteSynthesizer(FrameProcessor):
         first_audio = False
         while True:
             kind, reply, payload = await self._groups.get()
+            if kind == "end_of_call":  # all audio before it is out
+                self._end_passed = True
+                await self.push_frame(payload)
+                continue
             if self._dropped(reply.turn_id):
                 continue
             turn_id = reply.turn_id

@@ -1,0 +1,161 @@
+"""How a call ends. ``EndFrame`` is Pipecat's graceful end: each processor passes it on after the
+work ahead of it, so the turns the caller ended are still answered and the replies are heard to the
+end before the pipeline stops. ``CancelFrame`` is a hang-up: the reply is cut where it is."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InputAudioRawFrame,
+    InterruptionFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    UserStoppedSpeakingFrame,
+)
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.tests.utils import SleepFrame, run_test
+
+from pipecat_taste import TasteSpeechToSpeech
+from pipecat_taste.audio import float_to_pcm16, pcm16_to_float
+from pipecat_taste.call import TasteCall
+from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame, TasteTurnDecisionFrame
+from pipecat_taste.playout import TastePlayout
+from pipecat_taste.synthesis import TasteSynthesizer
+from pipecat_taste.testing import FakeEngine, FakeSegment
+from taste_agents.caller import load_utterances
+
+IN_RATE, OUT_RATE = 16000, 24000
+PARAMS = PipelineParams(audio_in_sample_rate=IN_RATE, audio_out_sample_rate=OUT_RATE)
+
+
+def caller_audio(seconds_of_speech: float | None = None, silence_secs: float = 0.0) -> list[Frame]:
+    """The 'time' utterance (cut after ``seconds_of_speech``), then silence, as 20 ms frames."""
+    audio = load_utterances()["time"].audio
+    if seconds_of_speech is not None:
+        audio = audio[: int(seconds_of_speech * IN_RATE)]
+    audio = np.concatenate([audio, np.zeros(int(silence_secs * IN_RATE), np.float32)])
+    n = IN_RATE // 50
+    audio = np.concatenate([audio, np.zeros((-audio.size) % n, np.float32)])
+    return [InputAudioRawFrame(float_to_pcm16(audio[i:i + n]), IN_RATE, 1) for i in range(0, audio.size, n)]
+
+
+def played(frames) -> np.ndarray:
+    audio = [pcm16_to_float(f.audio) for f in frames if isinstance(f, TTSAudioRawFrame)]
+    return np.concatenate(audio) if audio else np.zeros(0, np.float32)
+
+
+async def run_call(frames, engine, **kw):
+    agent, watch = TasteSpeechToSpeech(engine), EndWatch()
+    down, _ = await run_test(Pipeline([watch, agent]), frames_to_send=frames, pipeline_params=PARAMS, **kw)
+    assert not watch.gave_up, "the EndFrame never came out of the pipeline"
+    return agent.log, down
+
+
+async def test_end_frame_right_after_a_turn_lets_the_reply_be_heard():
+    """The EndFrame comes as soon as the VAD has closed the turn: the turn is still transcribed and
+    answered, and the whole reply is played before the pipeline stops (before, it was cut unheard)."""
+    engine = FakeEngine(asr_text="what time is it")
+    log, down = await run_call(caller_audio(silence_secs=0.7), engine)  # run_test then queues the EndFrame
+    [record] = log.turns.values()
+    assert record.decision == "reply" and not record.ended_by_hangup
+    assert record.played_words == 6 and record.kept_words == 6  # every word of the fake reply
+    assert record.played_samples == record.synthesized_samples > 0
+    assert played(down).size >= record.synthesized_samples  # all of it reached the transport
+    assert [type(f) for f in down if isinstance(f, (TTSStartedFrame, TTSStoppedFrame))] == [TTSStartedFrame,
+                                                                                            TTSStoppedFrame]
+    assert engine.sessions[0].history == [("user", "what time is it"), ("assistant", "sure I can help with that")]
+
+
+async def test_a_turn_handed_on_early_is_confirmed_by_the_end_of_the_call():
+    """0.3 s of silence: the turn was handed on early (0.2 s) but the VAD never confirmed it (0.5 s).
+    No more speech can retract it, so the EndFrame confirms it and its reply is heard."""
+    engine = FakeEngine(asr_text="what time is it")
+    log, down = await run_call(caller_audio(silence_secs=0.3), engine)
+    [record] = log.turns.values()
+    assert record.early_end_at is not None and record.decision == "reply"
+    assert record.played_words == 6 and not record.ended_by_hangup
+    assert played(down).size >= record.synthesized_samples > 0
+
+
+async def test_speech_still_going_on_at_the_end_is_dropped_as_a_turn():
+    engine = FakeEngine(asr_text="what time is")
+    log, down = await run_call(caller_audio(seconds_of_speech=1.0), engine)
+    [record] = log.turns.values()
+    decisions = [f for f in down if isinstance(f, TasteTurnDecisionFrame)]
+    assert [(d.decision, d.reason) for d in decisions] == [("ignored", "the call ended while the caller was speaking")]
+    assert record.decision == "ignored" and not record.transcript
+    assert any(isinstance(f, UserStoppedSpeakingFrame) for f in down)  # the started/stopped pair stays whole
+    assert not any(isinstance(f, TTSStartedFrame) for f in down) and engine.sessions[0].history == []
+
+
+async def test_cancel_frame_hangs_up_in_the_middle_of_the_reply():
+    engine = FakeEngine(asr_text="what time is it", reply_words=tuple(f"word{i}" for i in range(20)))  # 4 s
+    frames = caller_audio(silence_secs=0.7) + [SleepFrame(1.5), CancelFrame()]
+    log, down = await run_call(frames, engine, send_end_frame=False)
+    [record] = log.turns.values()
+    assert record.ended_by_hangup
+    assert 0 < played(down).size < 4 * OUT_RATE and record.played_samples < 4 * OUT_RATE
+
+
+class EndWatch(FrameProcessor):
+    """First in a test pipeline. After the EndFrame went by: a barge-in ``interrupt_after`` s later
+    (an InterruptionFrame, as the capture sends), and a CancelFrame ``give_up_after`` s later, so
+    that an EndFrame lost inside the pipeline fails the test (``gave_up``) instead of hanging it."""
+
+    def __init__(self, interrupt_after: float | None = None, give_up_after: float = 15.0):
+        super().__init__()
+        self._interrupt_after, self._give_up_after = interrupt_after, give_up_after
+        self._task = None
+        self.gave_up = False
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection):
+        await super().process_frame(frame, direction)
+        await self.push_frame(frame, direction)
+        if isinstance(frame, EndFrame):
+            self._task = self.create_task(self._watch())
+
+    async def _watch(self):
+        waited = 0.0
+        if self._interrupt_after is not None:
+            await asyncio.sleep(self._interrupt_after)
+            waited = self._interrupt_after
+            await self.push_frame(InterruptionFrame())
+        await asyncio.sleep(self._give_up_after - waited)
+        self.gave_up = True
+        await self.push_frame(CancelFrame())
+
+    async def cleanup(self):
+        await super().cleanup()
+        if self._task is not None:
+            await self.cancel_task(self._task)
+
+
+@pytest.mark.parametrize("vocode_delay, barge_in_after", [
+    (0.1, 0.4),  # the EndFrame waits in the synthesizer (still vocoding)
+    (0.0, 1.0),  # the EndFrame waits in the playout (all synthesized, 3 s to play)
+])
+async def test_a_barge_in_while_the_end_waits_still_ends_the_call(vocode_delay, barge_in_after):
+    """The synthesizer and the playout drop their queues on a barge-in; the EndFrame waiting in them
+    must survive that, or the pipeline never stops."""
+    engine = FakeEngine(vocode_delay=vocode_delay)
+    call = TasteCall(engine)
+    call.active_reply_turn = 1
+    segments = [TasteReplySegmentFrame(1, i, f" w{i}", 1, FakeSegment([f"w{i}"], 2), None) for i in range(15)]
+    watch = EndWatch(interrupt_after=barge_in_after)
+    pipeline = Pipeline([watch, TasteSynthesizer(call), TastePlayout(call)])
+    down, _ = await run_test(pipeline, frames_to_send=segments + [TasteReplyEndFrame(1, "finished", 15)],
+                             pipeline_params=PARAMS)
+    assert not watch.gave_up, "the EndFrame was lost in the barge-in"
+    record = call.log.turns[1]
+    assert not record.ended_by_hangup  # the barge-in cut it, not the end of the call
+    audio = played(down)
+    assert 0 < audio.size < 15 * 0.2 * OUT_RATE and abs(audio[-1]) < 1e-3  # cut short, with a fade
+    assert [type(f) for f in down if isinstance(f, (TTSStartedFrame, TTSStoppedFrame))] == [TTSStartedFrame,
+                                                                                            TTSStoppedFrame]
