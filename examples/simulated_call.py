@@ -17,7 +17,9 @@ from taste_agents.simulate import simulate_call
 
 
 async def main(model: str | None, device: str) -> None:
-    engine = TasteEngine.from_pretrained(model, device=device)  # None: the embedded tiny checkpoint
+    # None: the embedded tiny checkpoint (with its small built-in ASR). With a real checkpoint the
+    # scripted caller sends its own transcripts, so no Whisper is loaded (asr=None).
+    engine = TasteEngine.from_pretrained(model, device=device, asr="auto" if model is None else None)
     config = PhoneAgentConfig(max_reply_tokens=6 if model is None else 48)
     u = load_utterances()
     script = [

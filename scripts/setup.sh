@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One-shot set-up on a fresh machine: a virtual environment in .venv with the CPU build of torch
-# (pinned: an unpinned torch pulls a multi-GB CUDA build) and this project installed editable.
+# One-shot set-up on a fresh machine: a virtual environment in .venv with torch pinned to 2.13.0 and
+# this project installed editable. Where pip finds a CPU wheel of that version (as on our machines
+# and CI) that is the build it takes; elsewhere the default Linux wheel carries CUDA (multi-GB):
+# set TORCH_INDEX_URL to PyTorch's CPU-only wheel index to take the CPU build from there.
 # --test also installs what the test suite needs from Debian (espeak-ng and sox for real speech,
 # chromium for the browser test) when apt-get is available and we are root.
 set -euo pipefail
@@ -18,4 +20,7 @@ if [[ "${1:-}" == "--test" ]]; then
 fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+if [[ -n "${TORCH_INDEX_URL:-}" ]]; then
+  .venv/bin/python -m pip install -q "torch==2.13.0" --index-url "$TORCH_INDEX_URL"
+fi
 .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[${extras}]"

@@ -298,3 +298,15 @@ def test_auto_asr_is_the_checkpoints_own_whisper_and_a_missing_one_says_what_to_
         default_asr(model(2048), SimpleNamespace(asr_model=str(tmp_path / "whisper-missing")), checkpoint)
     with pytest.raises(ValueError, match="names no Whisper model"):
         default_asr(model(2048), SimpleNamespace(asr_model=None), checkpoint)
+
+
+def test_device_auto_is_resolved_once_for_every_part():
+    """'auto' (CUDA when there is one) reaches the LM, the voice generator and the ASR as a real
+    device: torch itself does not know 'auto' (the voice generator failed on it)."""
+    import torch
+
+    engine = TasteEngine.from_pretrained(None, device="auto")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert engine.device == expected
+    assert next(engine.model.parameters()).device.type == expected
+    assert next(engine.voice_generator.parameters()).device.type == expected

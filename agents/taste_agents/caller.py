@@ -17,7 +17,6 @@ Script steps:
 from __future__ import annotations
 
 import json
-import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,15 +36,16 @@ class Utterance:
         return self.audio.size / 16000
 
 
-def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
-    with wave.open(str(path), "rb") as f:
-        if f.getsampwidth() != 2:
-            raise ValueError(f"{path}: only 16-bit PCM WAV files are supported")
-        rate, channels = f.getframerate(), f.getnchannels()
-        data = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
-    if channels > 1:
-        data = data.reshape(-1, channels).mean(axis=1)
-    return data, rate
+def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
+    """A recording as mono float32 and its rate: WAV of any sample format (16/24-bit, float), FLAC,
+    OGG, MP3 - whatever libsndfile reads."""
+    import soundfile
+
+    try:
+        data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    except soundfile.LibsndfileError as e:
+        raise ValueError(f"{path}: not a recording this can read ({e})") from None
+    return data.mean(axis=1), rate
 
 
 def load_utterances(directory: str | Path = CALLER_AUDIO, sample_rate: int = 16000) -> dict[str, Utterance]:
@@ -56,7 +56,7 @@ def load_utterances(directory: str | Path = CALLER_AUDIO, sample_rate: int = 160
     manifest = json.loads((directory / "script.json").read_text())
     out = {}
     for name, text in manifest["utterances"].items():
-        audio, rate = read_wav(directory / f"{name}.wav")
+        audio, rate = read_audio(directory / f"{name}.wav")
         out[name] = Utterance(name, text, resample(audio, rate, sample_rate))
     return out
 

@@ -45,8 +45,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "fine-tuned checkpoint)")
     parser.add_argument("--max-reply-tokens", type=positive_int, default=None,
                         help="longest reply in LLM tokens (default: 6 on the tiny checkpoint, 48 otherwise)")
-    parser.add_argument("--voice", default=None, help="reference WAV for the agent's voice, a few seconds of clean speech (default: the checkpoint's "
-                        "default voice, or a synthetic placeholder: docs/CHECKPOINTS.md)")
+    parser.add_argument("--voice", default=None,
+                        help="a recording of the agent's voice (WAV, FLAC, OGG or MP3), a few seconds of clean "
+                             "speech (default: the checkpoint's default voice, or a synthetic placeholder: "
+                             "docs/CHECKPOINTS.md)")
     parser.add_argument("--asr-model", default="auto",
                         help="Whisper folder or hub id for the built-in ASR (live calls need transcripts); 'none' to "
                              "rely on transcripts sent by the client or an upstream STT (default: auto - the Whisper "
@@ -139,6 +141,18 @@ def ms_or_none(value) -> float | None:
     return ms
 
 
+def asr_choice(args) -> str | None:
+    """The built-in ASR to load: --asr-model, where 'auto' means none when transcripts come from
+    elsewhere - upstream only, or a simulated call with a real checkpoint, whose scripted caller sends
+    its own (its Whisper would only be downloaded and compete with the call; the tiny checkpoint's
+    random ASR is small: kept) - unless --transcripts asr asks for it."""
+    transcripts = getattr(args, "transcripts", "auto")
+    simulated = args.command == "call" and args.model is not None and transcripts != "asr"
+    if args.asr_model == "none" or (args.asr_model == "auto" and (transcripts == "upstream" or simulated)):
+        return None
+    return args.asr_model
+
+
 def load_engine(args, say):
     from pipecat_taste.engine import TasteEngine
 
@@ -152,13 +166,7 @@ def load_engine(args, say):
     else:
         path = args.model
     say(f"loading {label} on {args.device} ...")
-    upstream_only = getattr(args, "transcripts", "auto") == "upstream"
-    # a simulated caller sends its own transcripts: a real checkpoint's Whisper would only be
-    # downloaded and compete with the call (the tiny checkpoint's random ASR is small: kept)
-    simulated = args.command == "call" and args.model is not None
-    asr = (None if args.asr_model == "none" or (args.asr_model == "auto" and (upstream_only or simulated))
-           else args.asr_model)
-    engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr,
+    engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr_choice(args),
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),
                                          batch_slots=getattr(args, "batch_slots", "auto"))
@@ -273,8 +281,9 @@ def _summary(report: dict, paths: dict) -> str:
     return "\n".join(lines)
 
 
-def _check_paths(parser: argparse.ArgumentParser, args) -> None:
-    """Files and folders named on the command line, checked before minutes of model loading."""
+def _check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Files named on the command line and combinations of flags, checked before minutes of model
+    loading."""
     out = getattr(args, "out", None)
     if out is not None and os.path.exists(out) and not os.path.isdir(out):
         parser.error(f"--out {out!r} is a file; give a folder (it is created if missing)")
@@ -282,6 +291,23 @@ def _check_paths(parser: argparse.ArgumentParser, args) -> None:
         path = getattr(args, flag, None)
         if path is not None and not os.path.isfile(path):
             parser.error(f"--{flag.replace('_', '-')} {path!r}: no such file")
+    if args.voice is not None:
+        from taste_agents.caller import read_audio
+
+        try:
+            read_audio(args.voice)
+        except ValueError as e:
+            parser.error(f"--voice: {e}; give a recording of the voice (WAV, FLAC, OGG or MP3)")
+    if args.transcripts == "asr" and args.asr_model == "none":
+        parser.error("--transcripts asr needs the built-in ASR: drop --asr-model none")
+    from taste_agents.phone_agent import PhoneAgentConfig
+
+    stop_ms = 1000 * PhoneAgentConfig.vad_stop_secs
+    if args.early_reply_ms is not None and args.early_reply_ms >= stop_ms:
+        parser.error(f"--early-reply-ms {args.early_reply_ms:g} would never come before the VAD's end of the turn "
+                     f"({stop_ms:g} ms of silence): give less, or 'none'")
+    if getattr(args, "turn_username", None) and not getattr(args, "ice_servers", None):
+        parser.error("--turn-username without a turn: --ice-server does nothing; add the TURN server")
     if getattr(args, "ssl_keyfile", None) and not getattr(args, "ssl_certfile", None):
         parser.error("--ssl-keyfile needs its --ssl-certfile (a certfile may also hold the key)")
     if getattr(args, "ice_servers", None):
@@ -304,7 +330,7 @@ def _quiet_logs():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_paths(parser, args)
+    _check_args(parser, args)
     configure_malloc()  # calls allocate and free all day from many threads: keep the resident size flat
     if args.command == "call":
         if not args.simulate:
@@ -313,6 +339,11 @@ def main(argv=None) -> int:
         return run_simulated_call(args)
     if args.command == "serve":
         from taste_agents.server import serve
+
+        if args.asr_model == "none" or args.transcripts == "upstream":
+            print("taste-agent: no built-in ASR: a call is answered only when its client sends transcripts "
+                  "({\"type\": \"transcript\", \"text\": ...} app messages); the bundled page and phone streams "
+                  "send none", file=sys.stderr, flush=True)
 
         return serve(args)
     return 2

@@ -54,13 +54,13 @@ def load_voice(engine, path: str | None):
     that a checkpoint without a usable one fails at start-up rather than at every call)."""
     if path is None:
         return engine.speaker_embedding()
-    from taste_agents.caller import read_wav
+    from taste_agents.caller import read_audio
 
     try:
-        audio, rate = read_wav(Path(path))
-    except (OSError, ValueError, EOFError) as e:
+        audio, rate = read_audio(Path(path))
+    except (OSError, ValueError) as e:
         raise ValueError(f"the voice reference {path!r} could not be read ({type(e).__name__}: {e}); "
-                         "give a WAV recording of the voice") from None
+                         "give a recording of the voice (WAV, FLAC, OGG or MP3)") from None
     return engine.speaker_embedding(audio, rate)
 
 

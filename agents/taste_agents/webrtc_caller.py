@@ -179,10 +179,15 @@ async def run_call(url: str, script: list, out_dir: str | Path, *, stt_delay_s: 
                 raise RuntimeError(f"offer rejected: {res.status} {answer}")
     await pc.setRemoteDescription(RTCSessionDescription(answer["sdp"], answer["type"]))
     started = time.monotonic()
-    await asyncio.wait_for(connected.wait(), connect_timeout_s)
-    connect_s = time.monotonic() - started
-    timed_out = connection_lost = False
-    while not caller.done:
+    # Connected, or failed (no need to wait out the timeout), or neither in time: a lost call
+    # (EXIT_CONNECTION_LOST), not a crash.
+    waits = [asyncio.ensure_future(connected.wait()), asyncio.ensure_future(lost.wait())]
+    await asyncio.wait(waits, timeout=connect_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    for waiting in waits:
+        waiting.cancel()
+    connect_s = time.monotonic() - started if connected.is_set() else None
+    timed_out, connection_lost = False, not connected.is_set()
+    while not caller.done and not connection_lost:
         await asyncio.sleep(0.05)
         if lost.is_set():
             connection_lost = True
@@ -196,7 +201,8 @@ async def run_call(url: str, script: list, out_dir: str | Path, *, stt_delay_s: 
     for task in tasks:
         task.cancel()
     result = {
-        "sample_rate": SR, "duration_s": end / SR, "connect_s": round(connect_s, 3), "timed_out": timed_out,
+        "sample_rate": SR, "duration_s": end / SR, "connect_s": None if connect_s is None else round(connect_s, 3),
+        "timed_out": timed_out,
         "connection_lost": connection_lost,
         "pc_id": answer.get("pc_id"), "received_frames": received["frames"], "t0": line.t0,
         "speech_intervals": caller.speech_intervals,

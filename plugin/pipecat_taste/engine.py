@@ -174,10 +174,11 @@ class TasteEngine:
         come from an upstream STT) or 'auto' (``default_asr``: the checkpoint's own Whisper)."""
         import torch
 
-        from taste_speech.modeling_taste import TasteForCausalLM
+        from taste_speech.modeling_taste import TasteForCausalLM, resolve_device
         from taste_speech.processing_taste import TasteProcessor
         from taste_speech.voice_generator import VoiceGenerator
 
+        device = str(resolve_device(device))  # 'auto' -> 'cuda' or 'cpu', once for every part
         if name_or_path is None:
             from taste_speech.tiny import default_tiny_checkpoint
 

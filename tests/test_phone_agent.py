@@ -1,0 +1,68 @@
+"""The phone agent's voice reference: any recording libsndfile reads, and a clear error otherwise."""
+
+import numpy as np
+import pytest
+import soundfile
+
+from pipecat_taste.testing import FakeEngine
+from taste_agents.caller import read_audio
+from taste_agents.phone_agent import load_voice
+
+
+@pytest.fixture
+def tone():
+    t = np.arange(16000) / 16000
+    return (0.4 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name, subtype", [("v16.wav", "PCM_16"), ("v24.wav", "PCM_24"), ("vf.wav", "FLOAT"),
+                                           ("v.flac", "PCM_16")])
+def test_a_voice_reference_may_be_any_common_recording(tmp_path, tone, name, subtype):
+    """Editors export 24-bit and float WAV or FLAC as often as 16-bit WAV (those failed before)."""
+    path = tmp_path / name
+    soundfile.write(path, np.stack([tone, tone], axis=1), 16000, subtype=subtype)  # stereo: mixed to mono
+    audio, rate = read_audio(path)
+    assert rate == 16000 and audio.shape == tone.shape
+    assert np.abs(audio - tone).max() < 1e-4
+    assert load_voice(FakeEngine(), str(path)).shape == (1, 192)
+
+
+def test_a_file_that_is_no_recording_says_what_to_give(tmp_path):
+    path = tmp_path / "voice.mp3"
+    path.write_bytes(b"ID3\x03\x00" + b"\x00" * 200)
+    with pytest.raises(ValueError, match=r"voice reference .*voice\.mp3.* could not be read.*give a recording"):
+        load_voice(FakeEngine(), str(path))
+    with pytest.raises(ValueError, match="could not be read"):
+        load_voice(FakeEngine(), str(tmp_path / "missing.wav"))
+
+
+def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tmp_path, capsys):
+    from taste_agents.cli import main
+
+    junk = tmp_path / "voice.wav"
+    junk.write_bytes(b"RIFF" + b"\x00" * 40)
+    cases = [
+        (["call", "--simulate", "--transcripts", "asr", "--asr-model", "none"], "--transcripts asr needs the built-in ASR"),
+        (["call", "--simulate", "--early-reply-ms", "500"], "would never come before the VAD's end of the turn"),
+        (["serve", "--turn-username", "me"], "--turn-username without a turn: --ice-server"),
+        (["serve", "--voice", str(junk)], "--voice: "),
+    ]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["call", "--simulate", "--model", "ckpt"], None),  # the scripted caller sends transcripts
+    (["call", "--simulate", "--model", "ckpt", "--transcripts", "asr"], "auto"),  # was None: every turn failed
+    (["call", "--simulate"], "auto"),  # the tiny checkpoint's own small ASR
+    (["serve", "--model", "ckpt"], "auto"),
+    (["serve", "--model", "ckpt", "--transcripts", "upstream"], None),
+    (["serve", "--asr-model", "none"], None),
+    (["serve", "--asr-model", "openai/whisper-small"], "openai/whisper-small"),
+])
+def test_which_built_in_asr_is_loaded(argv, expected):
+    from taste_agents.cli import asr_choice, build_parser
+
+    assert asr_choice(build_parser().parse_args(argv)) == expected
