@@ -46,6 +46,7 @@ def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tm
         (["call", "--simulate", "--early-reply-ms", "500"], "would never come before the VAD's end of the turn"),
         (["serve", "--turn-username", "me"], "--turn-username without a turn: --ice-server"),
         (["serve", "--voice", str(junk)], "--voice: "),
+        (["serve", "--allowed-origin", "app.example.com"], "expected scheme://host[:port]"),
     ]
     for argv, words in cases:
         with pytest.raises(SystemExit) as exit_:

@@ -19,7 +19,7 @@ from pipecat_taste.call import TasteCall
 from pipecat_taste.testing import FakeEngine
 from taste_agents.caller import load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig
-from taste_agents.server import ServerConfig
+from taste_agents.server import ServerConfig, TasteServer
 from taste_agents.webrtc_sim import running_server
 
 pytestmark = pytest.mark.slow
@@ -266,8 +266,90 @@ async def test_a_call_in_which_nobody_speaks_ends_at_the_idle_timeout_and_says_s
             await pc.close()
 
 
+async def get(url, headers=None):
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+        async with http.get(url, headers=headers) as res:
+            text = await res.text()
+            return res.status, (json.loads(text) if text.startswith("{") else text)
+
+
+async def ws_close(url, headers):
+    """Open /ws/phone with these headers (aiohttp: it sends a given Host instead of its own); returns
+    (close code, reason) of the server's first message, which should close it."""
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
+        async with http.ws_connect(url + "/ws/phone", headers=headers) as ws:
+            message = await ws.receive(timeout=3)
+            return (message.data, message.extra) if message.type == aiohttp.WSMsgType.CLOSE else (None, message)
+
+
+async def test_pages_of_other_sites_and_dns_rebinding_are_refused():
+    """A page on another site must not start calls (a text/plain POST needs no CORS preflight) nor
+    open the phone websocket; a DNS-rebinding page (foreign Host) must not read a loopback server."""
+    app_origin = "https://app.example.com"
+    async with running_server(FakeEngine(), config(max_calls=1, allowed_origins=(app_origin + "/",))) as (server, url):
+        own_origin, port = url, url.rsplit(":", 1)[1]
+        pc, offer = await make_offer()
+        try:
+            for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+                status, body, _ = await post(url + "/api/offer", json.dumps(offer), headers={"Content-Type": content_type})
+                assert status == 415 and "Content-Type: application/json" in body["error"], (content_type, status, body)
+            status, body, _ = await post(url + "/api/offer", json.dumps({"pc_id": "x", "candidates": []}),
+                                         method="PATCH", headers={"Content-Type": "text/plain"})
+            assert status == 415, body
+            for origin in ("http://evil.example", "null", f"http://localhost:{port}"):  # another host: another origin
+                status, body, _ = await post(url + "/api/offer", json.dumps(offer),
+                                             headers={"Content-Type": "application/json", "Origin": origin})
+                assert status == 403 and "Origin" in body["error"] and "refused" in body["error"], (origin, body)
+            for host in (f"attacker.example:{port}", "attacker.example", f"127.0.0.1.evil.example:{port}"):
+                for path in ("/api/ice-servers", "/api/status", "/"):
+                    status, body = await get(url + path, headers={"Host": host})
+                    assert status == 403 and "Host" in body["error"] and "localhost" in body["error"], (host, path, body)
+            assert not server.calls and server.calls_in_use == 0
+
+            # websockets: refused with close code 1008 and the reason
+            code, reason = await ws_close(url, {"Origin": "http://evil.example"})
+            assert code == 1008 and "Origin" in reason, (code, reason)
+            code, reason = await ws_close(url, {"Host": f"attacker.example:{port}"})
+            assert code == 1008 and "Host" in reason, (code, reason)
+            assert not server.calls and server.calls_in_use == 0
+
+            # allowed: no Origin (curl, Twilio), the server's own page under any loopback name, an allowed origin
+            for headers in ({}, {"Origin": own_origin}, {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
+                            {"Host": f"[::1]:{port}"}, {"Origin": app_origin}):
+                status, body = await get(url + "/api/ice-servers", headers=headers)
+                assert status == 200 and body == {"iceServers": []}, (headers, body)
+            status, body, _ = await post(url + "/api/offer", json.dumps(offer),
+                                         headers={"Content-Type": "application/json; charset=utf-8", "Origin": own_origin})
+            assert status == 200 and body["type"] == "answer" and len(server.calls) == 1, body
+        finally:
+            await pc.close()
+
+    # bound elsewhere: any Host (the operator's proxy is in front), but still no other site's pages
+    async with running_server(FakeEngine(), config(host="0.0.0.0")) as (server, url):
+        status, _ = await get(url + "/api/status", headers={"Host": "agent.example"})
+        assert status == 200
+        status, _ = await get(url + "/api/status", headers={"Host": "agent.example", "Origin": "https://agent.example"})
+        assert status == 200
+        status, body = await get(url + "/api/status", headers={"Host": "agent.example", "Origin": "https://evil.example"})
+        assert status == 403 and "Origin" in body["error"], body
+    with pytest.raises(ValueError, match="expected scheme://host"):
+        TasteServer(FakeEngine(), config(allowed_origins=("app.example.com",)))
+
+
+async def test_keep_ended_calls_zero_keeps_no_call_logs():
+    with pytest.raises(ValueError, match="keep_ended_calls must be 0 or more"):
+        TasteServer(FakeEngine(), config(keep_ended_calls=-1))
+    async with running_server(FakeEngine(), config(keep_ended_calls=0)) as (server, url):
+        for _ in range(2):
+            pc, answer = await open_peer(url)
+            assert pc is not None, answer
+            await pc.close()
+            assert await wait_until(lambda: not server.calls, 10)
+        assert server.ended == [] and server.ended_count == 2 and len(server.finished) == 2
+
+
 def test_ice_servers_are_checked_when_the_server_is_made():
-    from taste_agents.server import TasteServer, ice_servers_from
+    from taste_agents.server import ice_servers_from
 
     stun, turn = ice_servers_from(["stun:stun.example.org:3478", "turn:turn.example.org:3478?transport=tcp"],
                                   "user", "secret")
@@ -398,6 +480,10 @@ async def test_a_phone_stream_waiting_for_its_start_message_counts_against_the_l
         others = []
         try:
             await first.send(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
+            assert await wait_until(lambda: server.calls_in_use == 1, 5)
+            # /api/status says why the server is full: no call is active, one is being set up
+            status, body = await get(url + "/api/status")
+            assert status == 200 and (body["active_calls"], body["opening"], body["max_calls"]) == (0, 1, 1), body
             others = [await websockets.connect(ws_url, open_timeout=10) for _ in range(2)]
             for ws in others:  # the first stream holds the one slot while its 'start' is awaited
                 await asyncio.wait_for(ws.wait_closed(), 5)

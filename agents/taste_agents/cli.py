@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ice-server", action="append", default=[], dest="ice_servers",
                        help="STUN/TURN URL for deployments behind NAT, e.g. stun:HOST:3478 or "
                             "turn:HOST:3478?transport=udp (repeatable; the page is given the same); none by default")
+    serve.add_argument("--allowed-origin", action="append", default=[], dest="allowed_origins",
+                       help="a web origin besides the server's own whose pages may use it, e.g. "
+                            "https://app.example.com (repeatable; e.g. behind a proxy that rewrites Host)")
     serve.add_argument("--turn-username", default=None, help="the TURN servers' username")
     serve.add_argument("--turn-credential", default=os.environ.get("TASTE_TURN_CREDENTIAL"),
                        help="the TURN servers' credential (default: $TASTE_TURN_CREDENTIAL); the page is given "
@@ -306,6 +309,9 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.early_reply_ms is not None and args.early_reply_ms >= stop_ms:
         parser.error(f"--early-reply-ms {args.early_reply_ms:g} would never come before the VAD's end of the turn "
                      f"({stop_ms:g} ms of silence): give less, or 'none'")
+    for origin in getattr(args, "allowed_origins", None) or ():
+        if not origin.partition("://")[2]:
+            parser.error(f"--allowed-origin {origin!r}: expected scheme://host[:port], e.g. https://app.example.com")
     if getattr(args, "turn_username", None) and not getattr(args, "ice_servers", None):
         parser.error("--turn-username without a turn: --ice-server does nothing; add the TURN server")
     if getattr(args, "ssl_keyfile", None) and not getattr(args, "ssl_certfile", None):

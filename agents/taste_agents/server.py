@@ -5,13 +5,18 @@
   ``SmallWebRTCTransport`` (aiortc); one pipeline per connection, torn down when the peer leaves;
 * ``WS /ws/phone`` - a telephony media stream in Twilio's protocol (8 kHz mu-law; ``clear`` on
   barge-in; no provider REST calls);
-* ``GET /api/status`` - active calls, and the engine's compute gate (jobs queued, waits); no
-  transcripts (what callers said is not for whoever can reach the port);
+* ``GET /api/status`` - active calls (and calls being set up), and the engine's compute gate (jobs
+  queued, waits); no transcripts (what callers said is not for whoever can reach the port);
 * ``GET /api/ice-servers`` - the STUN/TURN servers the page should use (the server's own).
 
 Binds 127.0.0.1 unless told otherwise. Signalling is hardened: malformed JSON or SDP get a 4xx
 with a message, request bodies are size-limited, and past ``max_calls`` concurrent calls new ones
-get 503 (websocket: close code 1013) - counting the calls still being set up. Every call ends:
+get 503 (websocket: close code 1013) - counting the calls still being set up. Web pages of other
+sites cannot use it: ``/api/offer`` takes ``Content-Type: application/json`` only (so a browser
+must ask first, and is not allowed), a request or websocket with an ``Origin`` header other than
+the server's own (or one in ``allowed_origins``) gets 403 (websocket: close code 1008), and bound
+to loopback the server answers only to loopback ``Host`` names (DNS rebinding); bound elsewhere
+it takes any ``Host``: put it behind your own proxy. Every call ends:
 when its peer leaves, when a WebRTC peer has not connected ``connect_seconds`` after its answer,
 after ``idle_seconds`` with nobody speaking, and at ``max_call_seconds`` at the latest. No
 STUN/TURN server is used unless ``--ice-server`` is given (deployments behind NAT need one, see
@@ -22,12 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fastapi import Request, WebSocket  # module level: FastAPI resolves the handlers' annotations here
+from fastapi.responses import JSONResponse
 from loguru import logger
 from pipecat.frames.frames import (
     Frame,
@@ -42,6 +49,7 @@ from pipecat.serializers.twilio import TwilioFrameSerializer
 from pipecat.transports.base_transport import TransportParams
 from pipecat.utils.time import time_now_iso8601
 from pipecat.workers.runner import WorkerRunner
+from starlette.datastructures import Headers
 
 from pipecat_taste.call import CallLog, TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
@@ -65,7 +73,10 @@ class ServerConfig:
     connect_seconds: float = 15.0  # a WebRTC peer must connect this soon after its offer is answered
     # STUN/TURN servers: URLs, or IceServer (aiortc's RTCIceServer) with a TURN username/credential
     ice_servers: list = field(default_factory=list)
-    keep_ended_calls: int = 16  # ended calls whose logs are kept (TasteServer.ended)
+    keep_ended_calls: int = 16  # ended calls whose logs are kept (TasteServer.ended); 0: none
+    # web origins besides the server's own whose pages may call it, e.g. "https://app.example.com"
+    # (a page behind a proxy that rewrites the Host header, or served from elsewhere)
+    allowed_origins: tuple[str, ...] = ()
     webrtc_in_rate: int = 16000
     webrtc_out_rate: int = 48000  # Opus runs at 48 kHz: no resampling on the way out
     # aiortc's output track plays 10 ms at a time and inserts silence when its queue is empty:
@@ -193,6 +204,44 @@ class EndedCall:
     log: CallLog | None
 
 
+def _is_loopback(name: str) -> bool:
+    """Whether a host name or address (``[::1]`` brackets allowed) names this machine's loopback."""
+    name = name.strip().lower().removeprefix("[").removesuffix("]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(host: str) -> str:
+    """A Host header without its port: ``localhost:7860`` -> ``localhost``, ``[::1]:7860`` -> ``[::1]``."""
+    if host.startswith("["):
+        return host.partition("]")[0] + "]"
+    return host.partition(":")[0]
+
+
+class BrowserGuard:
+    """ASGI middleware: every request and websocket passes ``refusal`` (TasteServer._refusal) first."""
+
+    def __init__(self, app, refusal):
+        self.app, self.refusal = app, refusal
+
+    async def __call__(self, scope, receive, send):
+        reason = self.refusal(Headers(scope=scope)) if scope["type"] in ("http", "websocket") else None
+        if reason is None:
+            await self.app(scope, receive, send)
+            return
+        logger.warning(f"refused {scope['type']} {scope.get('path')}: {reason}")
+        if scope["type"] == "http":
+            await JSONResponse({"error": reason}, status_code=403)(scope, receive, send)
+        else:  # accepted only to be closed: the client sees the code and the reason
+            websocket = WebSocket(scope, receive, send)
+            await websocket.accept()
+            await websocket.close(code=1008, reason=reason.encode()[:120].decode(errors="ignore"))  # 123 bytes at most
+
+
 class SignallingError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -207,6 +256,13 @@ class TasteServer:
         self.config = config or ServerConfig()
         if self.config.max_calls < 1:
             raise ValueError(f"max_calls must be at least 1, got {self.config.max_calls}")
+        if self.config.keep_ended_calls < 0:
+            raise ValueError(f"keep_ended_calls must be 0 or more, got {self.config.keep_ended_calls}")
+        self._allowed_origins = {origin.rstrip("/").lower() for origin in self.config.allowed_origins}
+        bad = sorted(o for o in self._allowed_origins if not o.partition("://")[2])
+        if bad:
+            raise ValueError(f"allowed_origins: {', '.join(bad)}: expected scheme://host[:port], "
+                             "e.g. https://app.example.com")
         self.ice_servers = ice_servers_from(self.config.ice_servers)
         # the agent's voice, once: a bad reference recording is a start-up error, not every call's
         self.voice = load_voice(engine, self.config.agent.voice)
@@ -225,10 +281,26 @@ class TasteServer:
         """Calls counted against ``max_calls``: running, and being set up."""
         return len(self.calls) + self._opening
 
+    def _refusal(self, headers) -> str | None:
+        """Why a request or websocket must be refused, or None. Bound to loopback, the server answers
+        only to loopback Host names: a DNS-rebinding page reaches it under its own name. A request
+        made by a web page carries an Origin: only the server's own page and the allowed origins
+        may use it (no Origin: curl, Twilio, another server; they are not a victim's browser)."""
+        host = headers.get("host", "")
+        if _is_loopback(self.config.host) and not _is_loopback(_host_name(host)):
+            return (f"Host {host!r} refused: a server bound to {self.config.host} answers only to "
+                    "localhost, 127.0.0.1 or [::1]")
+        origin = headers.get("origin")
+        if origin is not None:
+            origin = origin.rstrip("/").lower()
+            if origin.partition("://")[2] != host.lower() and origin not in self._allowed_origins:
+                return f"Origin {origin!r} refused: not this server's own page nor an allowed origin"
+        return None
+
     # -- HTTP -------------------------------------------------------------------------------------
     def _build_app(self):
         from fastapi import FastAPI
-        from fastapi.responses import FileResponse, JSONResponse
+        from fastapi.responses import FileResponse
 
         @contextlib.asynccontextmanager
         async def lifespan(_app):
@@ -236,6 +308,7 @@ class TasteServer:
             await self.close()  # Ctrl-C: end the calls (their tasks would hang the loop's shutdown)
 
         app = FastAPI(title="taste-agent", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+        app.add_middleware(BrowserGuard, refusal=self._refusal)  # every route: the page, the API, the websocket
 
         @app.get("/")
         async def page():
@@ -247,7 +320,8 @@ class TasteServer:
             lm_batch = getattr(self.engine, "lm_batch", None)
             speech_batch = getattr(self.engine, "speech_batch", None)
             synthesis = getattr(self.engine, "synthesis_graphs", None)
-            return {"active_calls": len(self.calls), "max_calls": self.config.max_calls,
+            # opening: calls being set up; they count against max_calls, with the active ones
+            return {"active_calls": len(self.calls), "opening": self._opening, "max_calls": self.config.max_calls,
                     "compute_gate": gate.stats() if gate is not None else None,
                     "lm_batch": lm_batch.stats() if lm_batch is not None else None,
                     "speech_batch": speech_batch.stats() if speech_batch is not None else None,
@@ -287,6 +361,12 @@ class TasteServer:
         return app
 
     async def _read_json(self, request) -> dict:
+        # JSON only: a browser sends another site's page's text/plain POST without asking the server
+        # first (a 'simple' request); application/json needs a CORS preflight, which is not granted
+        content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if content_type != "application/json":
+            raise SignallingError(415, f"the body must be JSON sent with Content-Type: application/json, "
+                                       f"not {content_type or 'no Content-Type'!r}")
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.config.max_body_bytes):
             raise SignallingError(413, f"request body larger than {self.config.max_body_bytes} bytes")
@@ -448,8 +528,9 @@ class TasteServer:
                                     "interrupted": t.interrupted} for t in turns]
             self.finished = (self.finished + [record])[-100:]
             log = active.agent.call.log if active.agent is not None else None
-            self.ended = (self.ended + [EndedCall(active.call_id, active.kind, record["seconds"], log)])[
-                -self.config.keep_ended_calls:]
+            self.ended.append(EndedCall(active.call_id, active.kind, record["seconds"], log))
+            keep = self.config.keep_ended_calls
+            self.ended = self.ended[-keep:] if keep else []  # keep 0: none ([-0:] is the whole list)
             self.ended_count += 1
             logger.info(f"call {active.call_id} ended")
             # once this coroutine (and its reference to the call) is gone: give the freed memory back,
@@ -583,13 +664,16 @@ def serve(args) -> int:
     engine, _ = load_engine(args, print)
     config = ServerConfig(host=args.host, port=args.port, max_calls=args.max_calls, ice_servers=args.ice_servers,
                           max_call_seconds=args.max_call_seconds, idle_seconds=args.idle_seconds,
-                          agent=agent_config(args))
+                          allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()), agent=agent_config(args))
     server = TasteServer(engine, config)
     scheme = "https" if args.ssl_certfile else "http"
     print(f"taste-agent: open {scheme}://{config.host}:{config.port}/ (max {config.max_calls} calls)", flush=True)
     if scheme == "http" and config.host not in ("127.0.0.1", "localhost", "::1"):
         print("taste-agent: browsers allow the microphone only on HTTPS or localhost; for other machines pass "
               "--ssl-certfile/--ssl-keyfile or put a TLS proxy in front", flush=True)
+    if not _is_loopback(config.host):
+        print(f"taste-agent: bound to {config.host}, the server takes any Host header: to expose it, put it behind "
+              "your own proxy", flush=True)
     uvicorn.run(server.app, host=config.host, port=config.port, log_level="warning",
                 ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
     return 0
