@@ -129,3 +129,77 @@ async def test_browser_calls_the_agent_and_hears_it(tmp_path):
     assert stats["turns"] and stats["turns"][0]["decision"] == "reply"
     assert stats["turns"][0]["latency_ms"] is not None
     assert (ARTIFACTS / "browser_call.png").stat().st_size > 1000
+
+
+# The page's microphone streams, recorded as getUserMedia hands them out, and the page's state.
+RECORD_STREAMS = """(() => { const get = navigator.mediaDevices.getUserMedia.bind(navigator.mediaDevices);
+  navigator.mediaDevices.getUserMedia = async (c) => { const s = await get(c); (window._streams ||= []).push(s); return s; };
+})()"""
+PAGE = """JSON.stringify({state: tasteStats.state, start: $("start").disabled, stop: $("stop").disabled,
+  tracks: (window._streams || []).flatMap((s) => s.getTracks().map((t) => t.readyState))})"""
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian chromium (scripts/setup.sh --test installs it)")
+async def test_the_page_lets_go_of_the_microphone_however_the_call_ends(tmp_path):
+    """Hang-up, the server ending the call (its time limit) and a refused call (503 at the limit):
+    each time every microphone track is stopped (the browser stops recording) and the page is
+    ready for a new call. Before, the microphone stayed on and the page stuck after the server's end."""
+    import websockets
+    from pipecat_taste.testing import FakeEngine
+    from test_plugin_server import open_peer
+
+    mic = tmp_path / "mic.wav"
+    write_wav(mic, np.zeros((16000 * 30, 1), np.int16), 16000)
+
+    async def page_when(page, done, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            raw = await page.evaluate(PAGE)  # None until the page's script has run
+            state = json.loads(raw) if raw else {"state": None, "start": None, "stop": None, "tracks": []}
+            if (raw and done(state)) or time.monotonic() > deadline:
+                return state
+            await asyncio.sleep(0.2)
+
+    def ready_again(state):
+        return not state["start"] and state["stop"] and state["tracks"] and set(state["tracks"]) == {"ended"}
+
+    async with running_server(FakeEngine(), ServerConfig(max_calls=1, max_call_seconds=4)) as (server, url):
+        user_dir = tmp_path / "chromium"
+        user_dir.mkdir()
+        browser = subprocess.Popen(chromium_args(user_dir, mic, url + "/"), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        try:
+            async with websockets.connect(await devtools_page(user_dir), max_size=2**24, open_timeout=10) as ws:
+                page = DevTools(ws)
+                await page_when(page, lambda s: True)  # the page's script has run
+                await page.evaluate(RECORD_STREAMS)
+
+                await page.evaluate("$('start').click()")
+                assert (await page_when(page, lambda s: s["state"] == "connected"))["state"] == "connected"
+                await page.evaluate("$('stop').click()")
+                state = await page_when(page, ready_again, 5)
+                assert state["state"] == "ended" and ready_again(state), state  # hung up
+
+                while server.calls:
+                    await asyncio.sleep(0.1)
+                await page.evaluate("$('start').click()")
+                assert (await page_when(page, lambda s: s["state"] == "connected"))["state"] == "connected"
+                state = await page_when(page, lambda s: s["state"] == "ended" and ready_again(s), 30)
+                assert state["state"] == "ended" and ready_again(state), state  # the server ended it at 4 s
+
+                while server.calls:
+                    await asyncio.sleep(0.1)
+                peer, _ = await open_peer(url)  # takes the only place
+                try:
+                    await page.evaluate("$('start').click()")
+                    state = await page_when(page, lambda s: (s["state"] or "").startswith("error") and ready_again(s), 20)
+                    assert state["state"].startswith("error") and "limit of 1" in state["state"], state
+                    assert ready_again(state), state
+                finally:
+                    await peer.close()
+        finally:
+            browser.terminate()
+            try:
+                browser.wait(10)
+            except subprocess.TimeoutExpired:
+                browser.kill()
