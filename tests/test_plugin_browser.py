@@ -5,6 +5,7 @@ receives. The test reads the page's figures over the DevTools protocol and saves
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -82,10 +83,28 @@ async def devtools_page(user_dir: Path, timeout: float = 30.0) -> str:
             await asyncio.sleep(0.2)
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian chromium (scripts/setup.sh --test installs it)")
-async def test_browser_calls_the_agent_and_hears_it(tmp_path):
+@contextlib.asynccontextmanager
+async def browser_page(tmp_path: Path, mic_wav: Path, url: str):
+    """Chromium on ``url`` with ``mic_wav`` as its microphone; yields the page's DevTools."""
     import websockets
 
+    user_dir = tmp_path / "chromium"
+    user_dir.mkdir()
+    browser = subprocess.Popen(chromium_args(user_dir, mic_wav, url), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        async with websockets.connect(await devtools_page(user_dir), max_size=2**24, open_timeout=10) as ws:
+            yield DevTools(ws)
+    finally:
+        browser.terminate()
+        try:
+            browser.wait(10)
+        except subprocess.TimeoutExpired:
+            browser.kill()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian chromium (scripts/setup.sh --test installs it)")
+async def test_browser_calls_the_agent_and_hears_it(tmp_path):
     u = load_utterances()
     mic = tmp_path / "mic.wav"
     audio = np.concatenate([np.zeros(16000, np.float32), u["hello"].audio, np.zeros(16000, np.float32)])
@@ -93,32 +112,20 @@ async def test_browser_calls_the_agent_and_hears_it(tmp_path):
     engine = TasteEngine.from_pretrained(None)  # the embedded tiny checkpoint, with its (random) built-in ASR
     config = ServerConfig(agent=PhoneAgentConfig(max_reply_tokens=6))
     async with running_server(engine, config) as (server, url):
-        user_dir = tmp_path / "chromium"
-        user_dir.mkdir()
-        browser = subprocess.Popen(chromium_args(user_dir, mic, url + "/?autostart"), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-        try:
-            async with websockets.connect(await devtools_page(user_dir), max_size=2**24, open_timeout=10) as ws:
-                page = DevTools(ws)
-                stats, deadline = {}, time.monotonic() + 150
-                while time.monotonic() < deadline:
-                    stats = json.loads(await page.evaluate("JSON.stringify(window.tasteStats || {})") or "{}")
-                    if stats.get("audibleMs", 0) >= 1000 and any(t.get("latency_ms") for t in stats.get("turns", [])):
-                        break
-                    if stats.get("error"):
-                        break
-                    await asyncio.sleep(0.5)
-                shot = await page.call("Page.captureScreenshot", format="png")
-                ARTIFACTS.mkdir(parents=True, exist_ok=True)
-                (ARTIFACTS / "browser_call.png").write_bytes(base64.b64decode(shot["data"]))
-                (ARTIFACTS / "browser_call.json").write_text(json.dumps(stats, indent=1))
-                await page.evaluate("document.getElementById('stop').click()")
-        finally:
-            browser.terminate()
-            try:
-                browser.wait(10)
-            except subprocess.TimeoutExpired:
-                browser.kill()
+        async with browser_page(tmp_path, mic, url + "/?autostart") as page:
+            stats, deadline = {}, time.monotonic() + 150
+            while time.monotonic() < deadline:
+                stats = json.loads(await page.evaluate("JSON.stringify(window.tasteStats || {})") or "{}")
+                if stats.get("audibleMs", 0) >= 1000 and any(t.get("latency_ms") for t in stats.get("turns", [])):
+                    break
+                if stats.get("error"):
+                    break
+                await asyncio.sleep(0.5)
+            shot = await page.call("Page.captureScreenshot", format="png")
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            (ARTIFACTS / "browser_call.png").write_bytes(base64.b64decode(shot["data"]))
+            (ARTIFACTS / "browser_call.json").write_text(json.dumps(stats, indent=1))
+            await page.evaluate("document.getElementById('stop').click()")
         closed = time.monotonic()
         while server.calls and time.monotonic() - closed < 10:
             await asyncio.sleep(0.1)
@@ -144,7 +151,6 @@ async def test_the_page_lets_go_of_the_microphone_however_the_call_ends(tmp_path
     """Hang-up, the server ending the call (its time limit) and a refused call (503 at the limit):
     each time every microphone track is stopped (the browser stops recording) and the page is
     ready for a new call. Before, the microphone stayed on and the page stuck after the server's end."""
-    import websockets
     from pipecat_taste.testing import FakeEngine
     from test_plugin_server import open_peer
 
@@ -164,42 +170,30 @@ async def test_the_page_lets_go_of_the_microphone_however_the_call_ends(tmp_path
         return not state["start"] and state["stop"] and state["tracks"] and set(state["tracks"]) == {"ended"}
 
     async with running_server(FakeEngine(), ServerConfig(max_calls=1, max_call_seconds=4)) as (server, url):
-        user_dir = tmp_path / "chromium"
-        user_dir.mkdir()
-        browser = subprocess.Popen(chromium_args(user_dir, mic, url + "/"), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
-        try:
-            async with websockets.connect(await devtools_page(user_dir), max_size=2**24, open_timeout=10) as ws:
-                page = DevTools(ws)
-                await page_when(page, lambda s: True)  # the page's script has run
-                await page.evaluate(RECORD_STREAMS)
+        async with browser_page(tmp_path, mic, url + "/") as page:
+            await page_when(page, lambda s: True)  # the page's script has run
+            await page.evaluate(RECORD_STREAMS)
 
-                await page.evaluate("$('start').click()")
-                assert (await page_when(page, lambda s: s["state"] == "connected"))["state"] == "connected"
-                await page.evaluate("$('stop').click()")
-                state = await page_when(page, ready_again, 5)
-                assert state["state"] == "ended" and ready_again(state), state  # hung up
+            await page.evaluate("$('start').click()")
+            assert (await page_when(page, lambda s: s["state"] == "connected"))["state"] == "connected"
+            await page.evaluate("$('stop').click()")
+            state = await page_when(page, ready_again, 5)
+            assert state["state"] == "ended" and ready_again(state), state  # hung up
 
-                while server.calls:
-                    await asyncio.sleep(0.1)
-                await page.evaluate("$('start').click()")
-                assert (await page_when(page, lambda s: s["state"] == "connected"))["state"] == "connected"
-                state = await page_when(page, lambda s: s["state"] == "ended" and ready_again(s), 30)
-                assert state["state"] == "ended" and ready_again(state), state  # the server ended it at 4 s
+            while server.calls:
+                await asyncio.sleep(0.1)
+            await page.evaluate("$('start').click()")
+            assert (await page_when(page, lambda s: s["state"] == "connected"))["state"] == "connected"
+            state = await page_when(page, lambda s: s["state"] == "ended" and ready_again(s), 30)
+            assert state["state"] == "ended" and ready_again(state), state  # the server ended it at 4 s
 
-                while server.calls:
-                    await asyncio.sleep(0.1)
-                peer, _ = await open_peer(url)  # takes the only place
-                try:
-                    await page.evaluate("$('start').click()")
-                    state = await page_when(page, lambda s: (s["state"] or "").startswith("error") and ready_again(s), 20)
-                    assert state["state"].startswith("error") and "limit of 1" in state["state"], state
-                    assert ready_again(state), state
-                finally:
-                    await peer.close()
-        finally:
-            browser.terminate()
+            while server.calls:
+                await asyncio.sleep(0.1)
+            peer, _ = await open_peer(url)  # takes the only place
             try:
-                browser.wait(10)
-            except subprocess.TimeoutExpired:
-                browser.kill()
+                await page.evaluate("$('start').click()")
+                state = await page_when(page, lambda s: (s["state"] or "").startswith("error") and ready_again(s), 20)
+                assert state["state"].startswith("error") and "limit of 1" in state["state"], state
+                assert ready_again(state), state
+            finally:
+                await peer.close()
