@@ -46,3 +46,41 @@ async def test_scripted_call_over_webrtc_and_what_webrtc_adds(tmp_path):
     added = comparison["webrtc_added_latency_ms"]
     assert added is not None and 0 < added < 1000, comparison
     print("WebRTC vs in process:", comparison)
+
+
+async def test_a_peer_that_never_connects_is_a_lost_call_not_a_crash(tmp_path):
+    """The server answers the offer and then goes away: the scripted caller gives up after its
+    connect timeout and reports the call as lost (the load test counts it as a dropped call); it
+    raised TimeoutError before, which the load test counted as a crash."""
+    import time
+
+    from aiohttp import web
+    from aiortc import RTCPeerConnection, RTCSessionDescription
+
+    from taste_agents.webrtc_caller import run_call
+
+    async def answer_then_vanish(request):
+        offer = await request.json()
+        pc = RTCPeerConnection()
+        await pc.setRemoteDescription(RTCSessionDescription(offer["sdp"], offer["type"]))
+        await pc.setLocalDescription(await pc.createAnswer())
+        answer = {"sdp": pc.localDescription.sdp, "type": pc.localDescription.type, "pc_id": "gone"}
+        await pc.close()
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_post("/api/offer", answer_then_vanish)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        started = time.monotonic()
+        result = await run_call(f"http://127.0.0.1:{port}", default_script(), tmp_path / "caller",
+                                tail_s=0.1, connect_timeout_s=3)
+        assert time.monotonic() - started < 10
+    finally:
+        await runner.cleanup()
+    assert result["connection_lost"] and result["connect_s"] is None and not result["timed_out"]
+    assert (tmp_path / "caller" / "caller.json").is_file()
