@@ -48,7 +48,7 @@ def test_soak_report_goes_into_benchmarks_md_once(tmp_path):
 
 def test_soak_markdown_rows():
     """Per-minute peaks, the compute gate and the event-loop lag per row; rows measured before the
-    gate and the lag monitor existed say so; the memory-rounds table."""
+    gate and the lag monitor existed say so; the memory-rounds and trim-cost tables."""
     from benchmarks import soak
 
     row = {"transport": "webrtc", "calls_at_once": 8, "minutes": 2, "calls_finished": 9, "crashes": 0, "timed_out": 0,
@@ -62,12 +62,20 @@ def test_soak_markdown_rows():
          "free_in_heap_mb": 3.0, "python_objects": 1000, "tensors": 10, "tensor_mb": 27.0},
         {"round": 1, "calls": 8, "crashes": 0, "peak_rss_mb": 620.0, "rss_mb": 470.0, "heap_in_use_mb": 140.5,
          "free_in_heap_mb": 45.0, "python_objects": 1001, "tensors": 10, "tensor_mb": 27.0}]}
-    text = soak.markdown({"load_webrtc_8": row, "load_webrtc_8_jobs_none": old, "memory_rounds": rounds}, {})
+    trim = {"calls_at_once": 8, "rounds": 3, "trims": 24, "trim_ms_median": 3.8, "trim_ms_max": 20.5, "command": "c",
+            "date": "d", "trim_loop_lag_ms_p50": 1.7, "trim_loop_lag_ms_p99": 23.4, "trim_loop_lag_ms_max": 351.9,
+            "trim_crashes": 0, "trim_audio_intact": True, "no_trim_loop_lag_ms_p50": 2.1, "no_trim_loop_lag_ms_p99": 30.7,
+            "no_trim_loop_lag_ms_max": 355.3, "no_trim_crashes": 1, "no_trim_audio_intact": False}
+    text = soak.markdown({"load_webrtc_8": row, "load_webrtc_8_jobs_none": old, "memory_rounds": rounds,
+                          "trim_cost": trim}, {})
     lines = [line for line in text.splitlines() if line.startswith("| webrtc")]
     assert "| 2 | 400.0 | 700.0 | 650 / 700 | 1.5 | 1234 | 2000 | 34 / 400 |" in lines[0]
     assert "| none | " in lines[1] and "| not measured |" in lines[1]
     assert "| before | 0 | 0 | - | 430.0 | 140.0 | 3.0 | 1000 | 10 (27.0) |" in text
     assert "| 1 | 8 | 0 | 620.0 | 470.0 | 140.5 | 45.0 | 1001 | 10 (27.0) |" in text
+    assert "24 trims took 3.8 ms (median), 20.5 ms at most" in text
+    assert "| a trim after each call | 1.7 | 23.4 | 351.9 | 0 | True |" in text
+    assert "| no trim (baseline) | 2.1 | 30.7 | 355.3 | 1 | False |" in text
 
 
 def test_batched_steps_benchmark_measures_both_ways_and_keeps_its_section(tmp_path):

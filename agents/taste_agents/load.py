@@ -175,10 +175,12 @@ def audio_intact(report: dict) -> bool:
 async def concurrent_calls(engine, n_calls: int, *, config=None, duration_s: float | None = None, rounds: int = 1,
                            script_factory: Callable[[], list] = default_script, stagger_s: float = 0.37,
                            max_call_s: float = 300.0, sample_interval_s: float = 1.0,
-                           on_call: Callable[[int, dict], None] | None = None) -> LoadResult:
+                           on_call: Callable[[int, dict], None] | None = None,
+                           release_memory: Callable[[], object] | None = release_free_memory) -> LoadResult:
     """``n_calls`` in-process simulated calls at once. Each of the ``n_calls`` slots runs calls back
     to back: ``rounds`` of them, or until ``duration_s`` has passed (then the running call
-    finishes). ``on_call(slot, report)`` is told of every finished call."""
+    finishes). ``on_call(slot, report)`` is told of every finished call. ``release_memory`` runs
+    on a thread after each call, as the server runs ``release_free_memory`` (None: nothing)."""
     from taste_agents.simulate import simulate_call
 
     result = LoadResult(n_calls, "in-process", baseline_rss_mb=rss_mb(), threads_before=threading.active_count())
@@ -202,7 +204,8 @@ async def concurrent_calls(engine, n_calls: int, *, config=None, duration_s: flo
             except Exception as exc:  # a crash is what this run is looking for: count it, keep going
                 result.crashes.append(f"slot {index}: {type(exc).__name__}: {exc}")
             call = None
-            await asyncio.to_thread(release_free_memory)  # as the server does when a call ends
+            if release_memory is not None:
+                await asyncio.to_thread(release_memory)  # as the server does when a call ends
             done += 1
 
     with MemorySampler(sample_interval_s) as memory:

@@ -12,7 +12,9 @@ RSS up; see BENCHMARKS.md section 6):
   the adjustment), so large buffers go back to the OS when freed.
 
 When a call ends, ``release_free_memory`` hands the free pages inside the heap back to the OS
-(``malloc_trim``). Settings the user put in the environment (``MALLOC_ARENA_MAX``,
+(``malloc_trim``), on a thread. Measured while other calls talk (``python -m benchmarks.soak --parts
+trim-cost``, BENCHMARKS.md section 6): a few ms per trim, and no more event-loop lag than without
+trims. Settings the user put in the environment (``MALLOC_ARENA_MAX``,
 ``MALLOC_MMAP_THRESHOLD_``) win. Elsewhere than glibc every function here does nothing and says so.
 """
 
