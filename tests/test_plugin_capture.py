@@ -32,8 +32,8 @@ def utterances():
     return load_utterances()
 
 
-def audio_frames(audio, rate=SR, ms=20):
-    audio = resample(audio, SR, rate)
+def audio_frames(audio, rate=SR, ms=20, from_rate=SR):
+    audio = resample(audio, from_rate, rate)
     n = rate * ms // 1000
     audio = np.concatenate([audio, np.zeros((-audio.size) % n, np.float32)])
     return [InputAudioRawFrame(float_to_pcm16(audio[i:i + n]), rate, 1) for i in range(0, audio.size, n)]
@@ -296,6 +296,31 @@ async def test_a_call_without_a_playout_ends_when_its_processors_clean_up():
     assert call.worker_threads() == []
 
 
+async def test_without_a_playout_the_caller_still_interrupts_a_reply_the_transport_is_playing():
+    """Generation ends long before its audio has played: the transport's BotStarted/Stopped frames
+    keep the reply interruptible when no TastePlayout tracks it."""
+    from pipecat.pipeline.pipeline import Pipeline
+
+    from pipecat_taste import TasteGenerator, TasteSynthesizer
+    from taste_agents.caller import BargeIn, Pause, Say, WaitForReply
+    from taste_agents.simulate import simulate_call
+
+    u = load_utterances()
+    engine = FakeEngine(reply_words=tuple(f"w{i}" for i in range(15)))  # 3 s of reply, generated at once
+
+    def without_playout(log):
+        call = TasteCall(engine, log=log)
+        return Pipeline([TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer()), TasteGenerator(call),
+                         TasteSynthesizer(call)])
+
+    script = [Pause(0.3), Say(u["time"]), BargeIn(u["bargein"], after_agent_ms=800), WaitForReply(timeout_s=5, end_silence_s=0.8)]
+    result = await simulate_call(engine, script, service_factory=without_playout, tail_s=1.0)
+    assert result.errors == []
+    assert result.log.turns[1].interrupted and result.log.turns[1].barge_in_at is not None
+    checks = result.report["checks"]
+    assert checks["talk_over_ms_outside_barge_in"] == 0.0 and checks["barge_in_within_100ms"]
+
+
 # -- transcripts in parts, late words, short noises, what the capture holds on to ---------------------------
 def vad_turn(seconds):
     """A turn as an upstream VAD reports it (the capture follows its frames): noise between them."""
@@ -417,3 +442,51 @@ async def test_the_capture_learns_whether_the_stt_marks_final_parts(finalized, f
     down, _ = await run_with(capture, frames, tail_secs=0.5)
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["book a table"]
     assert capture._finals_flagged is flagged
+
+
+# -- input rates ---------------------------------------------------------------------------------------------
+class AudioKeepingEngine(FakeEngine):
+    """Keeps the audio of every turn handed to the engine."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.turn_audio = []
+
+    def new_session(self, settings=None, voice=None):
+        session = super().new_session(settings, voice)
+        user_turn = session.user_turn
+        session.user_turn = lambda audio, transcript: (self.turn_audio.append(audio.copy()), user_turn(audio, transcript))[1]
+        return session
+
+
+async def test_an_input_rate_webrtcvad_cannot_work_at_is_resampled_for_it(utterances):
+    """webrtcvad works at 8/16/32/48 kHz only: at 24 kHz the capture runs at 16 kHz, not deaf."""
+    hello = utterances["hello"]
+    frames = audio_frames(np.concatenate([silence(0.6), hello.audio]), 24000) + transcript(hello.text) + \
+        audio_frames(silence(1.0), 24000)
+    engine = AudioKeepingEngine()
+    call, down, up = await run_capture(frames, engine=engine, rate=24000)
+    assert of(up, ErrorFrame) == [] and of(down, ErrorFrame) == []
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [hello.text]
+    assert call.log.turns[1].speech_seconds == pytest.approx(hello.seconds, abs=0.35)
+
+
+async def test_frames_at_another_rate_than_the_pipeline_s_are_resampled_as_one_stream(utterances):
+    """A transport at 8 kHz in a pipeline left at 16 kHz: converting each 20 ms frame on its own
+    would put a click at every frame boundary (measured: 30 dB SNR); one stream gives the audio a
+    whole-buffer conversion gives."""
+    hello = utterances["hello"]
+    speech8k = resample(np.concatenate([silence(0.5), hello.audio, silence(1.0)]), SR, 8000)
+    frames = audio_frames(speech8k[:-8000], 8000, from_rate=8000) + transcript(hello.text) + \
+        audio_frames(speech8k[-8000:], 8000, from_rate=8000)
+    engine = AudioKeepingEngine()
+    await run_capture(frames, engine=engine, rate=SR)
+    (got,) = engine.turn_audio
+    reference = resample(speech8k, 8000, SR)
+    # where the turn begins in the reference: the offset of best agreement (cross-correlation)
+    n = 1 << int(np.ceil(np.log2(reference.size + got.size)))
+    correlation = np.fft.irfft(np.fft.rfft(reference, n) * np.conj(np.fft.rfft(got, n)), n)
+    offset = int(np.argmax(correlation[:reference.size - got.size + 1]))
+    error = got - reference[offset:offset + got.size]
+    snr_db = 10 * np.log10(np.sum(got ** 2) / np.sum(error ** 2))
+    assert snr_db > 60, snr_db

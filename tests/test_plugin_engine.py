@@ -100,12 +100,42 @@ def test_a_failed_reply_keeps_the_callers_turn_and_an_abandoned_one_frees_the_co
     with pytest.raises(RuntimeError, match="injected failure"):
         list(session.reply(turn, FailingStop()))
     turns = session.conversation.state.turns
-    assert len(turns) == 1 and turns[0] is turn.segment
+    assert turns[0] is turn.segment and [t.role for t in turns[1:]] in ([], ["assistant"])  # + any words handed on
+    session.commit_reply(None)
     events = session.reply(session.user_turn(hello.audio, hello.text), threading.Event())
     next(events)
     events.close()  # abandoned after its decision
     assert not session.conversation.reply_in_progress
     assert [e.kind for e in session.reply(session.user_turn(hello.audio, hello.text), threading.Event())][-1] == "end"
+
+
+def test_a_reply_failing_midway_keeps_the_words_already_handed_on(engine, hello):
+    """The caller may have heard them: the history keeps them, and commit_reply cuts them to what
+    was played, as after a barge-in."""
+
+    class FailingStop:  # fails at the reply's 12th step, after some segments went out
+        asks = 0
+
+        def is_set(self):
+            self.asks += 1
+            if self.asks > 12:
+                raise RuntimeError("injected failure mid-reply")
+            return False
+
+    session = engine.new_session(GenerationSettings(max_reply_tokens=40, words_per_segment=1))
+    turn = session.user_turn(hello.audio, hello.text)
+    segments = []
+    with pytest.raises(RuntimeError, match="injected failure"):
+        for event in session.reply(turn, FailingStop()):
+            if event.kind == "segment":
+                segments.append(event)
+    handed_on = sum(e.n_words for e in segments)
+    assert handed_on >= 2
+    turns = session.conversation.state.turns
+    assert [t.role for t in turns] == ["user", "assistant"] and turns[0] is turn.segment
+    assert turns[1].num_words == handed_on
+    assert session.commit_reply(1) == 1  # one word was played before the failure
+    assert session.conversation.state.turns[1].num_words == 1
 
 
 def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):

@@ -286,3 +286,17 @@ def test_service_is_a_pipeline_of_the_four_processors():
     names = [type(p).__name__ for p in service.processors[1:-1]]
     assert names == ["TasteTurnCapture", "TasteGenerator", "TasteSynthesizer", "TastePlayout"]
     assert service.call.call_id != TasteSpeechToSpeech(FakeEngine()).call.call_id
+
+
+async def test_a_service_whose_call_has_ended_refuses_to_run_again():
+    """Its call (session, threads, log) ended with the first pipeline: a second run is an error
+    that says what to do, not an agent that silently ignores the caller."""
+    from pipecat.frames.frames import ErrorFrame
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    service = TasteSpeechToSpeech(FakeEngine())
+    await run_test(service, frames_to_send=[SleepFrame(0.1)])
+    assert service.call.closed
+    down, up = await run_test(service, frames_to_send=[SleepFrame(0.1)])
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert errors and all("cannot run again" in e and "new TasteSpeechToSpeech" in e for e in errors)

@@ -167,6 +167,11 @@ class TasteCall:
     # -- session and workers ----------------------------------------------------------------------
     async def ensure_session(self):
         """Create the engine session once (it may load a voice: done off the event loop)."""
+        if self.closed:
+            # Its pipeline stopped and the processors cleaned up: state, threads and session are gone.
+            raise RuntimeError(f"call {self.call_id} has ended (its pipeline stopped): a call's TASTE processors "
+                               "cannot run again; make a new TasteSpeechToSpeech (or a new TasteCall and "
+                               "processors) for each call")
         if self.session is not None:
             return self.session
         if self._session_lock is None:

@@ -63,6 +63,8 @@ import numpy as np
 from loguru import logger
 from pipecat.audio.vad.vad_analyzer import VADAnalyzer, VADState
 from pipecat.frames.frames import (
+    BotStartedSpeakingFrame,
+    BotStoppedSpeakingFrame,
     CancelFrame,
     EndFrame,
     Frame,
@@ -78,7 +80,7 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, F
 from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.time import time_now_iso8601
 
-from pipecat_taste.audio import pcm16_to_float, resample
+from pipecat_taste.audio import StreamResampler, pcm16_to_float, resample
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
 
@@ -263,6 +265,7 @@ class TasteTurnCapture(FrameProcessor):
         self._early: _CapturedTurn | None = None
         self._turn_frames_lock = asyncio.Lock()
         self._ending = False  # an EndFrame came: no new turns; the ones already ended are finished
+        self._resampler: StreamResampler | None = None  # input frames at another rate than the capture's
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -270,10 +273,21 @@ class TasteTurnCapture(FrameProcessor):
     # -- lifecycle --------------------------------------------------------------------------------
     async def setup(self, setup: FrameProcessorSetup):
         await super().setup(setup)
-        self._sample_rate = setup.audio_in_sample_rate
-        if self._vad is not None:
-            self._vad.set_sample_rate(self._sample_rate)
         await self._call.ensure_session()
+        self._sample_rate = self._working_rate(setup.audio_in_sample_rate)
+
+    def _working_rate(self, input_rate: int) -> int:
+        """The rate the capture keeps turns at: the pipeline's input rate, or, when the VAD cannot
+        work at that rate (webrtcvad: 8/16/32/48 kHz only), the model's 16 kHz."""
+        if self._vad is None:
+            return input_rate
+        try:
+            self._vad.set_sample_rate(input_rate)
+        except ValueError as e:
+            logger.warning(f"{self}: {e}. The capture resamples the input to 16000 Hz for the VAD and the model.")
+            self._vad.set_sample_rate(16000)
+        # A VAD made with a rate of its own keeps it: feed it audio at that rate.
+        return self._vad.sample_rate
 
     async def cleanup(self):
         await super().cleanup()
@@ -328,6 +342,11 @@ class TasteTurnCapture(FrameProcessor):
             self._upstream_stop_secs = frame.stop_secs or self._upstream_stop_secs
             await self.push_frame(frame, direction)
             await self._speech_stopped(time.monotonic())
+        elif isinstance(frame, (BotStartedSpeakingFrame, BotStoppedSpeakingFrame)) and not self._call.has_playout:
+            # The transport's word on playback (it reaches us upstream): the playout keeps this when
+            # the pipeline has one; without it, a reply still playing must stay interruptible.
+            self._call.bot_speaking = isinstance(frame, BotStartedSpeakingFrame)
+            await self.push_frame(frame, direction)
         elif isinstance(frame, TranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
             self._upstream_transcripts = True
             self._add_transcript(frame.text, frame.finalized)  # consumed: the turn's transcript goes upstream later
@@ -357,7 +376,7 @@ class TasteTurnCapture(FrameProcessor):
         else:
             samples = pcm16_to_float(frame.audio)
         if frame.sample_rate != self._sample_rate:
-            samples = resample(samples, frame.sample_rate, self._sample_rate)
+            samples = self._input_resampler(frame.sample_rate)(samples)
         self._remember(samples)
         self._samples_seen += samples.size
         if self._capturing:
@@ -405,6 +424,13 @@ class TasteTurnCapture(FrameProcessor):
             self._silence_from = None
             if self._early is not None:
                 await self._retract(now)
+
+    def _input_resampler(self, input_rate: int) -> StreamResampler:
+        """One resampling stream for the input (its filter runs across frames: converting frame by
+        frame would put a click at every frame boundary); a new one if the input rate changes."""
+        if self._resampler is None or self._resampler.from_rate != input_rate:
+            self._resampler = StreamResampler(input_rate, self._sample_rate)
+        return self._resampler
 
     def _max_turn_seconds(self) -> float:
         session = self._call.session
@@ -470,6 +496,10 @@ class TasteTurnCapture(FrameProcessor):
 
     async def _barge_in(self, now: float):
         active = self._call.active_reply_turn
+        if active is None and self._call.bot_speaking and not self._call.has_playout:
+            # generated already and playing in the transport: the latest reply is the one playing
+            replies = [t.turn_id for t in self._call.log.turns.values() if t.decision == "reply"]
+            active = max(replies, default=None)
         if active is not None:
             record = self._call.log.turn(active)
             if record.barge_in_at is None:

@@ -396,6 +396,7 @@ class TasteSession:
             decided = True
             yield ReplyEvent("decision", decision="reply")
         self._last_reply_words = 0
+        emitted: list = []  # the reply's segments handed on so far (on a failure: what may have been heard)
         try:
             for item in items:
                 if item["completion_reason"] == "no_speech":
@@ -407,6 +408,7 @@ class TasteSession:
                 segment = item["segment"]
                 if segment is not None:
                     text = self.processor.llm_tokenizer.decode(segment.text_ids[0].tolist())
+                    emitted.append(segment)
                     yield ReplyEvent("segment", text=text, n_words=int(segment.word_starts().sum()), segment=segment)
                 if item["is_complete"]:
                     reply = item.get("reply")  # streaming_generate has committed it to the conversation
@@ -415,20 +417,27 @@ class TasteSession:
                     yield ReplyEvent("end", reason=reason)
                     return
         except Exception:
-            self._keep_turn(turn)
+            self._keep_turn(turn, emitted)
             raise
         finally:
             items.close()  # a reply abandoned by its consumer frees the conversation now, not at collection
 
-    def _keep_turn(self, turn: UserTurn) -> None:
+    def _keep_turn(self, turn: UserTurn, emitted: list) -> None:
         """A failed reply: the library took the caller's turn back (ready for a retry), but the call
-        goes on to the next turn, so the conversation keeps what the caller said."""
+        goes on to the next turn, so the conversation keeps what the caller said, and the words of
+        the reply already handed on (``commit_reply`` then cuts them to what was played)."""
+        from taste_speech.streaming import TASTESegment
+
         if self.conversation.closed or any(t is turn.segment for t in self.conversation.state.turns):
             return
         try:
             self.conversation.add_turn(turn.segment)
+            if emitted:
+                said = TASTESegment.concat(emitted)
+                self.conversation.add_turn(said)
+                self._last_reply_words = said.num_words
         except Exception as exc:  # the model itself fails: the next turn will say so
-            logger.warning("the caller's turn could not be kept after a failed reply: %s", exc)
+            logger.warning("the caller's turn or the reply begun could not be kept after a failed reply: %s", exc)
 
     def commit_reply(self, played_words: int | None) -> int:
         """After a reply: keep all of it (None) or only its first ``played_words`` words (what the
