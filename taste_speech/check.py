@@ -21,7 +21,8 @@ A hub id is checked from the local cache when the snapshot is there; otherwise o
 ``config.json`` and the safetensors headers are fetched (HTTP range requests, no tensor data)
 and ``voice_generator.pth`` is skipped.
 
-Exit codes: 0 = fits, 1 = mismatching tensors, 2 = unreadable checkpoint or config.
+Exit codes: 0 = fits, 1 = mismatching tensors, 2 = unreadable checkpoint or config (a truncated or
+corrupt file, also ``voice_generator.pth``; or no such directory).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from taste_speech.loading import (
     CheckpointReader,
     TensorInfo,
     load_pickled_state_dict,
+    looks_like_hub_id,
     match_keys,
 )
 
@@ -60,10 +62,16 @@ class CheckReport:
     source: str
     problems: list[str] = field(default_factory=list)  # each line names one bad tensor or file
     notes: list[str] = field(default_factory=list)
+    # files that could not be read at all (truncated, corrupt): the check is incomplete, exit 2
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unreadable
+
+    @property
+    def exit_code(self) -> int:
+        return 2 if self.unreadable else 1 if self.problems else 0
 
     def render(self) -> str:
         lines = [f"checkpoint: {self.source}"]
@@ -71,6 +79,11 @@ class CheckReport:
         if self.problems:
             lines.append(f"PROBLEMS ({len(self.problems)}):")
             lines += [f"  {p}" for p in self.problems]
+        if self.unreadable:
+            lines.append(f"UNREADABLE FILES ({len(self.unreadable)}):")
+            lines += [f"  {u}" for u in self.unreadable]
+            lines.append("result: could NOT be checked - a file is unreadable (the fix is named above)")
+        elif self.problems:
             lines.append("result: does NOT fit the TASTE architecture")
         else:
             lines.append("result: OK - every tensor name and shape fits")
@@ -126,13 +139,18 @@ def check_voice_generator(path: str, config: TasteConfig, report: CheckReport) -
         return
     vg_config = None
     config_path = os.path.join(os.path.dirname(path), CONFIG_NAME)
-    if os.path.isfile(config_path):
-        with open(config_path) as f:
-            vg_config = json.load(f)
+    # A file that cannot be read is not a shape mismatch: it goes to `unreadable` (exit 2).
+    try:
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                vg_config = json.load(f)
+    except ValueError as exc:
+        report.unreadable.append(f"cannot read {config_path} as JSON ({exc}); download it again")
+        return
     try:
         state = to_legacy_weight_norm_keys(load_pickled_state_dict(path, mmap=True))
-    except CheckpointError as exc:
-        report.problems.append(f"voice generator: {exc}")
+    except CheckpointError as exc:  # the message names the file and says to download it again
+        report.unreadable.append(str(exc))
         return
     with torch.device("meta"):
         model = VoiceGenerator(vg_config)
@@ -212,6 +230,9 @@ def check_checkpoint(name_or_path: str) -> CheckReport:
         return check_directory(path)
     if os.path.exists(path):
         raise CheckpointError(f"{path} is a file; pass the checkpoint directory that holds config.json")
+    if not looks_like_hub_id(name_or_path):  # same rule as from_pretrained: a mistyped path, not a hub id
+        raise CheckpointError(f"no such directory: {path} (and it is not a hub id of the form owner/name); "
+                              "pass the checkpoint directory that holds config.json")
     try:
         from huggingface_hub import snapshot_download
 
@@ -234,7 +255,7 @@ def main(argv=None) -> int:
         print(f"checkpoint: {args.checkpoint}\nERROR: {exc}")
         return 2
     print(report.render())
-    return 0 if report.ok else 1
+    return report.exit_code
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def resolve_checkpoint_dir(name_or_path, revision: str | None = None, cache_dir:
         return path
     if os.path.exists(path):
         raise CheckpointError(f"{path} is a file; pass the checkpoint directory that holds config.json")
-    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(name_or_path)) is None:
+    if not looks_like_hub_id(name_or_path):
         raise FileNotFoundError(f"{name_or_path!r} is neither a local directory nor a hub id (owner/name)")
     from huggingface_hub import snapshot_download
 
@@ -96,6 +96,12 @@ def resolve_checkpoint_dir(name_or_path, revision: str | None = None, cache_dir:
         raise CheckpointError(f"the cached copy of {name_or_path} is incomplete: {exc} (run `hf download "
                               f"{name_or_path}`, or unset HF_HUB_OFFLINE to let it download)") from None
     return directory
+
+
+def looks_like_hub_id(name) -> bool:
+    """``owner/name`` as the hub spells it. Anything else that is not an existing folder (absolute,
+    ``./``, ``../``, ``~``, deeper paths) is a mistyped local path, never sent to the hub."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(name)) is not None
 
 
 def require_checkpoint_files(directory: str) -> None:

@@ -97,11 +97,25 @@ def resolve_run_dtypes(torch_dtype, device: torch.device) -> torch.dtype | None:
 
 
 def resolve_device(device) -> torch.device:
+    """None -> CPU, ``"auto"`` -> CUDA when available, else the device asked for. An explicit CUDA
+    device that this machine cannot provide fails here, by name, before anything is loaded (torch
+    would only fail later, with "Torch not compiled with CUDA enabled")."""
     if device is None:
         return torch.device("cpu")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA support" if torch.version.cuda is None
+                   else "torch finds no CUDA GPU or driver")
+            raise RuntimeError(f"device={str(device)!r} was requested but CUDA is not available ({why}; torch "
+                               f"{torch.__version__}). Use device='cpu', or device='auto' (CUDA when available), "
+                               "or install a CUDA build of torch on a machine with an NVIDIA GPU.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device={str(device)!r} was requested but this machine has "
+                               f"{torch.cuda.device_count()} CUDA device(s); use device='cuda' (the first one)")
+    return device
 
 
 @dataclass
@@ -277,6 +291,7 @@ class TasteForCausalLM(TastePreTrainedModel):
             raise TypeError(f"TasteForCausalLM.from_pretrained got unsupported arguments: {sorted(kwargs)}")
         if hub.get("subfolder"):
             raise ValueError("subfolder is not supported: pass the checkpoint directory itself")
+        device = resolve_device(device)  # before any download or loading: an unusable device fails first
         directory = resolve_checkpoint_dir(pretrained_model_name_or_path, revision=hub.get("revision"),
                                            cache_dir=hub.get("cache_dir"), token=hub.get("token"),
                                            local_files_only=hub.get("local_files_only"),
@@ -285,7 +300,6 @@ class TasteForCausalLM(TastePreTrainedModel):
             config = TasteConfig.from_pretrained(directory)
         elif config._joint_whisper_config is None:  # e.g. from AutoConfig: resolve whisper_joint here
             config.joint_whisper_config = resolve_joint_whisper_config(config, base_dir=directory)
-        device = resolve_device(device)
         half_dtype = resolve_run_dtypes(torch_dtype, device)
 
         with torch.device("meta"):

@@ -5,6 +5,9 @@ A golden directory holds a small random checkpoint in the published layout plus
 one module here (``points_<part>.py``) with ``run(golden, model) -> list[PointResult]``; the
 runner (``python -m taste_speech.verify DIR``) loads the checkpoint once, runs every part that
 applies to the directory, prints one line per point and fails on any mismatch.
+
+Exit codes: 0 = every point matches, 1 = a parity mismatch, 2 = a directory is not a golden
+reference directory (no ``io.safetensors``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,23 @@ class PointResult:
         return f"{status} {self.name:<55} max_abs_diff {self.max_abs_diff:.3e}  [{kind}]{note}"
 
 
+class NotGoldenDirError(FileNotFoundError):
+    """The directory given is not a golden reference directory (e.g. a plain checkpoint)."""
+
+
+def require_golden_dir(directory: str) -> None:
+    if not os.path.isfile(os.path.join(directory, "io.safetensors")):
+        raise NotGoldenDirError(
+            f"{directory} is not a golden reference directory (no io.safetensors); pass a folder from "
+            "shared/reference/ (e.g. shared/reference/taste_lm/tiny_a, shared/reference/voice_generator/tiny_a) "
+            "or tests/data/. To check an ordinary checkpoint use python -m taste_speech.check DIR")
+
+
 class Golden:
     """The tensors (``io.safetensors``) and metadata of one golden directory."""
 
     def __init__(self, directory: str):
+        require_golden_dir(directory)
         self.dir = directory
         self.tensors: dict[str, torch.Tensor] = load_file(os.path.join(directory, "io.safetensors"))
         meta_path = os.path.join(directory, "io_meta.json")

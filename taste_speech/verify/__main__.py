@@ -1,4 +1,8 @@
-"""``python -m taste_speech.verify DIR [DIR ...]``: run every parity point of golden directories."""
+"""``python -m taste_speech.verify DIR [DIR ...]``: run every parity point of golden directories.
+
+Exit codes: 0 = all parity points match, 1 = a parity point failed, 2 = a DIR is not a golden
+reference directory (no io.safetensors; use a folder from shared/reference/ or tests/data/).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import sys
 
 import torch
 
-from taste_speech.verify import Golden, PointResult
+from taste_speech.verify import Golden, NotGoldenDirError, PointResult, require_golden_dir
 
 # Parity modules per kind of golden directory, in pipeline order.
 PARTS = {
@@ -39,11 +43,19 @@ def verify(directory: str) -> list[PointResult]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m taste_speech.verify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dirs", nargs="+", help="golden directories (taste_lm or voice_generator sets)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (goldens: 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    # Every directory first: a wrong one fails at once, not after the others ran, and with its own code.
+    for directory in args.dirs:
+        try:
+            require_golden_dir(directory)
+        except NotGoldenDirError as exc:
+            print(f"ERROR: {exc}", file=sys.stderr)
+            return 2
     failed = 0
     for directory in args.dirs:
         print(f"== {directory}")

@@ -94,13 +94,14 @@ class VoiceGenerator(nn.Module):
         The architecture is the published full size unless ``config`` is given or a
         ``voice_generator_config.json`` sits next to the weights (tiny test checkpoints).
         """
+        from taste_speech.modeling_taste import resolve_device
+
+        device = resolve_device(device) if device is not None else None  # fails before reading weights
         weights = resolve_weights_path(path)
         if config is None and (weights.parent / CONFIG_NAME).is_file():
             config = json.loads((weights.parent / CONFIG_NAME).read_text())
-        from taste_speech.modeling_taste import resolve_device
-
         model = cls.from_state_dict(read_state_dict(weights), config, source=str(weights))
-        return model.to(resolve_device(device)) if device is not None else model
+        return model.to(device) if device is not None else model
 
     @classmethod
     def from_golden_dir(cls, directory: str | os.PathLike) -> "VoiceGenerator":

@@ -1,0 +1,143 @@
+"""The library's command-line tools and loading errors: exit codes and messages that name the fix."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from taste_speech import check
+from taste_speech.modeling_taste import TasteForCausalLM, resolve_device
+
+
+def _copy_with_cosyvoice(src: Path, dst: Path) -> Path:
+    """A checkpoint copy whose cosyvoice/ folder can be damaged; the rest is linked (no 20 MB copies)."""
+    dst.mkdir()
+    for entry in src.iterdir():
+        if entry.name == "cosyvoice":
+            shutil.copytree(entry, dst / entry.name)
+        else:
+            (dst / entry.name).symlink_to(entry)
+    return dst
+
+
+# -- python -m taste_speech.check: unreadable files -------------------------------------------------
+def test_check_truncated_voice_generator_is_unreadable_exit_2(tiny_checkpoint, tmp_path, capsys):
+    directory = _copy_with_cosyvoice(tiny_checkpoint, tmp_path / "ck")
+    pth = directory / "cosyvoice" / "voice_generator.pth"
+    os.truncate(pth, pth.stat().st_size // 2)
+    assert check.main([str(directory)]) == 2
+    out = capsys.readouterr().out
+    assert "UNREADABLE" in out and str(pth) in out and "download it again" in out
+    assert "does NOT fit" not in out  # a damaged download is not an architecture mismatch
+
+
+def test_check_corrupt_voice_generator_config_is_unreadable(tiny_checkpoint, tmp_path):
+    directory = _copy_with_cosyvoice(tiny_checkpoint, tmp_path / "ck")
+    (directory / "cosyvoice" / "voice_generator_config.json").write_text('{"flow": ')
+    report = check.check_checkpoint(str(directory))
+    assert report.exit_code == 2 and "voice_generator_config.json" in report.unreadable[0]
+
+
+def test_check_mismatch_still_exits_1(tiny_checkpoint, tmp_path):
+    directory = _copy_with_cosyvoice(tiny_checkpoint, tmp_path / "ck")
+    pth = directory / "cosyvoice" / "voice_generator.pth"
+    state = torch.load(pth, weights_only=True)
+    state["hift.extra"] = torch.zeros(1)
+    torch.save(state, pth)
+    report = check.check_checkpoint(str(directory))
+    assert report.exit_code == 1 and not report.unreadable
+
+
+# -- python -m taste_speech.check: paths that do not exist -----------------------------------------
+@pytest.mark.parametrize("name", ["{tmp}/nope", "./no-such-dir-xyz", "../no-such-dir-xyz", "~/no-such-dir-xyz",
+                                  "a/b/c", "nope"])
+def test_check_missing_path_is_no_such_directory(name, tmp_path, monkeypatch, capsys):
+    name = name.format(tmp=tmp_path)
+
+    def no_hub(repo_id):
+        raise AssertionError(f"{repo_id} is a path, it must not be looked up on the hub")
+
+    monkeypatch.setattr(check, "check_remote", no_hub)
+    assert check.main([name]) == 2
+    out = capsys.readouterr().out
+    assert "no such directory" in out and "hf download" not in out
+    # the same rule as loading: from_pretrained does not take it for a hub id either
+    from taste_speech.loading import looks_like_hub_id
+
+    assert not looks_like_hub_id(name)
+    with pytest.raises(FileNotFoundError, match="neither a local directory nor a hub id"):
+        TasteForCausalLM.from_pretrained(name)
+
+
+def test_check_hub_id_still_goes_to_the_hub(monkeypatch):
+    monkeypatch.setattr(check, "check_remote", lambda repo_id: check.CheckReport(f"remote {repo_id}"))
+    assert check.check_checkpoint("no-such-owner/no-such-model").source == "remote no-such-owner/no-such-model"
+
+
+# -- python -m taste_speech.verify: not a golden directory -----------------------------------------
+def test_verify_rejects_a_plain_checkpoint_with_exit_2(tiny_checkpoint, taste_lm_tiny_a, capsys):
+    from taste_speech.verify import Golden, NotGoldenDirError
+    from taste_speech.verify.__main__ import main
+
+    # checked before any directory runs: the golden one first would otherwise take the time
+    assert main([str(taste_lm_tiny_a), str(tiny_checkpoint)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert f"{tiny_checkpoint} is not a golden reference directory (no io.safetensors)" in err
+    assert "shared/reference/" in err and "parity" not in captured.out
+    with pytest.raises(NotGoldenDirError, match="not a golden reference directory"):
+        Golden(str(tiny_checkpoint))
+
+
+def test_verify_command_line_exit_code(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "taste_speech.verify", str(tmp_path)], capture_output=True,
+                         text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr and "not a golden reference directory" in run.stderr
+
+
+# -- device="cuda" without CUDA ---------------------------------------------------------------------
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """This machine has no CUDA (also on a GPU machine), and nothing may be loaded."""
+    import taste_speech.modeling_taste as modeling
+    import taste_speech.voice_generator as voice_generator
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the device must be checked before anything is loaded")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(modeling, "resolve_checkpoint_dir", no_loading)
+    monkeypatch.setattr(voice_generator, "read_state_dict", no_loading)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda")])
+def test_cuda_without_cuda_is_a_clear_error(no_cuda, tiny_checkpoint, device):
+    from taste_speech.voice_generator import VoiceGenerator
+
+    with pytest.raises(RuntimeError, match=r"CUDA is not available.*device='cpu'.*device='auto'.*CUDA build"):
+        TasteForCausalLM.from_pretrained(str(tiny_checkpoint), device=device)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        VoiceGenerator.from_pretrained(tiny_checkpoint, device=device)
+
+
+def test_engine_cuda_without_cuda_is_a_clear_error(no_cuda):
+    from pipecat_taste.engine import TasteEngine
+
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        TasteEngine.from_pretrained(None, device="cuda")
+
+
+def test_auto_and_cpu_still_resolve_without_cuda(no_cuda, monkeypatch):
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device(None) == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(RuntimeError, match="has 1 CUDA device"):
+        resolve_device("cuda:3")
