@@ -46,6 +46,7 @@ from taste_speech.loading import (
     load_pickled_state_dict,
     looks_like_hub_id,
     match_keys,
+    require_checkpoint_files,
 )
 
 VOICE_GENERATOR_PTH = os.path.join("cosyvoice", "voice_generator.pth")
@@ -239,9 +240,19 @@ def check_checkpoint(name_or_path: str) -> CheckReport:
         cached = snapshot_download(name_or_path, local_files_only=True)
     except Exception:
         cached = None
-    if cached is not None:
-        return check_directory(cached, source=f"{name_or_path} (cached at {cached})")
-    return check_remote(name_or_path)
+    if cached is None:
+        return check_remote(name_or_path)
+    try:
+        require_checkpoint_files(cached)
+    except CheckpointError as exc:
+        # e.g. only the config.json an earlier remote check fetched: ask the hub, not the partial copy
+        try:
+            report = check_remote(name_or_path)
+        except CheckpointError as remote_exc:
+            raise CheckpointError(f"the cached snapshot at {cached} is incomplete ({exc}), and {remote_exc}") from remote_exc
+        report.notes.append(f"the cached snapshot at {cached} is incomplete ({exc}): checked on the hub instead")
+        return report
+    return check_directory(cached, source=f"{name_or_path} (cached at {cached})")
 
 
 def main(argv=None) -> int:

@@ -78,6 +78,25 @@ def test_check_hub_id_still_goes_to_the_hub(monkeypatch):
     assert check.check_checkpoint("no-such-owner/no-such-model").source == "remote no-such-owner/no-such-model"
 
 
+def test_check_an_incomplete_cached_snapshot_asks_the_hub(tiny_checkpoint, tmp_path, monkeypatch):
+    """An earlier remote check leaves config.json alone in the hub cache: that is no checkpoint to
+    judge; the complete cached snapshot is checked where it lies."""
+    import huggingface_hub
+
+    partial = tmp_path / "snapshot"
+    partial.mkdir()
+    shutil.copy(tiny_checkpoint / "config.json", partial / "config.json")
+    snapshot = {"dir": str(partial)}
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, local_files_only: snapshot["dir"])
+    monkeypatch.setattr(check, "check_remote", lambda repo_id: check.CheckReport(f"remote {repo_id}"))
+    report = check.check_checkpoint("owner/model")
+    assert report.source == "remote owner/model" and any("incomplete" in n for n in report.notes)
+
+    snapshot["dir"] = str(tiny_checkpoint)
+    report = check.check_checkpoint("owner/model")
+    assert report.source.startswith("owner/model (cached at") and report.ok
+
+
 # -- python -m taste_speech.verify: not a golden directory -----------------------------------------
 def test_verify_rejects_a_plain_checkpoint_with_exit_2(tiny_checkpoint, taste_lm_tiny_a, capsys):
     from taste_speech.verify import Golden, NotGoldenDirError
