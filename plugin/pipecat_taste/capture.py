@@ -375,8 +375,8 @@ class TasteTurnCapture(FrameProcessor):
             samples = pcm16_to_float(frame.audio).reshape(-1, frame.num_channels).mean(axis=1)
         else:
             samples = pcm16_to_float(frame.audio)
-        if frame.sample_rate != self._sample_rate:
-            samples = self._input_resampler(frame.sample_rate)(samples)
+        if frame.sample_rate != self._sample_rate or self._resampler is not None:
+            samples = self._to_working_rate(samples, frame.sample_rate)
         self._remember(samples)
         self._samples_seen += samples.size
         if self._capturing:
@@ -425,12 +425,19 @@ class TasteTurnCapture(FrameProcessor):
             if self._early is not None:
                 await self._retract(now)
 
-    def _input_resampler(self, input_rate: int) -> StreamResampler:
-        """One resampling stream for the input (its filter runs across frames: converting frame by
-        frame would put a click at every frame boundary); a new one if the input rate changes."""
-        if self._resampler is None or self._resampler.from_rate != input_rate:
+    def _to_working_rate(self, samples: np.ndarray, input_rate: int) -> np.ndarray:
+        """Input at another rate goes through one resampling stream (its filter runs across frames:
+        converting frame by frame would put a click at every frame boundary). When the input rate
+        changes (a transport switching codecs) the old stream's tail is flushed first: no audio is
+        lost or reordered."""
+        pieces = []
+        if self._resampler is not None and self._resampler.from_rate != input_rate:
+            pieces.append(self._resampler.flush())
+            self._resampler = None
+        if input_rate != self._sample_rate and self._resampler is None:
             self._resampler = StreamResampler(input_rate, self._sample_rate)
-        return self._resampler
+        pieces.append(self._resampler(samples) if self._resampler is not None else samples)
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
     def _max_turn_seconds(self) -> float:
         session = self._call.session
