@@ -13,9 +13,10 @@ A step covers the first n slots, n a power of two (slots are handed out lowest f
 subclass's ``_decode(n)`` runs it from static buffers, replayed as one CUDA graph per n on CUDA
 (``StepGraph``; ``warm_up()`` captures them all before the first call).
 
-A slot is given back by ``_release``; while a step or a prefill of it is still running (another
-thread) it stays reserved and is freed when that work ends, so nothing writes into a slot that
-a new owner already uses.
+A slot is given back by ``_release``, or when its owner is garbage collected (owners are held
+weakly: a decode dropped without ``close()`` must not keep its slot for ever); while a step or a
+prefill of it is still running (another thread) it stays reserved and is freed when that work
+ends, so nothing writes into a slot that a new owner already uses.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 
 import torch
 
@@ -49,7 +51,7 @@ class BatchedSteps:
         self.slots, self.gather = slots, float(gather)
         self.sizes = step_sizes(slots)  # steps cover the first n slots, n one of these
         self._lock = threading.Condition()
-        self._owners: list[object | None] = [None] * slots
+        self._owners: list[object | None] = [None] * slots  # None, _RELEASING or a weakref to the owner
         self._lengths = [0] * slots  # positions each slot holds
         self._busy = [0] * slots  # steps and prefills of the slot in flight
         self._waiting: dict[int, object] = {}
@@ -125,7 +127,10 @@ class BatchedSteps:
         with self._lock:
             for slot, held in enumerate(self._owners):
                 if held is None and not self._busy[slot]:
-                    self._owners[slot], self._lengths[slot] = owner, 0
+                    ref = weakref.ref(owner)
+                    self._owners[slot], self._lengths[slot] = ref, 0
+                    # dropped without close(); not at exit, where a daemon thread may hold the lock
+                    weakref.finalize(owner, self._release_dead, slot, ref).atexit = False
                     return slot
         raise SlotsBusy(f"all {self.slots} slots hold a decode")
 
@@ -133,8 +138,20 @@ class BatchedSteps:
         with self._lock:
             self._owners[slot] = _RELEASING if self._busy[slot] else None
 
+    def _release_dead(self, slot: int, ref: weakref.ref) -> None:
+        """The owner behind ``ref`` was garbage collected: free its slot, unless it was given back
+        (and maybe handed to a new owner) already."""
+        with self._lock:
+            if self._owners[slot] is ref:
+                self._owners[slot] = _RELEASING if self._busy[slot] else None
+
+    def _owner(self, slot: int):
+        """(Lock held.) The live owner of ``slot``, or None."""
+        held = self._owners[slot]
+        return held() if isinstance(held, weakref.ref) else None
+
     def _enter(self, slot: int, owner) -> None:
-        if self._owners[slot] is not owner:
+        if self._owner(slot) is not owner:
             raise RuntimeError("this cache was closed (its call ended): open a new one")
         self._busy[slot] += 1
 
@@ -201,8 +218,7 @@ class BatchedSteps:
         or ``gather`` x the previous step's time has passed."""
         deadline = time.perf_counter() + self.gather * self._last_step_s
         while True:
-            missing = [s for s in self._last_batch if s not in self._waiting
-                       and self._owners[s] is not None and self._owners[s] is not _RELEASING]
+            missing = [s for s in self._last_batch if s not in self._waiting and self._owner(s) is not None]
             left = deadline - time.perf_counter()
             if not missing or left <= 0:
                 return
@@ -226,7 +242,8 @@ class BatchedSteps:
 class SlotCache:
     """A decode's cache in a slot of a ``BatchedSteps``. It continues in a private cache of its
     own (the subclass's ``_new_private`` / ``_private_copy``) when no slot is free or it would
-    outgrow the batch's ``capacity``: slower, never wrong. ``close()`` gives the slot back."""
+    outgrow the batch's ``capacity``: slower, never wrong. ``close()`` gives the slot back (so does
+    its garbage collection)."""
 
     def __init__(self, batch: BatchedSteps):
         self.batch, self.closed = batch, False

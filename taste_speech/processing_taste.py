@@ -54,6 +54,9 @@ DEFAULT_SPEAKER_FILE = "default_speaker.npy"
 DEFAULT_VOICE_WAV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default_voice.wav")
 PUBLISHED_ASR_MODEL = "openai/whisper-large-v3"
 WHISPER_PROMPT_TOKENS = 5  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|> ... <|endoftext|>
+MIN_AUDIO_SECONDS = 0.1  # shorter than any spoken word: a truncated buffer or a wrong sampling_rate
+MIN_SAMPLE_RATE = 4000  # below telephone band (8 kHz): not the rate of a speech recording
+SILENCE_PEAK = 1e-4  # audio whose loudest sample is below this (-80 dBFS) holds no speech
 
 # What the processor needs from a hub repository (never the multi-GB model weights).
 _PROCESSOR_FILES = [
@@ -245,9 +248,15 @@ class TasteProcessor:
         return self.max_samples / SAMPLE_RATE
 
     def prepare_audio(self, audio, sampling_rate: int) -> np.ndarray:
-        """Mono float32 16 kHz waveform, checked: not empty, finite, within the tower's window."""
+        """Mono float32 16 kHz waveform, checked: not empty, finite, at least ``MIN_AUDIO_SECONDS``
+        and within the tower's window."""
         _check_rate(sampling_rate)
         wav = resample(to_mono_float(audio), int(sampling_rate), SAMPLE_RATE)
+        if wav.size < MIN_AUDIO_SECONDS * SAMPLE_RATE:
+            raise ValueError(
+                f"audio too short: {1000 * wav.size / SAMPLE_RATE:.1f} ms at {SAMPLE_RATE} Hz, the minimum is "
+                f"{1000 * MIN_AUDIO_SECONDS:g} ms: pass the whole turn, at its real sampling_rate"
+            )
         if wav.size > self.max_samples:
             raise ValueError(
                 f"audio is {wav.size / SAMPLE_RATE:.2f} s long; the audio tower takes at most "
@@ -371,9 +380,9 @@ class TasteProcessor:
         """(T, 80) mean-normalised Kaldi fbank of a 16 kHz float waveform (CAMPPlus input)."""
         return mean_normalise(kaldi_fbank(wav16k, num_mel_bins=80))
 
-    def speaker_embedding(self, clips, sampling_rate: int = SAMPLE_RATE) -> torch.Tensor:
+    def speaker_embedding(self, clips, sampling_rate: int) -> torch.Tensor:
         """(1, D) float32: L2-normalised mean of the CAMPPlus x-vectors (D = 192) of one or more
-        reference clips, each any rate / channel count."""
+        reference clips, each any rate / channel count (``sampling_rate``, in Hz, is theirs)."""
         if self.speaker_model_path is None:
             raise ValueError(
                 f"no {COSYVOICE_DIR}/{SPEAKER_MODEL_FILE} in this checkpoint: pass speaker embeddings directly "
@@ -388,8 +397,13 @@ class TasteProcessor:
         session = self._speaker_onnx()
         input_name = session.get_inputs()[0].name
         vectors = []
-        for clip in clips:
-            feats = self.fbank(resample(clip, int(sampling_rate), SAMPLE_RATE))
+        for i, clip in enumerate(clips):
+            wav = resample(clip, int(sampling_rate), SAMPLE_RATE)
+            feats = self.fbank(wav)
+            peak = float(np.abs(wav).max())
+            if peak < SILENCE_PEAK:  # its x-vector would be a voice nobody has
+                raise ValueError(f"reference clip {i} is silent (peak {peak:.1e}, below -80 dBFS): give a clip "
+                                 "of the speaker talking")
             out = session.run(None, {input_name: feats[None].astype(np.float32)})[0]
             vectors.append(np.asarray(out, dtype=np.float32).reshape(-1))
         if len({v.size for v in vectors}) != 1:
@@ -485,6 +499,9 @@ def _check_rate(sampling_rate) -> None:
         raise ValueError("sampling_rate is required: pass the rate of the audio in Hz (e.g. 16000, 48000)")
     if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
         raise ValueError(f"sampling_rate must be a positive integer in Hz, got {sampling_rate!r}")
+    if sampling_rate < MIN_SAMPLE_RATE:
+        raise ValueError(f"sampling_rate={sampling_rate} Hz is below {MIN_SAMPLE_RATE} Hz, no speech recording's rate: "
+                         "pass the audio's rate in Hz (e.g. 16000, 48000), not in kHz")
 
 
 def _resolve_processor_dir(name_or_path, **hub_kwargs) -> str:

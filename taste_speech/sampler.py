@@ -13,7 +13,7 @@ temperature, and greedy decoding (``text_top_p == 0``) ignores penalty and tempe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import torch
@@ -29,7 +29,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None, replacem
 
 BAN_VALUE = -100000.0  # the original's "minus infinity" (representable in bf16 logits)
 LLAMA3_SPECIAL_START = 128000  # every Llama-3 special token counts as a word start
-LLAMA3_END_OF_TEXT = 128001  # <|end_of_text|>: banned (generation never ends by EOS)
+LLAMA3_END_OF_TEXT = 128001  # <|end_of_text|>: banned (streaming_generate lifts the ban for an eos_id it is given)
 END_OF_TEXT_TOKEN = "<|end_of_text|>"
 _ALLOWED_CHARS = frozenset(".,'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 
@@ -122,6 +122,16 @@ class VocabularyTables:
             if 0 <= int(i) < size:  # the original's 128001 does not exist in a small vocabulary
                 banned[int(i)] = True
         return cls(word_start, sentence_end, banned)
+
+    def allowing(self, ids) -> "VocabularyTables":
+        """These tables with ``ids`` no longer banned: a stop id the caller names (e.g. the
+        tokenizer's ``<|end_of_text|>``) must be possible to sample, or it could never end a reply."""
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size and bool(self.banned[int(i)])]
+        if not ids:
+            return self  # the shared tables stay untouched
+        banned = self.banned.clone()
+        banned[ids] = False
+        return replace(self, banned=banned)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int | None = None, eos_token_id=None) -> "VocabularyTables":

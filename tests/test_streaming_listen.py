@@ -77,14 +77,14 @@ def golden_turn(golden):
 @pytest.fixture(scope="module")
 def user_turn(model, processor):
     text = processor.process_text("hello there how are you doing today")
-    taste = taste_tokenize(model, processor, voiced()[None], text.llm_token_ids)
+    taste = taste_tokenize(model, processor, voiced()[None], text.llm_token_ids, 16000)
     return TASTESegment("user", "audio", text.llm_token_ids, taste)
 
 
 @pytest.fixture(scope="module")
 def second_turn(model, processor):
     text = processor.process_text("tell me about the garden")
-    taste = taste_tokenize(model, processor, voiced(1.2, seed=1)[None], text.llm_token_ids)
+    taste = taste_tokenize(model, processor, voiced(1.2, seed=1)[None], text.llm_token_ids, 16000)
     return TASTESegment("user", "audio", text.llm_token_ids, taste)
 
 
@@ -157,7 +157,7 @@ def test_taste_tokenize_any_rate_and_channels(model, processor, user_turn):
     taste = taste_tokenize(model, processor, np.stack([up, up]), user_turn.text_ids, sampling_rate=48000)
     assert taste.shape == user_turn.taste_ids.shape
     assert torch.equal(taste >= 0, user_turn.taste_ids >= 0)
-    mono = taste_tokenize(model, processor, torch.from_numpy(voiced()), user_turn.text_ids)  # (T,) tensor
+    mono = taste_tokenize(model, processor, torch.from_numpy(voiced()), user_turn.text_ids, 16000)  # (T,) tensor
     assert torch.equal(mono, user_turn.taste_ids)
 
 
@@ -170,22 +170,22 @@ def test_taste_tokenize_any_rate_and_channels(model, processor, user_turn):
 ])
 def test_taste_tokenize_bad_audio(model, processor, user_turn, audio, match):
     with pytest.raises(ValueError, match=match):
-        taste_tokenize(model, processor, audio, user_turn.text_ids)
+        taste_tokenize(model, processor, audio, user_turn.text_ids, 16000)
 
 
 def test_taste_tokenize_too_long_bad_rate_and_bad_text(model, processor, user_turn):
     too_long = np.tile(voiced(), int(processor.max_seconds / 1.5) + 2)[None]
     with pytest.raises(ValueError, match="split"):
-        taste_tokenize(model, processor, too_long, user_turn.text_ids)
+        taste_tokenize(model, processor, too_long, user_turn.text_ids, 16000)
     with pytest.raises(ValueError, match="sampling_rate"):
         taste_tokenize(model, processor, voiced()[None], user_turn.text_ids, sampling_rate=0)
     blank = torch.tensor([processor.llm_tokenizer.encode("   ", add_special_tokens=False)])
     with pytest.raises(ValueError, match="no words"):
-        taste_tokenize(model, processor, voiced()[None], blank)
+        taste_tokenize(model, processor, voiced()[None], blank, 16000)
     for bad, match in [(user_turn.text_ids[0], r"\(1, S\)"), (user_turn.text_ids.float(), "integer"),
                        (torch.zeros(1, 0, dtype=torch.long), "empty"), (user_turn.text_ids.tolist(), "torch.Tensor")]:
         with pytest.raises(ValueError, match=match):
-            taste_tokenize(model, processor, voiced()[None], bad)
+            taste_tokenize(model, processor, voiced()[None], bad, 16000)
 
 
 # -- greedy parity with the original --------------------------------------------------------------------

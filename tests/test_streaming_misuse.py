@@ -38,7 +38,7 @@ def voiced(seconds=1.5, rate=16000, seed=0):
 
 def audio_turn(model, processor, text, seed=0):
     ids = processor.process_text(text).llm_token_ids
-    return TASTESegment("user", "audio", ids, taste_tokenize(model, processor, voiced(seed=seed)[None], ids))
+    return TASTESegment("user", "audio", ids, taste_tokenize(model, processor, voiced(seed=seed)[None], ids, 16000))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def assert_consistent(model, processor, conv):
 def test_an_open_reply_holds_the_conversation(model, processor, user_turn, second_turn):
     conv = Conversation(model, processor)
     first = generate(model, processor, [user_turn], conv)
-    assert not conv.reply_in_progress  # a generator not started yet holds nothing
+    assert conv.reply_in_progress  # held from the call on, before the first item
     next(first)
     assert conv.reply_in_progress
     with pytest.raises(RuntimeError, match=BUSY):
@@ -168,7 +168,7 @@ def test_an_error_mid_reply_takes_the_input_turns_back(model, processor, user_tu
 def speech(model, processor, tiny_checkpoint):
     ids = processor.process_text("hello there how are you doing today my friend").llm_token_ids
     t = np.arange(24000) / 16000
-    taste = taste_tokenize(model, processor, (0.2 * np.sin(2 * np.pi * 150 * t)).astype(np.float32)[None], ids)
+    taste = taste_tokenize(model, processor, (0.2 * np.sin(2 * np.pi * 150 * t)).astype(np.float32)[None], ids, 16000)
     starts = (taste[0, :, 0] != -1).nonzero().view(-1).tolist()
     return VoiceGenerator.from_pretrained(tiny_checkpoint), ids, taste, starts
 
@@ -221,11 +221,11 @@ def test_prev_audio_ms_must_match_the_audio(model, processor, speech):
 def test_int16_scale_float_audio_is_refused(model, processor, user_turn):
     pcm = np.round(voiced() * 32767).astype(np.int16)
     with pytest.raises(ValueError, match="divide by 32768"):
-        taste_tokenize(model, processor, pcm.astype(np.float32)[None], user_turn.text_ids)
+        taste_tokenize(model, processor, pcm.astype(np.float32)[None], user_turn.text_ids, 16000)
     with pytest.raises(ValueError, match="float audio must be in"):
         to_mono_float(torch.from_numpy(pcm.astype(np.float64)))
-    assert torch.equal(taste_tokenize(model, processor, pcm[None], user_turn.text_ids),
-                       taste_tokenize(model, processor, (pcm / 32768.0)[None], user_turn.text_ids))
+    assert torch.equal(taste_tokenize(model, processor, pcm[None], user_turn.text_ids, 16000),
+                       taste_tokenize(model, processor, (pcm / 32768.0)[None], user_turn.text_ids, 16000))
     assert to_mono_float(np.array([0.5, -8.0], np.float32)).tolist() == [0.5, -8.0]  # hot, not int16: kept
 
 
@@ -236,7 +236,7 @@ def test_text_ids_outside_the_vocabulary(model, processor, speech):
     wav = voiced()[None]
     for bad in (torch.tensor([[-5, 3]]), torch.tensor([[3, vocab]])):
         with pytest.raises(ValueError, match=rf"text_ids must be Llama token ids in \[0, {vocab}\)"):
-            taste_tokenize(model, processor, wav, bad)
+            taste_tokenize(model, processor, wav, bad, 16000)
         codes = torch.full((1, 2, taste.shape[2]), -1)
         codes[0, 0] = 0
         with pytest.raises(ValueError, match=rf"text_ids must be Llama token ids in \[0, {vocab}\)"):

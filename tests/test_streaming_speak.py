@@ -216,7 +216,7 @@ def speech_setup(tiny_model, tiny_checkpoint):
     t = np.arange(24000) / 16000
     wav = (0.2 * np.sin(2 * np.pi * 150 * t)).astype(np.float32)
     text = processor.process_text("hello there how are you doing today my friend")
-    taste = taste_tokenize(model, processor, wav[None], text.llm_token_ids)
+    taste = taste_tokenize(model, processor, wav[None], text.llm_token_ids, 16000)
     starts = (taste[0, :, 0] != -1).nonzero().view(-1).tolist()
     cut = starts[len(starts) // 2]
     return model, processor, vg, processor.default_speaker_embedding(), text.llm_token_ids, taste, cut

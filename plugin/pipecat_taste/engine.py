@@ -392,12 +392,12 @@ class TasteSession:
             stop=lambda: stop.is_set() or self._closed, generator=self._lm_generator,
         )
         decided = False
-        if not self.conversation.format.decides_turns:  # instruct / continuation: it always answers
-            decided = True
-            yield ReplyEvent("decision", decision="reply")
         self._last_reply_words = 0
         emitted: list = []  # the reply's segments handed on so far (on a failure: what may have been heard)
         try:
+            if not self.conversation.format.decides_turns:  # instruct / continuation: it always answers
+                decided = True
+                yield ReplyEvent("decision", decision="reply")
             for item in items:
                 if item["completion_reason"] == "no_speech":
                     yield ReplyEvent("decision", decision="no_speech")

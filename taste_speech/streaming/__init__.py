@@ -8,6 +8,7 @@ from taste_speech.streaming.conversation import Conversation, ConversationState
 from taste_speech.streaming.detokenize import taste_detokenize
 from taste_speech.streaming.generate import (
     PendingWord,
+    ReplyIterator,
     at_punctuation,
     every_n_words,
     every_word,
@@ -20,6 +21,7 @@ from taste_speech.streaming.tokenize import taste_tokenize
 
 __all__ = [
     "TASTESegment", "taste_tokenize", "streaming_generate", "Conversation", "ConversationState", "PendingWord",
+    "ReplyIterator",
     "every_word", "every_n_words", "at_punctuation", "vocabulary_tables",
     "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS", "taste_detokenize",
 ]

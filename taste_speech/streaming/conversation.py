@@ -14,12 +14,13 @@ history every few exchanges rather than at every turn. All of it lives in one
 
 With ``lm_batch`` (an ``LMStepBatch`` shared by the conversations of one model) the cache is a
 slot of that batch: every decode step runs batched with the other conversations' steps. Such a
-conversation holds its slot until ``close()``.
+conversation holds its slot until ``close()`` (``with Conversation(...) as conversation:`` closes
+it), or until it is garbage collected.
 
 A conversation serves one reply at a time: while a ``streaming_generate`` iterator on it is open
 (or running in another thread), every other use of it - another ``streaming_generate``, a turn
-added, ``truncate_last_assistant``, ``forget_from``, a snapshot - raises instead of changing the
-cache under the reply. Finish or close the iterator first.
+added, ``truncate_last_assistant``, ``forget_from``, a snapshot, ``close()`` - raises instead of
+changing the cache under the reply. Finish or close the iterator first.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class ConversationState:
     committed_hidden: torch.Tensor | None = None  # hidden state of the last committed row (1, H)
     carry: torch.Tensor | None = None  # continuation format: code the next stream row inherits
     reply_opening: int = 0  # rows the reply in progress fed before its content
+    # What the cache rows were made with (set by snapshot(), checked by restore()).
+    prompt_format: str | None = None
+    model_identity: tuple | None = None
 
     @property
     def segments(self) -> list[TASTESegment]:
@@ -140,6 +144,16 @@ class Conversation:
     @property
     def prompt_format(self) -> str:
         return self.format.name
+
+    @property
+    def model_identity(self) -> tuple:
+        """What a snapshot's cache rows depend on: the checkpoint and the LM's shape, dtype and device."""
+        config = getattr(self.lm, "causal_lm", None)
+        config = getattr(config, "config", None)
+        shape = tuple(getattr(config, name, None) for name in ("vocab_size", "hidden_size", "num_hidden_layers"))
+        name = getattr(getattr(self.model, "config", None), "_name_or_path", None)
+        weight = self.lm.embed_tokens.weight
+        return (name, *shape, str(weight.dtype), str(weight.device))
 
     @property
     def lm(self):
@@ -405,12 +419,26 @@ class Conversation:
         changed in place, are shared."""
         with self._exclusive("snapshot"):
             memo = {id(segment): segment for segment in self.state.segments}
-            return copy.deepcopy(self.state, memo)
+            snapshot = copy.deepcopy(self.state, memo)
+        snapshot.prompt_format, snapshot.model_identity = self.prompt_format, self.model_identity
+        return snapshot
 
     def restore(self, snapshot: ConversationState) -> None:
-        """Put a snapshot back (in a batched conversation the restored cache is a private one)."""
+        """Put a snapshot back (in a batched conversation the restored cache is a private one).
+        The snapshot must come from a conversation in the same prompt format on the same model
+        (checkpoint, dtype, device): its cache rows are only valid there."""
         if not isinstance(snapshot, ConversationState):
             raise ValueError("restore() takes what snapshot() returned")
+        if snapshot.prompt_format is None or snapshot.model_identity is None:
+            raise ValueError("this ConversationState was not made by snapshot(): restore() takes what snapshot() returned")
+        if snapshot.prompt_format != self.prompt_format:
+            raise ValueError(f"the snapshot is of a {snapshot.prompt_format!r} conversation, this one is "
+                             f"{self.prompt_format!r}: restore it into a Conversation with "
+                             f"prompt_format={snapshot.prompt_format!r}")
+        if snapshot.model_identity != self.model_identity:
+            raise ValueError(f"the snapshot was made with another model {snapshot.model_identity} (checkpoint, "
+                             f"vocab, hidden size, layers, dtype, device), this conversation's is "
+                             f"{self.model_identity}: its cache rows are only valid for that model")
         # the conversation never changes a segment in place: share them, so that forget_from still
         # finds the caller's objects
         memo = {id(segment): segment for segment in snapshot.segments}
@@ -426,9 +454,17 @@ class Conversation:
 
     def close(self) -> None:
         """End of the conversation: give its cache's slot back (batched caches; otherwise the
-        cache is just dropped). The history stays readable; feeding it again is an error."""
-        self.closed = True
-        self._drop_cache()
+        cache is just dropped). The history stays readable; feeding it again is an error. Raises
+        while a reply is being generated (close or finish its iterator first)."""
+        with self._exclusive("close"):
+            self.closed = True
+            self._drop_cache()
+
+    def __enter__(self) -> "Conversation":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def _close_cache(decode: LMDecodeState | None) -> None:

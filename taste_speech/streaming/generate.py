@@ -10,7 +10,9 @@ one reply concatenate to exactly the whole reply.
 
 from __future__ import annotations
 
+import operator
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -93,21 +95,21 @@ def _item(complete: bool, reason: str | None, segment: TASTESegment | None, **ex
     return {"is_complete": complete, "completion_reason": reason, "segment": segment, **extra}
 
 
-@torch.no_grad()
 def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3, taste_top_p: float = 0.0,
                        text_temperature: float = 0.5, repetition_penalty: float = 1.1, max_length: int = 512,
                        eos_id: int | None = None, should_emit_segment=None, *,
                        conversation: Conversation | None = None, prompt_format: str | None = None,
                        extra_words: int = 8, stop=None, generator: torch.Generator | None = None,
-                       sampler_tables: VocabularyTables | None = None) -> Iterator[dict]:
-    """Yield ``{'is_complete', 'completion_reason', 'segment'}`` items for one reply.
+                       sampler_tables: VocabularyTables | None = None) -> "ReplyIterator":
+    """An iterator of ``{'is_complete', 'completion_reason', 'segment'}`` items for one reply.
 
     ``input_segments``: new turns (TASTESegments) - appended to ``conversation`` when one is given
     (its KV cache already holds the earlier turns), else the whole history of a fresh
     Conversation in ``prompt_format`` ('continuation', 'instruct' or 'dialogue', see prompt.py;
     'continuation' when not given; with a conversation it must be the conversation's format).
-    A conversation serves one reply at a time: until this iterator ends or is closed, any other
-    use of the conversation raises.
+    The arguments are checked and the conversation is taken at the call: from then until the
+    iterator ends or is closed, any other use of the conversation raises. The turns are added
+    and the model runs only once the first item is asked for.
 
     Items: ``is_complete=False`` items carry a segment of finished words; the last item has
     ``is_complete=True`` and ``completion_reason``:
@@ -117,17 +119,19 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
       conversation (the next call continues after them);
     * ``'finished'``: the reply ended, by the sampler's end rules (``end_reason`` 'sentence_end'
       or 'max_words'), a stop token (segment_end in the dialogue format, or ``eos_id``:
-      'stop_id'), ``max_length`` generated tokens ('max_length', ``truncated=True``) or ``stop``
+      'stop_id'; ``eos_id`` is never banned, even when it is ``<|end_of_text|>``), ``max_length``
+      generated tokens ('max_length', ``truncated=True``) or ``stop``
       ('cancelled', ``cancelled=True``); ``segment`` holds the words not yet emitted (or None)
       and ``reply`` the whole reply. The reply is committed to the conversation; after a
       barge-in call ``conversation.truncate_last_assistant(played_words)``.
 
     Sampling is the original TasteSampler's (``text_top_p == 0`` is greedy); ``generator`` makes
     sampling reproducible. ``stop`` (a threading.Event or a callable) is checked before every
-    step, so a cancelled reply ends within one step. Abandoning the iterator early discards the
-    reply (the next call starts from the committed history; ``input_segments`` stay). An error
-    during the call takes ``input_segments`` back out of the conversation before it propagates,
-    so the same turns can be given again.
+    step, so a cancelled reply ends within one step. Abandoning the iterator early (``close()``,
+    or dropping it) discards the reply (the next call starts from the committed history;
+    ``input_segments`` stay if the first item was asked for, else they were never added). An
+    error during the reply takes ``input_segments`` back out of the conversation before it
+    propagates, so the same turns can be given again.
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"max_length must be an integer >= 1 (generated tokens), got {max_length!r}")
@@ -158,9 +162,53 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
 
     lm = model.spoken_lm
     tables = sampler_tables or vocabulary_tables(processor, lm.vocab_size)
+    if eos_id is not None:
+        eos_id = _check_eos_id(eos_id, tables.vocab_size)
+        tables = tables.allowing([eos_id])  # the tables ban <|end_of_text|>: a named stop id must stay possible
     sampler = TasteSampler(tables, params)
-    # The conversation is this reply's until the reply is committed (or the iterator closed).
+    # The conversation is this reply's from now until the reply is committed (or the iterator closed).
     token = conversation._claim("reply")
+    items = _generate(model, processor, conversation, token, segments, sampler, params, eos_id, emit, stop,
+                      generator, max_length)
+    return ReplyIterator(conversation, token, items)
+
+
+class ReplyIterator:
+    """What ``streaming_generate`` returns: the reply's items. It holds the conversation from the
+    call on; ``close()`` - or dropping the iterator - frees it, even before the first item (a
+    generator that never started runs no ``finally``, so the claim is released here)."""
+
+    def __init__(self, conversation: Conversation, token: object, items: Iterator[dict]):
+        self._items = items
+        self._release = weakref.finalize(self, conversation._release, token)
+        self._release.atexit = False
+
+    def __iter__(self) -> "ReplyIterator":
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._items)
+
+    def close(self) -> None:
+        self._items.close()  # raises while it runs in another thread: the claim then stays
+        self._release()
+
+
+def _check_eos_id(eos_id, vocab_size: int) -> int:
+    try:
+        value = operator.index(eos_id)
+    except TypeError:
+        value = None
+    if isinstance(eos_id, bool) or value is None or not 0 <= value < vocab_size:
+        raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) (e.g. tokenizer.eos_token_id), got {eos_id!r}")
+    return value
+
+
+@torch.no_grad()
+def _generate(model, processor, conversation: Conversation, token: object, segments: list[TASTESegment],
+              sampler: TasteSampler, params: SamplingParams, eos_id, emit, stop, generator,
+              max_length: int) -> Iterator[dict]:
+    """The reply, run lazily: adds the input turns, then yields the items of ``_reply``."""
     added, committed = 0, False
     try:
         for segment in segments:

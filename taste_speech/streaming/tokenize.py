@@ -5,23 +5,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SILENCE_PEAK = 1e-4  # a turn whose loudest sample is below this (-80 dBFS) holds no speech
+from taste_speech.processing_taste import SILENCE_PEAK
+from taste_speech.sampler import special_token_ids
 
 
 @torch.no_grad()
-def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int = 16000) -> torch.Tensor:
+def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int) -> torch.Tensor:
     """(1, S, K) int64 TASTE ids for ``text_ids`` (1, S): each word's K codes on its first token,
     -1 on its other tokens - the original ``extract_vq`` mapping.
 
-    ``audio``: the turn's waveform, (1, T), (T,) or (C, T), any rate (resampled to 16 kHz, channels
-    averaged). ``text_ids``: the Llama ids of its transcript; words are the groups that start at a
-    piece with a leading space (how the processor encodes every word). The audio tower sees one
-    window (30 s for the published model): longer turns raise and must be split by the caller, e.g.
-    at pauses, each piece with its own part of the transcript.
+    ``audio``: the turn's waveform, (1, T), (T,) or (C, T), at ``sampling_rate`` Hz (required, any
+    rate: resampled to 16 kHz, channels averaged). ``text_ids``: the Llama ids of its transcript,
+    without special tokens - ``processor.process_text(text).llm_token_ids``; words are the groups
+    that start at a piece with a leading space (how the processor encodes every word). The audio
+    tower sees one window (30 s for the published model): longer turns raise and must be split by
+    the caller, e.g. at pauses, each piece with its own part of the transcript.
     """
     text_ids = _check_text_ids(text_ids)
     check_llm_ids(processor, text_ids, "text_ids")
-    wav = processor.prepare_audio(audio, sampling_rate)  # mono 16 kHz; empty / NaN / too long raise
+    _check_no_special_ids(processor, text_ids)
+    wav = processor.prepare_audio(audio, sampling_rate)  # mono 16 kHz; empty / NaN / too short / too long raise
     peak = float(np.abs(wav).max()) if wav.size else 0.0
     if peak < SILENCE_PEAK:
         raise ValueError(f"the audio is silent (peak {peak:.1e}, below -80 dBFS): there is no speech to tokenize")
@@ -49,6 +52,18 @@ def _check_text_ids(text_ids) -> torch.Tensor:
     if text_ids.shape[1] == 0:
         raise ValueError("text_ids is empty: give the Llama ids of the turn's transcript")
     return text_ids.long().cpu()
+
+
+def _check_no_special_ids(processor, text_ids: torch.Tensor) -> None:
+    """A transcript has no special tokens; ``tokenizer(text)`` adds <|begin_of_text|>, which would
+    be glued to the first word and shift the word alignment."""
+    specials = special_token_ids(processor.llm_tokenizer)
+    found = sorted({int(i) for i in text_ids[0].tolist() if int(i) in specials})
+    if found:
+        names = [processor.llm_tokenizer.decode([i]) for i in found]
+        raise ValueError(f"text_ids contain special token ids {found} {names}: a transcript has none - encode it with "
+                         "processor.process_text(text).llm_token_ids (not tokenizer(text), which adds "
+                         "<|begin_of_text|>)")
 
 
 def check_llm_ids(processor, ids: torch.Tensor, name: str) -> None:

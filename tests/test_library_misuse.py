@@ -1,0 +1,200 @@
+"""The standalone library used the wrong way: a stop id the sampler bans, a conversation closed
+under its reply or dropped without close(), an iterator that checks nothing until it runs,
+audio without (or with an absurd) sampling rate, too short or silent audio, ids from
+``tokenizer(text)`` and snapshots restored into another conversation. Each either works as the
+caller meant or fails at once with an error that names the fix."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from taste_speech.lm_batch import LMStepBatch
+from taste_speech.streaming import INSTRUCT, Conversation, TASTESegment, streaming_generate, taste_tokenize
+from taste_speech.streaming.generate import vocabulary_tables
+
+BUSY = "a reply is being generated on this conversation"
+
+
+def voiced(seconds=1.5, rate=16000, seed=0):
+    t = np.arange(int(seconds * rate)) / rate
+    rng = np.random.RandomState(seed)
+    tone = 0.2 * np.sin(2 * np.pi * 150 * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    return (tone + 0.01 * rng.randn(t.size)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def hello_ids(processor):
+    return processor.process_text("hello there how are you doing today").llm_token_ids
+
+
+@pytest.fixture(scope="module")
+def user_turn(model, processor, hello_ids):
+    return TASTESegment("user", "audio", hello_ids, taste_tokenize(model, processor, voiced()[None], hello_ids, 16000))
+
+
+def generate(model, processor, segments, **kw):
+    kw.setdefault("generator", torch.Generator().manual_seed(0))
+    kw.setdefault("extra_words", 3)
+    return streaming_generate(model, processor, segments, **kw)
+
+
+# -- 1. a stop id the caller names ends the reply ---------------------------------------------------------
+def test_the_tokenizers_eos_id_ends_the_reply(model, processor, user_turn, monkeypatch):
+    eos = processor.llm_tokenizer.eos_token_id
+    tables = vocabulary_tables(processor, model.spoken_lm.vocab_size)
+    assert bool(tables.banned[eos])  # <|end_of_text|> is banned, as in the original
+    heads = model.spoken_lm.heads
+
+    def eos_preferred(hidden, rvq):  # a model that wants to end at once
+        out = heads(hidden, rvq)
+        out.text_logits[eos] += 50.0
+        return out
+
+    monkeypatch.setattr(model.spoken_lm, "heads", eos_preferred)
+    last = list(generate(model, processor, [user_turn], eos_id=eos, extra_words=8))[-1]
+    assert last["end_reason"] == "stop_id" and last["reply"] is None
+    # without eos_id the ban stands (the original behaviour) and the shared tables are unchanged
+    last = list(generate(model, processor, [user_turn], extra_words=2))[-1]
+    assert last["end_reason"] != "stop_id" and eos not in last["reply"].text_ids[0].tolist()
+    assert bool(tables.banned[eos])
+    for bad in (-1, model.spoken_lm.vocab_size, "eos", True, 2.0):
+        with pytest.raises(ValueError, match="eos_id must be a token id"):
+            generate(model, processor, [user_turn], eos_id=bad)
+
+
+# -- 2. close() under a reply; Conversation as a context manager -----------------------------------------
+def test_close_during_a_reply_raises_and_the_reply_goes_on(model, processor, user_turn):
+    conv = Conversation(model, processor)
+    items = generate(model, processor, [user_turn], conversation=conv)
+    next(items)
+    with pytest.raises(RuntimeError, match=BUSY):
+        conv.close()
+    assert not conv.closed
+    assert list(items)[-1]["completion_reason"] == "finished"
+    assert [t.role for t in conv.turns] == ["user", "assistant"]
+    conv.close()
+    assert conv.closed and [t.role for t in conv.turns] == ["user", "assistant"]  # history stays readable
+    with Conversation(model, processor) as conv:
+        conv.add_turn(user_turn)
+    assert conv.closed and conv.state.decode is None
+    with pytest.raises(RuntimeError, match="closed"):
+        conv.add_turn(user_turn)
+
+
+# -- 3. a batched conversation dropped without close() ------------------------------------------------------
+def test_a_dropped_batched_conversation_gives_its_slot_back(model, processor, user_turn):
+    batch = LMStepBatch(model.spoken_lm, slots=1, capacity=256, graph_mode="eager")
+    for _ in range(3):
+        conv = Conversation(model, processor, lm_batch=batch)
+        list(generate(model, processor, [user_turn], conversation=conv, max_length=3))
+        assert batch.slots_in_use == 1 and conv.state.decode.cache.batched  # not a private cache
+        del conv
+        gc.collect()
+        assert batch.slots_in_use == 0
+    # a slot given back and handed on is not freed again when its first owner goes
+    first = Conversation(model, processor, lm_batch=batch)
+    first.add_turn(user_turn)
+    first.close()
+    with Conversation(model, processor, lm_batch=batch) as second:
+        second.add_turn(user_turn)
+        del first
+        gc.collect()
+        assert batch.slots_in_use == 1 and second.state.decode.cache.batched
+        list(generate(model, processor, [], conversation=second, max_length=2))
+    assert batch.slots_in_use == 0
+
+
+# -- 4. streaming_generate checks and claims at the call -----------------------------------------------------
+def test_streaming_generate_checks_and_claims_at_the_call(model, processor, user_turn):
+    with pytest.raises(ValueError, match="max_length"):
+        generate(model, processor, [user_turn], max_length=-3)
+    with pytest.raises(ValueError, match="TASTESegment"):
+        generate(model, processor, ["not a segment"])
+    conv = Conversation(model, processor)
+    items = generate(model, processor, [user_turn], conversation=conv)
+    assert conv.reply_in_progress
+    with pytest.raises(RuntimeError, match=BUSY):
+        conv.add_turn(user_turn)
+    items.close()  # never started: nothing was added, the conversation is free
+    assert not conv.reply_in_progress and conv.turns == []
+    items = generate(model, processor, [user_turn], conversation=conv)
+    del items  # dropped unstarted
+    gc.collect()
+    assert not conv.reply_in_progress
+    items = generate(model, processor, [user_turn], conversation=conv)
+    assert list(items)[-1]["is_complete"] and [t.role for t in conv.turns] == ["user", "assistant"]
+    items.close()  # closing a finished iterator is harmless
+    assert not conv.reply_in_progress
+
+
+# -- 5, 6. the sampling rate is required; too short audio and absurd rates ------------------------------------
+def test_the_sampling_rate_is_required(model, processor, hello_ids):
+    with pytest.raises(TypeError, match="sampling_rate"):
+        taste_tokenize(model, processor, voiced()[None], hello_ids)
+    with pytest.raises(TypeError, match="sampling_rate"):
+        processor.speaker_embedding([voiced()])
+
+
+@pytest.mark.parametrize("samples, rate", [(1, 48000), (2, 48000), (10, 16000), (1599, 16000), (4500, 48000)])
+def test_too_short_audio_is_refused(model, processor, hello_ids, samples, rate):
+    audio = np.full(samples, 0.5, np.float32)
+    with pytest.raises(ValueError, match="too short.*minimum is 100 ms"):
+        taste_tokenize(model, processor, audio, hello_ids, rate)
+    with pytest.raises(ValueError, match="too short"):
+        processor.prepare_audio(audio, rate)
+
+
+def test_the_shortest_accepted_audio(processor):
+    assert processor.prepare_audio(voiced(0.1), 16000).size == 1600
+
+
+@pytest.mark.parametrize("rate", [1, 100, 3999])
+def test_an_absurd_sampling_rate_is_refused(model, processor, hello_ids, rate):
+    with pytest.raises(ValueError, match="below 4000 Hz.*in Hz"):
+        taste_tokenize(model, processor, voiced()[None], hello_ids, rate)
+    with pytest.raises(ValueError, match="below 4000 Hz"):
+        processor.speaker_embedding([voiced()], rate)
+
+
+def test_a_silent_reference_clip_is_refused(processor):
+    with pytest.raises(ValueError, match="reference clip 1 is silent"):
+        processor.speaker_embedding([voiced(), np.zeros(16000, np.float32)], 16000)
+    assert processor.speaker_embedding([voiced()], 16000).shape[0] == 1
+
+
+# -- 7. special tokens in the transcript ids ---------------------------------------------------------------------
+def test_ids_with_special_tokens_are_refused(model, processor, hello_ids):
+    tokenizer = processor.llm_tokenizer
+    with_bos = tokenizer("hello there how are you doing today", return_tensors="pt").input_ids
+    assert with_bos[0, 0] == tokenizer.bos_token_id
+    with pytest.raises(ValueError, match=r"special token ids \[\d+\].*processor.process_text\(text\).llm_token_ids"):
+        taste_tokenize(model, processor, voiced()[None], with_bos, 16000)
+    inside = hello_ids.clone()
+    inside[0, 2] = tokenizer.eos_token_id
+    with pytest.raises(ValueError, match="special token ids"):
+        taste_tokenize(model, processor, voiced()[None], inside, 16000)
+
+
+# -- 8. a snapshot goes back only where it came from ---------------------------------------------------------------
+def test_restore_checks_the_format_and_the_model(model, processor, user_turn):
+    conv = Conversation(model, processor)
+    conv.add_turn(user_turn)
+    snap = conv.snapshot()
+    with pytest.raises(ValueError, match="'continuation' conversation, this one is 'instruct'"):
+        Conversation(model, processor, prompt_format=INSTRUCT).restore(snap)
+    other = copy.deepcopy(model)
+    other.config._name_or_path = "another/checkpoint"
+    with pytest.raises(ValueError, match="made with another model"):
+        Conversation(other, processor).restore(snap)
+    from taste_speech.streaming import ConversationState
+
+    with pytest.raises(ValueError, match="not made by snapshot"):
+        conv.restore(ConversationState())
+    fresh = Conversation(model, processor)
+    fresh.restore(snap)  # same format, same model: fine
+    assert fresh.turns == [user_turn] and fresh.ready().length == conv.ready().length
