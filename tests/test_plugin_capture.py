@@ -321,6 +321,48 @@ async def test_without_a_playout_the_caller_still_interrupts_a_reply_the_transpo
     assert checks["talk_over_ms_outside_barge_in"] == 0.0 and checks["barge_in_within_100ms"]
 
 
+async def test_pipecat_s_user_aggregator_follows_our_turns_and_a_cough_does_not_cut_the_reply():
+    """Announced as a realtime service (LLMServiceMetadataFrame), the capture decides the turns:
+    an LLMContextAggregatorPair's user side in front of it runs no turn strategies of its own on
+    the VAD frames (which interrupted the bot for a 0.16 s sound the capture ignores)."""
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+
+    from pipecat_taste import TasteSpeechToSpeech
+    from taste_agents.caller import BargeIn, Pause, Say, Utterance, WaitForReply
+    from taste_agents.simulate import simulate_call
+
+    u = load_utterances()
+    engine = FakeEngine(asr_text="what the caller said", reply_words=tuple("one two three four five six seven eight nine ten".split()))
+    context = LLMContext()
+
+    def with_user_aggregator(log):
+        return Pipeline([LLMContextAggregatorPair(context).user(), TasteSpeechToSpeech(engine, log=log)])
+
+    cough = Utterance("cough", "", u["time"].audio[1600:1600 + int(0.16 * SR)].copy())
+    script = [Pause(0.3), Say(u["hello"]), BargeIn(cough, after_agent_ms=600), WaitForReply(timeout_s=6, end_silence_s=0.8)]
+    result = await simulate_call(engine, script, service_factory=with_user_aggregator, tail_s=1.0)
+    reply = result.log.turns[1]
+    assert reply.decision == "reply" and not reply.interrupted and reply.played_words == reply.total_words == 10
+    assert [t.decision for t in result.log.turns.values()][1:] == ["ignored"]
+
+
+async def test_user_speaking_frames_come_while_the_caller_speaks(utterances):
+    """Every 0.2 s of speech, as Pipecat's VADProcessor does: the pipeline's idle timeout counts
+    them as activity and must not end the call in the middle of a long turn."""
+    from pipecat.frames.frames import UserSpeakingFrame
+
+    hello = utterances["hello"]
+    frames = audio_frames(np.concatenate([silence(0.4), hello.audio])) + transcript(hello.text) + \
+        audio_frames(silence(0.8))
+    call, down, up = await run_capture(frames)
+    speaking = len(of(down, UserSpeakingFrame))
+    assert len(of(up, UserSpeakingFrame)) == speaking  # broadcast, like the VAD frames
+    seconds = call.log.turns[1].speech_seconds  # the VAD's speaking state, measured in the audio
+    assert seconds / 0.2 - 2 <= speaking <= seconds / 0.2 + 1, (speaking, seconds)
+
+
 # -- transcripts in parts, late words, short noises, what the capture holds on to ---------------------------
 def vad_turn(seconds):
     """A turn as an upstream VAD reports it (the capture follows its frames): noise between them."""

@@ -69,14 +69,18 @@ from pipecat.frames.frames import (
     EndFrame,
     Frame,
     InputAudioRawFrame,
+    LLMServiceMetadataFrame,
+    ServiceSwitcherRequestMetadataFrame,
     StartFrame,
     TranscriptionFrame,
+    UserSpeakingFrame,
     UserStartedSpeakingFrame,
     UserStoppedSpeakingFrame,
     VADUserStartedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
 )
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
+from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.time import time_now_iso8601
 
@@ -215,6 +219,7 @@ class _CapturedTurn:
 
 
 _NO_AUDIO = np.zeros(0, np.float32)
+USER_SPEAKING_PERIOD_SECS = 0.2  # UserSpeakingFrame while the caller speaks, as often as Pipecat's VADProcessor
 
 
 @dataclass
@@ -266,6 +271,7 @@ class TasteTurnCapture(FrameProcessor):
         self._turn_frames_lock = asyncio.Lock()
         self._ending = False  # an EndFrame came: no new turns; the ones already ended are finished
         self._resampler: StreamResampler | None = None  # input frames at another rate than the capture's
+        self._speaking_frame_at = -(2 ** 62)  # input sample of the last UserSpeakingFrame (own VAD only)
 
     def can_generate_metrics(self) -> bool:
         return True
@@ -323,8 +329,11 @@ class TasteTurnCapture(FrameProcessor):
 
         if isinstance(frame, StartFrame):
             await self.push_frame(frame, direction)
+            await self._announce_service()
             self._finish_queue = asyncio.Queue()
             self._finisher = self.create_task(self._finish_turns())
+        elif isinstance(frame, ServiceSwitcherRequestMetadataFrame):
+            await self._announce_service()
         elif isinstance(frame, EndFrame):
             await self._end_of_call(frame, direction)
         elif isinstance(frame, CancelFrame):
@@ -352,6 +361,14 @@ class TasteTurnCapture(FrameProcessor):
             self._add_transcript(frame.text, frame.finalized)  # consumed: the turn's transcript goes upstream later
         else:
             await self.push_frame(frame, direction)
+
+    async def _announce_service(self):
+        """Tell Pipecat's context aggregators that a speech-to-speech service decides the turns (as
+        Pipecat's realtime services do): they then follow our UserStarted/StoppedSpeaking frames
+        instead of running turn strategies of their own on the VAD frames, which would re-announce
+        every turn and interrupt the bot for a cough."""
+        await self.broadcast_frame(LLMServiceMetadataFrame, service_name=self.name, is_realtime_service=True,
+                                   user_turn_strategies=ExternalUserTurnStrategies())
 
     async def _end_of_call(self, frame: EndFrame, direction: FrameDirection):
         """EndFrame: the turns the caller has ended are still transcribed and handed on (a turn
@@ -407,6 +424,11 @@ class TasteTurnCapture(FrameProcessor):
             await self._speech_stopped(now)
         else:
             await self._follow_pause(state, samples.size, now)
+        if state == VADState.SPEAKING and \
+                self._samples_seen - self._speaking_frame_at >= USER_SPEAKING_PERIOD_SECS * self._sample_rate:
+            # as Pipecat's VADProcessor does: keeps the pipeline's idle timeout from ending a long turn
+            self._speaking_frame_at = self._samples_seen
+            await self.broadcast_frame(UserSpeakingFrame)
         await self._speech_heard(now, speaking=state == VADState.SPEAKING)
 
     async def _follow_pause(self, state: VADState, new_samples: int, now: float):
