@@ -85,6 +85,21 @@ async def test_turn_with_upstream_transcript(utterances, rate):
     assert record.speech_seconds == pytest.approx(hello.seconds, abs=0.35)
 
 
+async def test_an_stt_s_transcript_goes_upstream_as_its_own_frames(utterances):
+    """Observers report a frame once (RTVI's user-transcription): the STT's frames go upstream to a
+    user aggregator as they are, not as a second copy of the caller's words."""
+    hello = utterances["hello"]
+    words = hello.text.split()
+    first, rest = " ".join(words[:2]), " ".join(words[2:])
+    stt_frames = [TranscriptionFrame(first, "caller", time_now_iso8601()),
+                  TranscriptionFrame(rest, "caller", time_now_iso8601(), finalized=True)]
+    frames = audio_frames(np.concatenate([silence(0.6), hello.audio])) + \
+        [SleepFrame(0.2), stt_frames[0], SleepFrame(0.1), stt_frames[1], SleepFrame(0.2)] + audio_frames(silence(1.0))
+    _, down, up = await run_capture(frames)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [f"{first} {rest}"]
+    assert [f.id for f in of(up, TranscriptionFrame)] == [f.id for f in stt_frames]
+
+
 async def test_failing_turn_gives_error_frame_and_the_next_turn_still_works(utterances):
     hello, time_u = utterances["hello"], utterances["time"]
     # the STT answers a little after the speech ended, so its finalized transcript ends turn 1's

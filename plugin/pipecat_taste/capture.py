@@ -170,9 +170,12 @@ class _UpstreamWords:
     final_sample: int | None = None
     end_sample: int | None = None
     closed_at: float | None = None
+    frames: list = field(default_factory=list)  # the STT's own TranscriptionFrames of these parts
 
-    def add(self, text: str, at: float, finalized: bool = False, sample: int = 0) -> None:
+    def add(self, text: str, at: float, finalized: bool = False, sample: int = 0, frame=None) -> None:
         self.parts.append((at, text))
+        if frame is not None:
+            self.frames.append(frame)
         if finalized:
             self.final_sample = sample
         self.arrived.set()
@@ -250,7 +253,7 @@ class TasteTurnCapture(FrameProcessor):
         self._words: _UpstreamWords | None = None  # the current turn's upstream transcript
         # Closed turns still collecting upstream words, in order (none with the built-in ASR only).
         self._waiting_for_words: collections.deque[_CapturedTurn] = collections.deque()
-        self._early_transcript: tuple[float, str] | None = None  # words no turn took yet: (arrival, text)
+        self._early_transcript: tuple | None = None  # words no turn took yet: (arrival, text, their frame)
         self._finish_queue: asyncio.Queue | None = None
         self._finisher: asyncio.Task | None = None
         # Sample clock of the input: turn lengths are measured in audio, not in wall-clock time.
@@ -358,7 +361,7 @@ class TasteTurnCapture(FrameProcessor):
             await self.push_frame(frame, direction)
         elif isinstance(frame, TranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
             self._upstream_transcripts = True
-            self._add_transcript(frame.text, frame.finalized)  # consumed: the turn's transcript goes upstream later
+            self._add_transcript(frame.text, frame.finalized, frame)  # consumed: the turn's transcript goes upstream later
         else:
             await self.push_frame(frame, direction)
 
@@ -490,7 +493,7 @@ class TasteTurnCapture(FrameProcessor):
         if early is not None:
             # An STT cannot transcribe speech before it began: older words are a taken turn's.
             if now - early[0] <= self._start_secs():
-                self._words.add(early[1], early[0])
+                self._words.add(early[1], early[0], frame=early[2])
             else:
                 self._drop_late_words(early[1])
         if forced:
@@ -640,7 +643,7 @@ class TasteTurnCapture(FrameProcessor):
             return
         await announce()
 
-    def _add_transcript(self, text: str, finalized: bool = False):
+    def _add_transcript(self, text: str, finalized: bool = False, frame: TranscriptionFrame | None = None):
         """An upstream transcript goes to the oldest closed turn still collecting its words (an STT
         may answer after the caller has begun the next turn), else to the turn being captured. Words
         that no turn takes are held for the next turn, which keeps them only if they came after
@@ -655,13 +658,13 @@ class TasteTurnCapture(FrameProcessor):
         flagged = self._finals_flagged
         collecting = next((turn for turn in self._waiting_for_words if not turn.words.done(now, quiet, flagged)), None)
         if collecting is not None:
-            collecting.words.add(text, now, finalized, self._samples_seen)
+            collecting.words.add(text, now, finalized, self._samples_seen, frame)
         elif self._capturing:
-            self._words.add(text, now, finalized, self._samples_seen)
+            self._words.add(text, now, finalized, self._samples_seen, frame)
         else:
             if self._early_transcript is not None:
                 self._drop_late_words(self._early_transcript[1])
-            self._early_transcript = (now, text)
+            self._early_transcript = (now, text, frame)
 
     def _drop_late_words(self, text: str) -> None:
         logger.info(f"{self}: dropped upstream transcript {text!r}: late words of a turn already taken")
@@ -710,15 +713,25 @@ class TasteTurnCapture(FrameProcessor):
         await self.stop_processing_metrics()
         record.tokenized_at = time.monotonic()
         self._call.log.event("user_turn_tokenized", turn.turn_id, tokens=user_turn.n_tokens)
-        await self._announce(turn, lambda: self.push_frame(
-            TranscriptionFrame(transcript, self._params.user_id, time_now_iso8601(), finalized=True),
-            FrameDirection.UPSTREAM))
+        await self._announce(turn, lambda: self._transcript_upstream(turn, transcript))
         async with self._turn_frames_lock:
             if turn.retracted.is_set():
                 return
             turn.pushed = True
             await self.push_frame(TasteUserTurnFrame(turn.turn_id, transcript, user_turn, turn.speech_start,
                                                      turn.speech_end, tentative=turn.tentative and not turn.confirmed))
+
+    async def _transcript_upstream(self, turn: _CapturedTurn, transcript: str) -> None:
+        """The turn's transcript goes upstream (to a user context aggregator before the STT). Words
+        from an upstream STT go as its own frames: observers (RTVI) have reported them already and
+        report a frame once, so the caller's words are not shown twice."""
+        words = turn.words
+        if words.frames and len(words.frames) == len(words.parts) and transcript == words.text():
+            for frame in words.frames:
+                await self.push_frame(frame, FrameDirection.UPSTREAM)
+        else:
+            await self.push_frame(TranscriptionFrame(transcript, self._params.user_id, time_now_iso8601(), finalized=True),
+                                  FrameDirection.UPSTREAM)
 
     def _upstream_wait_secs(self) -> float:
         params = self._params
