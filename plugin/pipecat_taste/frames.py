@@ -2,8 +2,15 @@
 
     TasteTurnCapture --TasteUserTurnFrame--> TasteGenerator --TasteReplySegmentFrame--> TasteSynthesizer
                                                              --TasteReplyEndFrame----->
-    TasteSynthesizer --TTSStartedFrame, TTSAudioRawFrame(+TasteSegmentAudioFrame), TTSStoppedFrame--> TastePlayout
+    TasteSynthesizer --TasteAudioStartedFrame, TTSAudioRawFrame(+TasteSegmentAudioFrame),
+                       TasteAudioStoppedFrame--> TastePlayout
     TastePlayout --TastePlaybackFrame (upstream: what the caller actually heard)--> TasteGenerator
+
+With a playout, only the playout tells the rest of the pipeline about a reply, as it is heard:
+``LLMFullResponseStartFrame``, ``TTSStartedFrame``, per segment ``LLMTextFrame`` (not for the
+context) and ``TTSTextFrame``, ``TTSStoppedFrame``, ``LLMFullResponseEndFrame``. (Observers such as
+RTVI report a frame where it is first pushed, and an assistant aggregator after the output
+transport must see the End after the reply's last heard word.)
 
 Early replies: the capture may hand a turn on after a short silence, before the VAD confirms
 its end (``TasteUserTurnFrame.tentative``); the generator tells the processors after it with a
@@ -89,6 +96,21 @@ class TasteReplyEndFrame(ControlFrame):
     turn_id: int
     reason: str
     n_segments: int
+
+
+@dataclass
+class TasteAudioStartedFrame(ControlFrame):
+    """From the synthesizer: the audio of ``turn_id``'s reply follows (private: the playout sends
+    the ``TTSStartedFrame`` when the reply is heard)."""
+
+    turn_id: int
+
+
+@dataclass
+class TasteAudioStoppedFrame(ControlFrame):
+    """From the synthesizer: the last audio of ``turn_id``'s reply went before it."""
+
+    turn_id: int
 
 
 @dataclass

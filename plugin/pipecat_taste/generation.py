@@ -4,14 +4,17 @@ For every ``TasteUserTurnFrame`` (in order, one at a time) the call's engine ses
 ``streaming_generate`` on the "think" worker thread, one item at a time, so the event loop stays
 free and an ``InterruptionFrame`` stops generation within one model step. The model's first choice
 is the turn decision: 'no_speech' (nothing to say: keep listening) or 'reply'. A reply goes
-downstream as ``LLMFullResponseStartFrame``, then per emitted segment an ``LLMTextFrame`` (the
-bot's transcript) and a ``TasteReplySegmentFrame`` (for the synthesizer), then
-``TasteReplyEndFrame`` and ``LLMFullResponseEndFrame``.
+downstream as ``TasteReplySegmentFrame``s (for the synthesizer), then ``TasteReplyEndFrame``. With
+a ``TastePlayout`` in the call, the playout tells the pipeline about the reply as it is heard
+(``LLMFullResponseStart/End``, the text); without one, the generator does:
+``LLMFullResponseStartFrame``, an ``LLMTextFrame`` per segment (the bot's transcript),
+``LLMFullResponseEndFrame``.
 
 A tentative turn (handed on early, before the VAD confirmed its end) is answered at once, but
-what the reply tells the rest of the pipeline (the decision, ``LLMFullResponseStart/End``,
-``LLMTextFrame``) waits for its ``TasteTurnStatusFrame``: 'confirmed' sends it on, 'retracted'
-stops the reply, drops it and makes the conversation forget the turn and the reply begun to it.
+what the reply tells the rest of the pipeline (the decision; without a playout also
+``LLMFullResponseStart/End`` and ``LLMTextFrame``) waits for its ``TasteTurnStatusFrame``:
+'confirmed' sends it on, 'retracted' stops the reply, drops it and makes the conversation forget
+the turn and the reply begun to it.
 
 What the conversation keeps: with a ``TastePlayout`` in the call, the reply is committed once the
 playout reports what was actually played (all of it, or, after a barge-in, only the words the
@@ -228,7 +231,11 @@ class TasteGenerator(FrameProcessor):
                 self._reports.pop(turn_id, None)  # no reply: no playout report to wait for
                 await call.run("think", _drain, events)
                 return
-            await self._announce(turn_id, LLMFullResponseStartFrame())
+            # With a playout, it announces the reply in order with its audio, as heard (its End
+            # after the last word heard, for an assistant aggregator after the transport).
+            announce_text = not call.has_playout
+            if announce_text:
+                await self._announce(turn_id, LLMFullResponseStartFrame())
             started_reply = True
             while True:
                 # Back-pressure: wait for room before asking for the next segment (when stopped,
@@ -245,7 +252,8 @@ class TasteGenerator(FrameProcessor):
                     if n_segments == 0:
                         record.first_segment_at = time.monotonic()
                         await self.stop_ttfb_metrics()
-                    await self._announce(turn_id, LLMTextFrame(event.text))
+                    if announce_text:
+                        await self._announce(turn_id, LLMTextFrame(event.text))
                     await self.push_frame(TasteReplySegmentFrame(turn_id, n_segments, event.text, event.n_words,
                                                                  event.segment, slot))
                     n_segments += 1
@@ -269,7 +277,8 @@ class TasteGenerator(FrameProcessor):
         call.log.event("generation_done", turn_id, reason=reason, segments=n_segments)
         if started_reply:
             await self.push_frame(TasteReplyEndFrame(turn_id, reason, n_segments))
-            await self._announce(turn_id, LLMFullResponseEndFrame())
+            if announce_text:
+                await self._announce(turn_id, LLMFullResponseEndFrame())
         await self._commit(turn_id, n_segments, total_words, stop)
 
     async def _wait_for_slot(self, stop: threading.Event) -> asyncio.Semaphore | None:

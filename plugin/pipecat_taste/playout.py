@@ -29,13 +29,19 @@ The reply to a tentative turn (handed on before the VAD confirmed the end of the
 is synthesized while the VAD makes sure, and held here: it starts when the turn is confirmed
 (``TasteTurnStatusFrame``), and is dropped unheard when the turn is retracted.
 
-It also paces ``TTSTextFrame`` (one per segment) with the audio, brackets every reply with
-``TTSStartedFrame``/``TTSStoppedFrame`` (one pair per reply, also when it is cut off: the
-transport reports one BotStarted/BotStopped pair), and counts underruns (the synthesizer not
-keeping up with real time) instead of hiding them.
+It is the one TASTE processor that tells the rest of the pipeline about a reply, in order with
+its audio, as a speech-to-speech service does (so an assistant aggregator after
+``transport.output()`` keeps exactly the words heard): ``LLMFullResponseStartFrame`` and
+``TTSStartedFrame`` with the first audio; per segment, once it counts as heard, an ``LLMTextFrame``
+(``append_to_context=False``, for RTVI's bot-llm-text) and a ``TTSTextFrame`` (``SENTENCE``, spaces
+included: it is what the context keeps, and RTVI reports it as bot-output); at the end
+``TTSStoppedFrame`` then ``LLMFullResponseEndFrame`` (one of each per reply, also when it is cut
+off: the transport reports one BotStarted/BotStopped pair). It counts underruns (the synthesizer
+not keeping up with real time) instead of hiding them.
 
 On barge-in the fade and the ``TTSStoppedFrame`` go out first and the ``InterruptionFrame`` is
-passed on once the transport reports the bot stopped (at most ``interruption_hold_secs`` later).
+passed on (then the reply's ``LLMFullResponseEndFrame``: an aggregator keeps the words heard,
+marked interrupted) once the transport reports the bot stopped (at most ``interruption_hold_secs`` later).
 Passed on at once, it would find the transport's queue empty half of the time (it holds about
 ``lead_ms`` of audio), make it report the bot stopped, and the fade would then start a second
 BotStarted/BotStopped pair for the same reply. All the reply's audio is uninterruptible, so the
@@ -63,6 +69,9 @@ from pipecat.frames.frames import (
     EndFrame,
     Frame,
     InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMTextFrame,
     MetricsFrame,
     StartFrame,
     TTSAudioRawFrame,
@@ -77,6 +86,8 @@ from pipecat.utils.text.base_text_aggregator import TextType
 from pipecat_taste.audio import FrameSlicer, fade_out, float_to_pcm16, pcm16_to_float, samples_for_ms
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import (
+    TasteAudioStartedFrame,
+    TasteAudioStoppedFrame,
     TastePlaybackFrame,
     TasteSegmentAudioFrame,
     TasteTurnMetricsFrame,
@@ -115,7 +126,7 @@ class _Reply:
     origin: float | None = None  # monotonic time at which sample 0 is heard
     released: int = 0  # samples handed to the transport
     started: bool = False  # TTSStartedFrame pushed
-    ended: bool = False  # the synthesizer's TTSStoppedFrame has arrived
+    ended: bool = False  # the synthesizer's stop has arrived
     segments: dict[int, TasteSegmentAudioFrame] = field(default_factory=dict)
     queued_samples: int = 0
     texts: collections.deque = field(default_factory=collections.deque)  # segment markers whose text is not out yet
@@ -140,7 +151,8 @@ class TastePlayout(FrameProcessor):
         self._cancelled_upto = 0
         self._unconfirmed: set[int] = set()  # tentative turns: their replies wait
         self._retracted: set[int] = set()
-        self._held_interruption: tuple[InterruptionFrame, FrameDirection] | None = None
+        # A barge-in's InterruptionFrame, its direction and whether a reply's End follows it
+        self._held_interruption: tuple[InterruptionFrame, FrameDirection, bool] | None = None
         self._hold_task: asyncio.Task | None = None
         self._end: tuple[EndFrame, FrameDirection] | None = None  # queued behind the audio
         self._end_passed = False
@@ -209,7 +221,7 @@ class TastePlayout(FrameProcessor):
         elif isinstance(frame, (TTSStartedFrame, TTSAudioRawFrame, TTSStoppedFrame)) and \
                 turn_of_context(frame.context_id) is not None and direction == FrameDirection.DOWNSTREAM:
             self._enqueue(frame, turn_of_context(frame.context_id))
-        elif isinstance(frame, TasteSegmentAudioFrame):
+        elif isinstance(frame, (TasteSegmentAudioFrame, TasteAudioStartedFrame, TasteAudioStoppedFrame)):
             self._enqueue(frame, frame.turn_id)
         elif isinstance(frame, TasteTurnStatusFrame):
             self._turn_status(frame)
@@ -244,7 +256,7 @@ class TastePlayout(FrameProcessor):
         reply = self._replies.get(turn_id)
         if reply is None:
             reply = self._replies[turn_id] = _Reply(turn_id, FrameSlicer(self._frame_samples))
-        if isinstance(frame, TTSStartedFrame):
+        if isinstance(frame, (TTSStartedFrame, TasteAudioStartedFrame)):
             self._queue.append(("start", reply, frame))
         elif isinstance(frame, TTSAudioRawFrame):
             samples = pcm16_to_float(frame.audio)
@@ -259,7 +271,7 @@ class TastePlayout(FrameProcessor):
             # that precedes it (the synthesizer holds back a lookahead), and would stall it.
             reply.segments[frame.index] = frame
             reply.texts.append(frame)
-        elif isinstance(frame, TTSStoppedFrame):
+        elif isinstance(frame, (TTSStoppedFrame, TasteAudioStoppedFrame)):
             tail = reply.slicer.flush()  # the last partial frame, padded with zeros
             if tail is not None:
                 self._queue.append(("audio", reply, tail))
@@ -290,7 +302,8 @@ class TastePlayout(FrameProcessor):
                 self._queue.popleft()
                 self._playing = reply
                 reply.started = True
-                await self.push_frame(TTSStartedFrame(context_id=payload.context_id))
+                await self.push_frame(LLMFullResponseStartFrame())
+                await self.push_frame(TTSStartedFrame(context_id=context_id_for(reply.turn_id)))
             elif kind == "audio":
                 if reply.origin is None:
                     if not self._prebuffered(reply):
@@ -322,8 +335,9 @@ class TastePlayout(FrameProcessor):
                     await asyncio.sleep(heard_until - lead - now)
                     continue
                 self._queue.popleft()
-                await self._push_texts(reply, reply.released)  # markers that came after their audio
-                await self.push_frame(TTSStoppedFrame(context_id=payload.context_id))
+                await self._push_texts(reply)  # markers that came after their audio
+                await self.push_frame(TTSStoppedFrame(context_id=context_id_for(reply.turn_id)))
+                await self.push_frame(LLMFullResponseEndFrame())  # after the last word: the aggregator commits
                 await self._finish(reply, interrupted=False, extra_samples=0)
 
     def _prebuffered(self, reply: _Reply) -> bool:
@@ -337,17 +351,28 @@ class TastePlayout(FrameProcessor):
             pass
         self._wake.clear()
 
-    async def _push_texts(self, reply: _Reply, until_sample: int):
-        """A ``TTSTextFrame`` for each segment whose audio starts before ``until_sample``: the text
-        goes out with the first frame of its audio."""
-        while reply.texts and reply.texts[0].start_sample <= until_sample:
-            segment = reply.texts.popleft()
-            await self.push_frame(TTSTextFrame(segment.text, text_type=TextType.WORD,
-                                               context_id=context_id_for(reply.turn_id)))
+    def _heard_from(self, segment: TasteSegmentAudioFrame) -> float:
+        """The sample from which a segment counts as heard (``heard_fraction`` of its audio)."""
+        return segment.start_sample + self._params.heard_fraction * (segment.end_sample - segment.start_sample)
 
-    async def _release(self, reply: _Reply, samples: np.ndarray, texts: bool = True):
-        if texts:
-            await self._push_texts(reply, reply.released + samples.size - 1)
+    async def _push_texts(self, reply: _Reply, extra_samples: int = 0):
+        """The text of each segment that counts as heard once ``extra_samples`` more are released
+        (the rule ``_finish`` keeps words by), so the words a context aggregator keeps are the
+        words the conversation keeps. Uninterruptible, like the audio they go with."""
+        while reply.texts and self._heard_from(reply.texts[0]) <= reply.released + extra_samples:
+            segment = reply.texts.popleft()
+            context_id = context_id_for(reply.turn_id)
+            llm_text = LLMTextFrame(segment.text)
+            llm_text.append_to_context = False  # the TTSTextFrame is the one the context keeps
+            # SENTENCE, not WORD: RTVI reports no bot-output for words (as OpenAI Realtime does)
+            tts_text = TTSTextFrame(segment.text, text_type=TextType.SENTENCE, context_id=context_id)
+            tts_text.includes_inter_frame_spaces = True  # segments carry their leading space
+            for frame in (llm_text, tts_text):
+                frame.interruptible = False
+                await self.push_frame(frame)
+
+    async def _release(self, reply: _Reply, samples: np.ndarray):
+        await self._push_texts(reply, samples.size)
         pcm = float_to_pcm16(samples)
         frame = TTSAudioRawFrame(pcm, self._rate, 1, context_id=context_id_for(reply.turn_id))
         frame.interruptible = False  # the playout decides what gets dropped, not the transport
@@ -376,16 +401,17 @@ class TastePlayout(FrameProcessor):
             self._queue.append(("end_of_call", None, self._end))
         await self._pass_held_interruption()  # an earlier barge-in's
         transport_speaking = reply is not None and reply.released > 0 and self._call.bot_speaking
-        if reply is not None and reply.started:
+        started = reply is not None and reply.started
+        if started:
             if fade.size:
-                await self._release(reply, fade, texts=False)  # a word cut off by the fade was not heard
+                await self._release(reply, fade)
             await self.push_frame(TTSStoppedFrame(context_id=context_id_for(reply.turn_id)))
         if transport_speaking:
-            self._held_interruption = (frame, direction)
+            self._held_interruption = (frame, direction, started)
             self._hold_task = self.create_task(self._pass_held_interruption_later())
         else:
-            await self.push_frame(frame, direction)
-        if reply is not None and reply.started:
+            await self._pass_interruption(frame, direction, started)
+        if started:
             await self._finish(reply, interrupted=True, extra_samples=0)
         elif active is not None:
             # Nothing of this reply was heard yet: tell the generator so it keeps none of it.
@@ -427,7 +453,12 @@ class TastePlayout(FrameProcessor):
             await self.cancel_task(self._hold_task)
             self._hold_task = None
         if held is not None:
-            await self.push_frame(*held)
+            await self._pass_interruption(*held)
+
+    async def _pass_interruption(self, frame: InterruptionFrame, direction: FrameDirection, reply_started: bool):
+        await self.push_frame(frame, direction)
+        if reply_started:  # after the interruption: an aggregator keeps the words heard, as interrupted
+            await self.push_frame(LLMFullResponseEndFrame())
 
     # -- end of a reply ----------------------------------------------------------------------------------
     def _learn_start_hold(self, reply: _Reply) -> None:
@@ -445,8 +476,7 @@ class TastePlayout(FrameProcessor):
         words, texts = 0, []
         for index in sorted(reply.segments):
             segment = reply.segments[index]
-            heard_from = segment.start_sample + self._params.heard_fraction * (segment.end_sample - segment.start_sample)
-            if index != len(texts) or played < heard_from:
+            if index != len(texts) or played < self._heard_from(segment):
                 break  # only a prefix of the reply can have been heard
             words += segment.n_words
             texts.append(segment.text)

@@ -11,10 +11,14 @@ generator holds a slot per segment until the speech decoder takes it, so no stag
 ahead of the next.
 
 Each reply is one utterance for the engine (one continuity state: speech tokens continue across
-segments, the vocoder's caches carry over between chunks). Output: ``TTSStartedFrame``, audio
+segments, the vocoder's caches carry over between chunks). Output: ``TasteAudioStartedFrame``, audio
 at the pipeline's output rate with a fade-in at the start of the reply and a fade-out at its end
 (the last ``fade_out_ms`` are held back until the end is known), ``TasteSegmentAudioFrame``
-markers saying which output samples carry which words, and ``TTSStoppedFrame``. The voice is the
+markers saying which output samples carry which words, and ``TasteAudioStoppedFrame``. The
+start and stop are private to the playout, which sends ``TTSStartedFrame``/``TTSStoppedFrame`` when
+the reply is heard: observers (RTVI) report a frame where it is first pushed, so these would be a
+second, early pair (before the turn is even confirmed, for a reply that may be taken back).
+Without a playout in the call they are ``TTSStartedFrame``/``TTSStoppedFrame``. The voice is the
 call's (one speaker embedding for the whole call).
 
 On an ``InterruptionFrame`` both stages stop at once; anything still queued for the interrupted
@@ -49,6 +53,8 @@ from pipecat.utils.errors import ErrorCategory
 from pipecat_taste.audio import fade_in, fade_out, float_to_pcm16, samples_for_ms
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import (
+    TasteAudioStartedFrame,
+    TasteAudioStoppedFrame,
     TasteReplyEndFrame,
     TasteReplySegmentFrame,
     TasteSegmentAudioFrame,
@@ -254,7 +260,8 @@ class TasteSynthesizer(FrameProcessor):
                 hold, produced, first_audio = np.zeros(0, dtype=np.float32), 0, False
                 await self.start_ttfb_metrics()
                 await self.start_processing_metrics()
-                await self.push_frame(TTSStartedFrame(context_id=context_id_for(turn_id)))
+                await self.push_frame(TasteAudioStartedFrame(turn_id) if self._call.has_playout
+                                      else TTSStartedFrame(context_id=context_id_for(turn_id)))
                 continue
             if kind == "segment":
                 await self.push_frame(payload)
@@ -296,7 +303,8 @@ class TasteSynthesizer(FrameProcessor):
                 record.synthesized_samples = produced
             if final:
                 await self.stop_processing_metrics()
-                await self.push_frame(TTSStoppedFrame(context_id=context_id_for(turn_id)))
+                await self.push_frame(TasteAudioStoppedFrame(turn_id) if self._call.has_playout
+                                      else TTSStoppedFrame(context_id=context_id_for(turn_id)))
                 self._call.log.event("synthesis_done", turn_id, samples=produced, reason=payload)
                 if self._current_turn == turn_id:
                     self._current_turn = None
