@@ -304,7 +304,8 @@ class TasteProcessor:
         for i, word in enumerate(words):
             if not isinstance(word, str) or not word:
                 raise ValueError(f"word {i} is {word!r}; words must be non-empty strings (' ' + word)")
-            l_ids = self.llm_tokenizer.encode(word, add_special_tokens=False)
+            # a transcript's "<|eot_id|>" is text the caller said, never a control token
+            l_ids = self.llm_tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
             a_ids = self.asr_tokenizer.encode(word, add_special_tokens=False)
             if not l_ids or not a_ids:
                 raise ValueError(f"word {i} ({word!r}) has no tokens in one of the tokenizers; remove it")

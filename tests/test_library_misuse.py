@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -198,3 +199,41 @@ def test_restore_checks_the_format_and_the_model(model, processor, user_turn):
     fresh = Conversation(model, processor)
     fresh.restore(snap)  # same format, same model: fine
     assert fresh.turns == [user_turn] and fresh.ready().length == conv.ready().length
+
+
+def test_special_token_text_in_a_transcript_is_text(model, processor):
+    """An STT may write "<|eot_id|>": it is what the caller said, encoded as plain pieces."""
+    from taste_speech.sampler import special_token_ids
+
+    ids = processor.encode_words([" hello", " <|eot_id|>", " there"]).llm_token_ids
+    assert not set(ids[0].tolist()) & special_token_ids(processor.llm_tokenizer)
+    codes = taste_tokenize(model, processor, voiced(), ids, sampling_rate=16000)
+    assert codes.shape[:2] == ids.shape
+
+
+def test_leaving_a_with_block_on_an_error_keeps_the_error_and_closes(model, processor, user_turn):
+    """A reply iterator still open when the block is left by an exception: the caller sees its own
+    exception (not "a reply is being generated"), and the conversation takes no more use."""
+    with pytest.raises(KeyError, match="the caller's own error"):
+        with Conversation(model, processor) as conversation:
+            items = generate(model, processor, [user_turn], conversation=conversation, max_length=8)
+            next(items)
+            raise KeyError("the caller's own error")
+    assert conversation.closed
+    items.close()
+    assert not conversation.reply_in_progress
+
+
+def test_the_conversation_lock_is_reentrant(model, processor):
+    """An abandoned reply's finalizer releases its claim on whatever thread collects it, possibly one
+    inside _claim: the lock must let that thread in again rather than deadlock."""
+    conversation = Conversation(model, processor)
+    done = threading.Event()
+
+    def claim_and_release_inside():
+        with conversation._lock:
+            conversation._release(object())
+        done.set()
+
+    threading.Thread(target=claim_and_release_inside, daemon=True).start()
+    assert done.wait(5)

@@ -85,9 +85,10 @@ async def test_turn_with_upstream_transcript(utterances, rate):
     assert record.speech_seconds == pytest.approx(hello.seconds, abs=0.35)
 
 
-async def test_an_stt_s_transcript_goes_upstream_as_its_own_frames(utterances):
-    """Observers report a frame once (RTVI's user-transcription): the STT's frames go upstream to a
-    user aggregator as they are, not as a second copy of the caller's words."""
+async def test_an_stt_s_transcript_goes_upstream_as_siblings_of_its_frames(utterances):
+    """Observers (RTVI's user-transcription) report a broadcast pair once: the STT's frames go
+    upstream to a user aggregator as their upstream siblings, not as a second transcript (and with
+    ids of their own: a ParallelPipeline drops an id it has seen)."""
     hello = utterances["hello"]
     words = hello.text.split()
     first, rest = " ".join(words[:2]), " ".join(words[2:])
@@ -97,7 +98,10 @@ async def test_an_stt_s_transcript_goes_upstream_as_its_own_frames(utterances):
         [SleepFrame(0.2), stt_frames[0], SleepFrame(0.1), stt_frames[1], SleepFrame(0.2)] + audio_frames(silence(1.0))
     _, down, up = await run_capture(frames)
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [f"{first} {rest}"]
-    assert [f.id for f in of(up, TranscriptionFrame)] == [f.id for f in stt_frames]
+    upstream = of(up, TranscriptionFrame)
+    assert [f.broadcast_sibling_id for f in upstream] == [f.id for f in stt_frames]
+    assert [(f.text, f.user_id, f.finalized) for f in upstream] == [(f.text, f.user_id, f.finalized) for f in stt_frames]
+    assert not {f.id for f in upstream} & {f.id for f in stt_frames}
 
 
 async def test_failing_turn_gives_error_frame_and_the_next_turn_still_works(utterances):

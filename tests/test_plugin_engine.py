@@ -298,6 +298,33 @@ def test_a_call_ending_mid_reply_frees_its_slots_when_the_reply_stops(engine, he
     assert batched.lm_batch.slots_in_use == 0
 
 
+def test_a_call_ending_while_a_barge_in_is_committed_closes_once_the_commit_is_done(engine, hello):
+    """commit_reply runs on the call's thread; the call may end (hang-up) meanwhile: close() must not
+    fail on the busy conversation, and the history change finishes before the cache is dropped."""
+    session = engine.new_session(GenerationSettings(max_reply_tokens=16))
+    list(session.reply(session.user_turn(hello.audio, hello.text), threading.Event()))
+    conversation = session.conversation
+    truncating, go_on = threading.Event(), threading.Event()
+    truncate = conversation._truncate_last_assistant
+
+    def slow_truncate(n):
+        truncating.set()
+        go_on.wait(10)
+        return truncate(n)
+
+    conversation._truncate_last_assistant = slow_truncate
+    kept = []
+    committer = threading.Thread(target=lambda: kept.append(session.commit_reply(1)))
+    committer.start()
+    assert truncating.wait(10)
+    session.close()  # the hang-up, while the commit holds the conversation
+    assert not conversation.closed
+    go_on.set()
+    committer.join(10)
+    assert kept == [1] and conversation.closed and conversation.state.decode is None
+    assert session.commit_reply(0) == 0 and session.forget_turn(session.user_turn(hello.audio, hello.text)) == 0
+
+
 def test_auto_asr_is_the_checkpoints_own_whisper_and_a_missing_one_says_what_to_do(tmp_path):
     """asr='auto' on a real-size checkpoint loads the Whisper model the checkpoint names (live calls
     need transcripts); one that cannot be loaded is an error naming both ways out."""

@@ -723,11 +723,17 @@ class TasteTurnCapture(FrameProcessor):
 
     async def _transcript_upstream(self, turn: _CapturedTurn, transcript: str) -> None:
         """The turn's transcript goes upstream (to a user context aggregator before the STT). Words
-        from an upstream STT go as its own frames: observers (RTVI) have reported them already and
-        report a frame once, so the caller's words are not shown twice."""
+        from an upstream STT go as copies of its frames, each marked as the upstream sibling of its
+        original (as ``broadcast_frame`` pairs them): observers (RTVI) then report the caller's words
+        once, and a ParallelPipeline (a ServiceSwitcher of STTs), which drops a frame id it has seen,
+        lets the copies through."""
         words = turn.words
         if words.frames and len(words.frames) == len(words.parts) and transcript == words.text():
-            for frame in words.frames:
+            for original in words.frames:
+                frame = TranscriptionFrame(original.text, original.user_id, original.timestamp,
+                                           language=original.language, result=original.result,
+                                           finalized=original.finalized)
+                frame.broadcast_sibling_id = original.id
                 await self.push_frame(frame, FrameDirection.UPSTREAM)
         else:
             await self.push_frame(TranscriptionFrame(transcript, self._params.user_id, time_now_iso8601(), finalized=True),

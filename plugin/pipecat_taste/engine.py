@@ -324,20 +324,27 @@ class TasteSession:
         self._release_shared()
 
     def _release_shared(self) -> None:
-        self.conversation.close()
-        close = getattr(self._speech_cache, "close", None)
-        if close is not None:
-            close()
+        try:
+            self.conversation.close()
+        finally:
+            close = getattr(self._speech_cache, "close", None)
+            if close is not None:
+                close()
 
     @contextlib.contextmanager
-    def _job(self):
-        """One reply or one segment's speech tokens (generators: the call may end while they are open)."""
+    def _job(self, when_closed: str = "raise"):
+        """One reply, one segment's speech tokens or a change of the history (the call may end
+        while they run: the last one to end frees the shared structures). ``when_closed="skip"``
+        yields False instead of raising when the call has ended."""
         with self._jobs_lock:
             if self._closed:
+                if when_closed == "skip":
+                    yield False
+                    return
                 raise RuntimeError("this session was closed (the call ended)")
             self._open_jobs += 1
         try:
-            yield
+            yield True
         finally:
             with self._jobs_lock:
                 self._open_jobs -= 1
@@ -444,18 +451,22 @@ class TasteSession:
         caller heard before a barge-in). Returns the number of words kept. Runs before the next
         ``reply``, so the history always matches what was heard."""
         total, self._last_reply_words = self._last_reply_words, 0
-        if total == 0 or played_words is None or played_words >= total or self.conversation.closed:
+        if total == 0 or played_words is None or played_words >= total:
             return total
-        kept = self.conversation.truncate_last_assistant(max(0, int(played_words)))
+        with self._job(when_closed="skip") as open_:  # the call may end meanwhile: close() waits for this
+            if not open_ or self.conversation.closed:
+                return total
+            kept = self.conversation.truncate_last_assistant(max(0, int(played_words)))
         return 0 if kept is None else int(kept.word_starts().sum())
 
     def forget_turn(self, turn: UserTurn) -> int:
         """Take back a user turn that was answered too early (the caller went on speaking) and the
         reply begun to it; runs after that reply's generation ended. Returns the turns forgotten."""
         self._last_reply_words = 0
-        if self.conversation.closed:
-            return 0
-        return self.conversation.forget_from(turn.segment)
+        with self._job(when_closed="skip") as open_:
+            if not open_ or self.conversation.closed:
+                return 0
+            return self.conversation.forget_from(turn.segment)
 
     # -- speaking ---------------------------------------------------------------------------------
     def start_speech(self, out_sample_rate: int) -> SpeechState:

@@ -97,7 +97,8 @@ class Conversation:
         self.closed = False
         # Who holds the conversation now (a reply being generated, or a method running): two users
         # at once would crop or feed the cache under each other, so the second one raises.
-        self._lock = threading.Lock()
+        # re-entrant: an abandoned reply's finalizer (releasing its claim) may run on a thread inside _claim
+        self._lock = threading.RLock()
         self._holder: tuple[object, str] | None = None
 
     # -- one user at a time -----------------------------------------------------------------------------
@@ -463,8 +464,15 @@ class Conversation:
     def __enter__(self) -> "Conversation":
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            self.close()
+        except RuntimeError:
+            if exc_type is None:
+                raise
+            # Leaving on an error with a reply still open: the caller's error is the one to see. No
+            # more use; the reply's iterator frees the conversation when it is closed or dropped.
+            self.closed = True
 
 
 def _close_cache(decode: LMDecodeState | None) -> None:
