@@ -17,15 +17,9 @@ import torch
 from taste_speech.lm_batch import LMStepBatch
 from taste_speech.streaming import INSTRUCT, Conversation, TASTESegment, streaming_generate, taste_tokenize
 from taste_speech.streaming.generate import vocabulary_tables
+from audio_helpers import voiced
 
 BUSY = "a reply is being generated on this conversation"
-
-
-def voiced(seconds=1.5, rate=16000, seed=0):
-    t = np.arange(int(seconds * rate)) / rate
-    rng = np.random.RandomState(seed)
-    tone = 0.2 * np.sin(2 * np.pi * 150 * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 3 * t))
-    return (tone + 0.01 * rng.randn(t.size)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from taste_speech.streaming import (
     vocabulary_tables,
 )
 from taste_speech.verify.points_spoken_lm import PieceTokenizer, load_golden_spoken_lm
+from audio_helpers import voiced
 
 FORMATS = [CONTINUATION, INSTRUCT, DIALOGUE]
 # The growing LM cache (CPU default), the preallocated one, and a slot of an LMStepBatch (decode
@@ -39,13 +40,6 @@ def new_conversation(model, processor, cache_kind="dynamic", **kwargs):
         batch = LMStepBatch(model.spoken_lm, slots=2, capacity=512, graph_mode="rehearse")
         return Conversation(model, processor, lm_batch=batch, **kwargs)
     return Conversation(model, processor, cache_kind=cache_kind, **kwargs)
-
-
-def voiced(seconds=1.5, rate=16000, seed=0):
-    t = np.arange(int(seconds * rate)) / rate
-    rng = np.random.RandomState(seed)
-    tone = 0.2 * np.sin(2 * np.pi * 150 * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 3 * t))
-    return (tone + 0.01 * rng.randn(t.size)).astype(np.float32)
 
 
 def reply_of(items):

@@ -25,15 +25,9 @@ from taste_speech.streaming import (
 )
 from taste_speech.streaming.detokenize import PREV_AUDIO_TOLERANCE_MS
 from taste_speech.voice_generator import VoiceGenerator
+from audio_helpers import voiced
 
 BUSY = "a reply is being generated on this conversation"
-
-
-def voiced(seconds=1.5, rate=16000, seed=0):
-    t = np.arange(int(seconds * rate)) / rate
-    rng = np.random.RandomState(seed)
-    tone = 0.2 * np.sin(2 * np.pi * 150 * t) * (0.5 + 0.5 * np.sin(2 * np.pi * 3 * t))
-    return (tone + 0.01 * rng.randn(t.size)).astype(np.float32)
 
 
 def audio_turn(model, processor, text, seed=0):
