@@ -82,23 +82,27 @@ def test_cancelled_reply_ends_within_a_step(engine, hello):
     assert rest[-1].kind == "end" and rest[-1].reason == "cancelled" and len(rest) <= 2
 
 
+class FailingStop:
+    """A reply's stop check that fails after ``after_steps`` steps, as a model error would."""
+
+    def __init__(self, after_steps: int):
+        self.after_steps, self.asks = after_steps, 0
+
+    def is_set(self):
+        self.asks += 1
+        if self.asks > self.after_steps:
+            raise RuntimeError("injected failure mid-reply")
+        return False
+
+
 def test_a_failed_reply_keeps_the_callers_turn_and_an_abandoned_one_frees_the_conversation(engine, hello):
     """The library takes a failed reply's input turns back (for a retry); the call does not retry,
     so what the caller said stays in the history. A reply left unfinished frees the conversation."""
 
-    class FailingStop:  # the reply's stop check fails at its fourth step, as a model error would
-        asks = 0
-
-        def is_set(self):
-            self.asks += 1
-            if self.asks > 3:
-                raise RuntimeError("injected failure mid-reply")
-            return False
-
     session = engine.new_session(GenerationSettings(max_reply_tokens=40))
     turn = session.user_turn(hello.audio, hello.text)
     with pytest.raises(RuntimeError, match="injected failure"):
-        list(session.reply(turn, FailingStop()))
+        list(session.reply(turn, FailingStop(after_steps=3)))
     turns = session.conversation.state.turns
     assert turns[0] is turn.segment and [t.role for t in turns[1:]] in ([], ["assistant"])  # + any words handed on
     session.commit_reply(None)
@@ -113,20 +117,11 @@ def test_a_reply_failing_midway_keeps_the_words_already_handed_on(engine, hello)
     """The caller may have heard them: the history keeps them, and commit_reply cuts them to what
     was played, as after a barge-in."""
 
-    class FailingStop:  # fails at the reply's 12th step, after some segments went out
-        asks = 0
-
-        def is_set(self):
-            self.asks += 1
-            if self.asks > 12:
-                raise RuntimeError("injected failure mid-reply")
-            return False
-
     session = engine.new_session(GenerationSettings(max_reply_tokens=40, words_per_segment=1))
     turn = session.user_turn(hello.audio, hello.text)
     segments = []
     with pytest.raises(RuntimeError, match="injected failure"):
-        for event in session.reply(turn, FailingStop()):
+        for event in session.reply(turn, FailingStop(after_steps=12)):  # after some segments went out
             if event.kind == "segment":
                 segments.append(event)
     handed_on = sum(e.n_words for e in segments)
