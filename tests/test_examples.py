@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # real-time calls
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # real-time calls in processes of their own
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,12 +20,12 @@ from taste_agents.load import LoopLagMonitor, concurrent_calls, concurrent_webrt
 from taste_agents.phone_agent import PhoneAgentConfig
 from taste_agents.server import ServerConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # several calls at once in real time
 
 N_CALLS = int(os.environ.get("TASTE_LOAD_CALLS", "8"))
 # Each WebRTC caller is a process of its own encoding and decoding Opus in real time: on a 2-core
 # CI machine 8 of them next to the 8 server pipelines exceed real time; CI runs 4 (the full 8 for
-# 5 minutes: benchmarks/load.py).
+# 5 minutes: benchmarks/soak.py).
 N_WEBRTC_CALLS = int(os.environ.get("TASTE_LOAD_WEBRTC_CALLS", "4"))
 
 

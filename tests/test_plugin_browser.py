@@ -24,7 +24,7 @@ from taste_agents.report import write_wav
 from taste_agents.server import ServerConfig
 from taste_agents.webrtc_sim import running_server
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.serial]  # chromium in real time
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(os.environ.get("TASTE_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts"))

@@ -13,7 +13,7 @@ from taste_agents.server import ServerConfig
 from taste_agents.simulate import simulate_call
 from taste_agents.webrtc_sim import compare_with_in_process, webrtc_call
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # a caller process encoding Opus in real time
 
 
 def engine():

@@ -18,7 +18,7 @@ import pytest
 
 from taste_agents.cli import build_parser, simulated_call
 
-pytestmark = pytest.mark.slow  # real-time calls
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # real-time calls, in process and over WebRTC
 
 SR = 16000
 AUDIBLE = 100  # int16 peak of an audible 10 ms frame (about -50 dBFS)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The whole test suite, the way CI runs it on a 2-core machine. Most tests spend their time waiting
+# on real-time audio, so they run on two workers (pytest-xdist, a test file per worker at a time).
+# The tests marked `serial` run alone afterwards: each runs several real-time calls at once (caller
+# processes, chromium), and a second worker beside them would push them past real time.
+# `.venv/bin/python -m pytest -q` runs the same tests one after another.
+cd "$(dirname "$0")/.."
+status=0
+.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not serial" || status=$?
+.venv/bin/python -m pytest -q -m serial || status=$?
+exit "$status"
