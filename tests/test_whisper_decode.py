@@ -226,3 +226,22 @@ def test_cuda_graph_loop_matches_generate(tiny_asr, audios, dtype):
     workspace = asr._workspaces[0]
     assert workspace.captured and workspace.fallback_reason is None
     assert same == len(audios) if dtype == torch.float32 else same >= len(audios) - 1
+
+
+def test_a_whisper_stored_in_float16_runs_in_float32_on_a_cpu(tiny_asr, audios, tmp_path):
+    """openai/whisper-large-v3 stores float16 weights, and transformers would load them as float16
+    even on a CPU: the transcriber's default runs float32 there (bfloat16 on CUDA), as the LM does."""
+    import copy
+
+    from transformers import WhisperProcessor
+
+    copy.deepcopy(tiny_asr.model).half().save_pretrained(tmp_path)
+    WhisperProcessor(tiny_asr.feature_extractor, tiny_asr.tokenizer).save_pretrained(tmp_path)
+
+    default = WhisperTranscriber.from_pretrained(str(tmp_path), language=None, max_new_tokens=None, decode="dynamic")
+    assert next(default.model.parameters()).dtype == torch.float32
+    assert default.transcribe(audios[0]).ids  # it runs
+    asked = WhisperTranscriber.from_pretrained(str(tmp_path), dtype="bfloat16", language=None, max_new_tokens=None)
+    assert next(asked.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'half-ish'"):
+        WhisperTranscriber.from_pretrained(str(tmp_path), dtype="half-ish")

@@ -26,8 +26,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="checkpoint folder or hub id (default: the embedded tiny checkpoint, built on first use)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0 or auto (default: cpu)")
-    parser.add_argument("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"],
-                        help="weights of the Whisper tower and the Llama base (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights of the Whisper tower and the Llama base, and of the built-in Whisper ASR "
+                             "(default, or auto: float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--decoding", default="auto", choices=["auto", "graphed", "eager"],
                         help="hot loops: auto (static caches and CUDA graphs on CUDA, eager on CPU), graphed, or "
                              "eager (the reference; for debugging on CUDA) - docs/GPU.md")
@@ -199,7 +200,8 @@ def simulated_call(args, engine=None):
     from taste_agents.caller import default_script
     from taste_agents.simulate import simulate_call
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.model is None and engine is None:  # the embedded tiny checkpoint needs no hub
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
     if engine is None:
         engine, path = load_engine(args, say)

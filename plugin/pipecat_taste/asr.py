@@ -73,13 +73,25 @@ class WhisperTranscriber:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, device: str = "cpu", dtype=None, language: str = "en", **kwargs):
+        """``dtype``: None or 'auto' runs Whisper the way the spoken LM runs its Llama, bfloat16 on
+        CUDA and float32 elsewhere (left to transformers it would be the repo's stored dtype:
+        float16 for openai/whisper-large-v3, even on a CPU); or 'float32', 'bfloat16', 'float16'."""
         import torch
         from transformers import AutoProcessor, WhisperForConditionalGeneration
 
+        from taste_speech.modeling_taste import resolve_device
+
+        device = resolve_device(device)
+        if dtype in (None, "auto"):
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        elif isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"unknown dtype {dtype!r} for the Whisper ASR: use 'auto', 'float32', 'bfloat16' or 'float16'")
+            dtype = getattr(torch, dtype)
         processor = AutoProcessor.from_pretrained(name_or_path)
-        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else None
-        model = WhisperForConditionalGeneration.from_pretrained(name_or_path, torch_dtype=torch_dtype).to(device)
-        return cls(model, processor.feature_extractor, processor.tokenizer, device=device, language=language, **kwargs)
+        model = WhisperForConditionalGeneration.from_pretrained(name_or_path, dtype=dtype).to(device)
+        return cls(model, processor.feature_extractor, processor.tokenizer, device=str(device), language=language,
+                   **kwargs)
 
     @classmethod
     def random_tiny(cls, checkpoint_dir: str, seed: int = 0, **kwargs):
