@@ -315,6 +315,7 @@ async def test_a_call_without_a_playout_ends_when_its_processors_clean_up():
     assert call.worker_threads() == []
 
 
+@pytest.mark.serial  # the barge-in stop is measured against real-time playout
 async def test_without_a_playout_the_caller_still_interrupts_a_reply_the_transport_is_playing():
     """Generation ends long before its audio has played: the transport's BotStarted/Stopped frames
     keep the reply interruptible when no TastePlayout tracks it."""

@@ -452,9 +452,11 @@ async def test_phone_stream_is_answered_in_whole_20ms_mulaw_frames_and_stop_ends
         assert not [o for o in gc.get_objects() if isinstance(o, TasteCall) and o.call_id == call.call_id]
 
 
+@pytest.mark.serial  # the caller cuts in on a reply playing in real time
 async def test_phone_barge_in_sends_clear_before_new_media():
     u = load_utterances()
-    engine = FakeEngine(asr_text="hello there", reply_words=tuple(f"w{i}" for i in range(15)))  # a 3 s reply
+    # a 5 s reply: the caller's goodbye, 3.2 s after its first turn, lands well inside it
+    engine = FakeEngine(asr_text="hello there", reply_words=tuple(f"w{i}" for i in range(25)))
     async with running_server(engine, config()) as (server, url):
         # speak, wait for the reply to start, then talk over it
         first = np.concatenate([np.zeros(8000, np.float32), u["time"].audio, np.zeros(int(3.2 * 16000), np.float32)])

@@ -158,6 +158,7 @@ async def test_metrics_transcripts_and_brackets(u):
     assert transcripts[0][0] < result.log.turns[1].first_audio_at
 
 
+@pytest.mark.serial  # barge-in and underrun figures: real-time playout, measured
 async def test_barge_in_keeps_only_the_words_that_were_heard(u):
     engine = FakeEngine(reply_words=tuple(f"w{i}" for i in range(12)))  # 2.4 s reply
     script = [Pause(0.3), Say(u["time"]), BargeIn(u["goodbye"], after_agent_ms=1000, timeout_s=5),
@@ -175,6 +176,7 @@ async def test_barge_in_keeps_only_the_words_that_were_heard(u):
     assert result.report["checks"]["talk_over_ms_outside_barge_in"] == 0
 
 
+@pytest.mark.serial  # barge-in and underrun figures: real-time playout, measured
 async def test_segment_markers_never_stall_the_audio(u):
     # The vocoder holds back 500 ms, more than a word (like the real synthesis, whose lookahead and
     # chunks are longer than a word), so each word's marker arrives well before the end of the
@@ -192,6 +194,7 @@ async def test_segment_markers_never_stall_the_audio(u):
         assert t >= record.first_audio_at + 0.2 * i - 0.1, (i, t - record.first_audio_at)
 
 
+@pytest.mark.serial  # barge-in and underrun figures: real-time playout, measured
 async def test_the_playout_learns_to_hold_replies_whose_second_chunk_comes_late(u):
     # The second word's audio comes 450 ms after the first word's 200 ms: a gap after the first
     # syllable, as on slow hardware. The first reply has it; the next is held instead.
@@ -208,6 +211,7 @@ async def test_the_playout_learns_to_hold_replies_whose_second_chunk_comes_late(
     assert plain.log.turns[2].underruns >= 1 and plain.log.turns[2].start_hold_s == 0.0
 
 
+@pytest.mark.serial  # barge-in and underrun figures: real-time playout, measured
 async def test_a_new_call_starts_with_what_the_engine_learned_from_earlier_calls(u):
     # The start hold is the engine's, not the call's: the hardware decides it. The second call's
     # first reply is held as the first call's reply needed, so it has no gap.
@@ -226,6 +230,7 @@ async def test_a_new_call_starts_with_what_the_engine_learned_from_earlier_calls
     assert record.played_samples == record.synthesized_samples
 
 
+@pytest.mark.serial  # barge-in and underrun figures: real-time playout, measured
 async def test_an_early_reply_is_made_while_the_vad_makes_sure_and_heard_after(u):
     engine = FakeEngine(lookahead_tokens=25)
     script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8)]
