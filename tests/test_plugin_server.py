@@ -202,10 +202,10 @@ async def test_a_peer_that_never_connects_gives_its_slot_back():
 
 async def test_a_call_ends_at_its_time_limit_even_while_talking():
     async with running_server(FakeEngine(), config(max_call_seconds=2.0)) as (server, url):
+        started = time.monotonic()  # the limit counts from the offer, connecting included
         pc, answer = await open_peer(url)
         assert pc is not None, answer
         try:
-            started = time.monotonic()
             assert await wait_until(lambda: not server.calls, 8)
             assert 1.5 < time.monotonic() - started < 6
             assert "limit of 2 s" in server.finished[-1]["ended_because"]
