@@ -62,7 +62,7 @@ def main():
     ours.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the embedded tiny one)")
     ours.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     args, _ = ours.parse_known_args()  # the runner parses its own options (and ours again) below
-    if "-h" not in sys.argv and "--help" not in sys.argv:
+    if "-h" not in sys.argv and "--help" not in sys.argv:  # the help needs no model
         engine = TasteEngine.from_pretrained(args.model, device=args.device)
         engine.warm_up()  # on CUDA: captures the graphs now, not during the first call
         ours.set_defaults(engine=engine)  # reaches every bot() as runner_args.cli_args.engine
