@@ -480,15 +480,15 @@ async def test_finished_turns_are_not_held_for_the_rest_of_the_call(mode):
     capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts=mode))
     down, _ = await run_with(capture, frames)
     assert len(of(down, TasteUserTurnFrame)) == 3
-    assert not capture._waiting_for_words
+    assert not capture._transcripts.collecting
 
 
 def test_an_stt_known_to_mark_no_part_final_is_taken_at_its_first_words():
     """The quiet wait is for STTs that mark their last part finalized (and for the first turn, until
     that is known); one known to mark none costs no wait: its turn is done at its first words."""
-    from pipecat_taste.capture import _UpstreamWords
+    from pipecat_taste.upstream_transcripts import TurnWords
 
-    words = _UpstreamWords()
+    words = TurnWords()
     words.add("book a table", at=10.0)
     words.end_sample, words.closed_at = 16000, 10.0
     assert not words.done(10.1, 0.4, None) and not words.done(10.1, 0.4, True)
@@ -503,7 +503,7 @@ async def test_the_capture_learns_whether_the_stt_marks_final_parts(finalized, f
     capture = TasteTurnCapture(TasteCall(FakeEngine()), params=TurnCaptureParams(transcripts="upstream"))
     down, _ = await run_with(capture, frames, tail_secs=0.5)
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["book a table"]
-    assert capture._finals_flagged is flagged
+    assert capture._transcripts.finals_flagged is flagged
 
 
 # -- input rates ---------------------------------------------------------------------------------------------

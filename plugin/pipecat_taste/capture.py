@@ -6,12 +6,9 @@ starts with that ring as pre-roll (the VAD needs ``start_secs`` of speech before
 word onsets are quiet), and when the VAD confirms silence the turn ends (keeping ``post_roll_secs``
 after the speech). Then, on a worker thread: the transcript (an upstream ``TranscriptionFrame``
 from any Pipecat STT, or the engine's built-in ASR), ``taste_tokenize``, and a
-``TasteUserTurnFrame`` downstream plus the ``TranscriptionFrame`` upstream. Upstream transcripts
-go to the turns in order: the oldest closed turn still collecting its words takes the next one (an
-STT may answer after the caller has begun the next turn), else the turn being captured. A closed
-turn collects parts until one marked ``finalized`` arrives after the speech ended, or
-``transcript_quiet_secs`` pass without one (an STT seen to mark no part finalized is taken at its
-first words); words that come later for a turn already taken are logged and dropped.
+``TasteUserTurnFrame`` downstream plus the ``TranscriptionFrame`` upstream. Which turn an
+upstream transcript belongs to, and when a turn has all of its parts, is decided in
+``pipecat_taste.upstream_transcripts``.
 
 Incremental ASR (``incremental_asr``, on by default): when the built-in ASR gives the transcript,
 the audio captured so far is transcribed on the call's listening thread every
@@ -87,6 +84,7 @@ from pipecat.utils.time import time_now_iso8601
 from pipecat_taste.audio import StreamResampler, pcm16_to_float, resample
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
+from pipecat_taste.upstream_transcripts import TurnWords, UpstreamTranscripts
 
 
 @dataclass
@@ -156,52 +154,6 @@ class _TurnASR:
 
 
 @dataclass
-class _UpstreamWords:
-    """What an upstream STT said of one turn (its ``TranscriptionFrame`` texts, as they arrive)."""
-
-    parts: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, text)
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set at each arrival
-    # A turn that went on after a retracted early hand-over is complete only with words that came
-    # after its (last) speech end: words about the speech before the pause do not finish it.
-    continued: bool = False
-    after: float | None = None
-    # On the capture's sample clock: where the last part marked finalized arrived, and where the
-    # turn's speech ended (set when the turn is closed, at closed_at).
-    final_sample: int | None = None
-    end_sample: int | None = None
-    closed_at: float | None = None
-    frames: list = field(default_factory=list)  # the STT's own TranscriptionFrames of these parts
-
-    def add(self, text: str, at: float, finalized: bool = False, sample: int = 0, frame=None) -> None:
-        self.parts.append((at, text))
-        if frame is not None:
-            self.frames.append(frame)
-        if finalized:
-            self.final_sample = sample
-        self.arrived.set()
-
-    def complete(self) -> bool:
-        return any(self.after is None or at > self.after for at, _ in self.parts)
-
-    def done(self, now: float, quiet: float, finals_flagged: bool | None) -> bool:
-        """No more parts are expected: the STT finalized one after the speech ended (one finalized
-        while the caller went on speaking does not cover the rest), or none has come for ``quiet``
-        seconds since the last part and the turn's close. Once the STT is known to mark no part
-        finalized (``finals_flagged`` False: many of Pipecat's send one transcript per turn), a turn
-        is taken at its first words, without the wait."""
-        if self.closed_at is None or not self.complete():
-            return False
-        if self.final_sample is not None and self.final_sample >= self.end_sample:
-            return True
-        if finals_flagged is False:
-            return True
-        return now - max(self.parts[-1][0], self.closed_at) >= quiet
-
-    def text(self) -> str:
-        return " ".join(text for _, text in self.parts)
-
-
-@dataclass
 class _CapturedTurn:
     turn_id: int
     audio: np.ndarray  # float32 at the input rate
@@ -211,7 +163,7 @@ class _CapturedTurn:
     speech_start: float
     speech_end: float
     speech_seconds: float
-    words: _UpstreamWords
+    words: TurnWords
     asr: _TurnASR | None = None
     # Early hand-over: until the VAD confirms, frames meant for others wait in ``deferred``.
     tentative: bool = False
@@ -250,10 +202,8 @@ class TasteTurnCapture(FrameProcessor):
         self._turn_id: int | None = None
         self._vad_start_at = 0.0
         self._long_enough = False  # the current turn has min_speech_secs of speech: it mutes and barges in
-        self._words: _UpstreamWords | None = None  # the current turn's upstream transcript
-        # Closed turns still collecting upstream words, in order (none with the built-in ASR only).
-        self._waiting_for_words: collections.deque[_CapturedTurn] = collections.deque()
-        self._early_transcript: tuple | None = None  # words no turn took yet: (arrival, text, their frame)
+        self._words: TurnWords | None = None  # the current turn's upstream transcript
+        self._transcripts = UpstreamTranscripts(self._params.transcript_quiet_secs, call.log, owner=str(self))
         self._finish_queue: asyncio.Queue | None = None
         self._finisher: asyncio.Task | None = None
         # Sample clock of the input: turn lengths are measured in audio, not in wall-clock time.
@@ -263,10 +213,6 @@ class TasteTurnCapture(FrameProcessor):
         self._turn_asr: _TurnASR | None = None
         self._partial_task: asyncio.Task | None = None
         self._turns_finishing = 0
-        self._upstream_transcripts = False
-        # Whether the upstream STT marks the last part of a turn finalized: None until known (a part
-        # marked so arrives: True; a turn's parts end without one: False)
-        self._finals_flagged: bool | None = None
         # Early replies: where the current pause began (input samples), the turn handed on early,
         # and a lock that keeps a turn's frame before what is said about it.
         self._silence_from: int | None = None
@@ -360,8 +306,9 @@ class TasteTurnCapture(FrameProcessor):
             self._call.bot_speaking = isinstance(frame, BotStartedSpeakingFrame)
             await self.push_frame(frame, direction)
         elif isinstance(frame, TranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
-            self._upstream_transcripts = True
-            self._add_transcript(frame.text, frame.finalized, frame)  # consumed: the turn's transcript goes upstream later
+            # consumed: the turn's transcript goes upstream once the turn is handed on
+            self._transcripts.add(frame.text, frame.finalized, frame, self._samples_seen,
+                                  current=self._words if self._capturing else None)
         else:
             await self.push_frame(frame, direction)
 
@@ -382,8 +329,7 @@ class TasteTurnCapture(FrameProcessor):
             if self._vad is not None and self._vad_state != VADState.QUIET:
                 await self.broadcast_frame(VADUserStoppedSpeakingFrame, stop_secs=0.0)
             await self._speech_stopped(time.monotonic(), keep=self._early is not None)
-        for turn in self._waiting_for_words:  # what an upstream STT had to say came before the EndFrame
-            turn.words.arrived.set()
+        self._transcripts.end_of_call()
         if self._finish_queue is None:
             await self.push_frame(frame, direction)
         else:
@@ -487,15 +433,8 @@ class TasteTurnCapture(FrameProcessor):
         self._long_enough = False
         self._vad_start_at = now
         self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
-        self._words = _UpstreamWords()
+        self._words = self._transcripts.new_turn(now, self._start_secs())
         self._turn_asr = self._new_turn_asr()
-        early, self._early_transcript = self._early_transcript, None
-        if early is not None:
-            # An STT cannot transcribe speech before it began: older words are a taken turn's.
-            if now - early[0] <= self._start_secs():
-                self._words.add(early[1], early[0], frame=early[2])
-            else:
-                self._drop_late_words(early[1])
         if forced:
             self._turn_chunks, self._turn_samples = [], 0
         else:
@@ -579,9 +518,7 @@ class TasteTurnCapture(FrameProcessor):
         record.audio_seconds = audio.size / self._sample_rate
         end_sample = self._samples_seen - int(silence_secs * self._sample_rate)
         record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
-        if self._words.continued:
-            self._words.after = record.speech_end
-        self._words.end_sample, self._words.closed_at = end_sample, now
+        self._words.close(now, record.speech_end, end_sample)
         return _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
                              record.speech_start, record.speech_end, record.speech_seconds, self._words, self._turn_asr)
 
@@ -590,7 +527,7 @@ class TasteTurnCapture(FrameProcessor):
             self._turns_finishing += 1
             self._finish_queue.put_nowait(turn)
             if turn.speech_seconds >= self._params.min_speech_secs and self._params.transcripts != "asr":
-                self._waiting_for_words.append(turn)
+                self._transcripts.expect(turn.words)
 
     # -- early replies ------------------------------------------------------------------------------------
     async def _end_early(self, now: float, silence_secs: float):
@@ -611,16 +548,14 @@ class TasteTurnCapture(FrameProcessor):
         """The caller speaks again: take the early turn back; the speech goes on as a new turn."""
         early, self._early = self._early, None
         early.retracted.set()
-        self._stop_waiting(early)
+        self._transcripts.stop(early.words)
         old = self._call.log.retract(early.turn_id)
         self._call.log.event("user_turn_retracted", early.turn_id)
         self._turn_id = self._call.new_turn_id()
         record = self._call.log.turn(self._turn_id)
         record.vad_start_at, record.speech_start = old.vad_start_at, old.speech_start
         record.early_retracted = old.early_retracted + 1
-        # The turn goes on with the words of the speech before the pause (an upstream STT may also
-        # send them a little later), and waits for the transcript of what follows.
-        self._words = _UpstreamWords(parts=list(self._words.parts), continued=True)
+        self._words = self._words.continuation()  # and waits for the transcript of what follows
         async with self._turn_frames_lock:
             if early.pushed:
                 await self.push_frame(TasteTurnStatusFrame(early.turn_id, "retracted"))
@@ -643,37 +578,6 @@ class TasteTurnCapture(FrameProcessor):
             return
         await announce()
 
-    def _add_transcript(self, text: str, finalized: bool = False, frame: TranscriptionFrame | None = None):
-        """An upstream transcript goes to the oldest closed turn still collecting its words (an STT
-        may answer after the caller has begun the next turn), else to the turn being captured. Words
-        that no turn takes are held for the next turn, which keeps them only if they came after
-        its speech began (``_speech_started``): else they are a taken turn's late words."""
-        text = (text or "").strip()
-        if not text:
-            return
-        now = time.monotonic()
-        quiet = self._params.transcript_quiet_secs
-        if finalized:
-            self._finals_flagged = True
-        flagged = self._finals_flagged
-        collecting = next((turn for turn in self._waiting_for_words if not turn.words.done(now, quiet, flagged)), None)
-        if collecting is not None:
-            collecting.words.add(text, now, finalized, self._samples_seen, frame)
-        elif self._capturing:
-            self._words.add(text, now, finalized, self._samples_seen, frame)
-        else:
-            if self._early_transcript is not None:
-                self._drop_late_words(self._early_transcript[1])
-            self._early_transcript = (now, text, frame)
-
-    def _drop_late_words(self, text: str) -> None:
-        logger.info(f"{self}: dropped upstream transcript {text!r}: late words of a turn already taken")
-        self._call.log.event("transcript_dropped", text=text)
-
-    def _stop_waiting(self, turn: _CapturedTurn) -> None:
-        """The turn takes no more upstream words (taken, ignored, failed or retracted)."""
-        self._waiting_for_words = collections.deque(t for t in self._waiting_for_words if t is not turn)
-
     # -- finishing turns (in order, off the input path) ---------------------------------------------
     async def _finish_turns(self):
         while True:
@@ -689,7 +593,7 @@ class TasteTurnCapture(FrameProcessor):
                 await self._fail(turn, f"could not process the user's turn: {e}", e)
             finally:
                 self._turns_finishing -= 1
-                self._stop_waiting(turn)
+                self._transcripts.stop(turn.words)
                 turn.audio = _NO_AUDIO  # not needed any more (a tentative turn lives on until confirmed)
 
     async def _finish(self, turn: _CapturedTurn):
@@ -741,34 +645,15 @@ class TasteTurnCapture(FrameProcessor):
 
     def _upstream_wait_secs(self) -> float:
         params = self._params
-        if params.transcripts == "auto" and not self._upstream_transcripts and self._call.engine.has_asr:
+        if params.transcripts == "auto" and not self._transcripts.seen and self._call.engine.has_asr:
             return min(params.first_transcript_grace_secs, params.transcript_timeout_secs)
         return params.transcript_timeout_secs
-
-    async def _wait_for_words(self, turn: _CapturedTurn) -> None:
-        """Until all parts of the turn's upstream transcript are in (``_UpstreamWords.done``), it is
-        retracted, or the wait is over."""
-        started, words, quiet = time.monotonic(), turn.words, self._params.transcript_quiet_secs
-        while not turn.retracted.is_set() and not self._ending:
-            now = time.monotonic()
-            if words.done(now, quiet, self._finals_flagged):
-                if self._finals_flagged is None and words.final_sample is None:
-                    self._finals_flagged = False  # the parts ended without a final mark: it sets none
-                return
-            # re-read: once the call's first upstream words came, 'auto' waits the whole timeout
-            remaining = started + self._upstream_wait_secs() - now
-            if remaining <= 0:
-                return
-            if words.complete():
-                remaining = min(remaining, max(words.parts[-1][0], words.closed_at) + quiet - now)
-            words.arrived.clear()
-            await _first_of(remaining, words.arrived, turn.retracted)
 
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
         if mode in ("auto", "upstream"):
-            await self._wait_for_words(turn)
-            self._stop_waiting(turn)  # taken: later words belong to the next turn
+            await self._transcripts.wait(turn.words, self._upstream_wait_secs, turn.retracted)
+            self._transcripts.stop(turn.words)  # taken: later words belong to the next turn
             if turn.retracted.is_set():
                 return None
             if turn.words.parts:
@@ -800,7 +685,7 @@ class TasteTurnCapture(FrameProcessor):
     # -- incremental ASR ----------------------------------------------------------------------------
     def _new_turn_asr(self) -> _TurnASR | None:
         p = self._params
-        if not p.incremental_asr or p.transcripts == "upstream" or (p.transcripts == "auto" and self._upstream_transcripts):
+        if not p.incremental_asr or p.transcripts == "upstream" or (p.transcripts == "auto" and self._transcripts.seen):
             return None
         start = getattr(self._call.session, "start_transcript", None)
         transcript = start() if start is not None else None
@@ -814,7 +699,7 @@ class TasteTurnCapture(FrameProcessor):
             return
         if self._turn_samples - asr.requested_samples < self._params.incremental_asr_every_secs * self._sample_rate:
             return
-        if self._params.transcripts == "auto" and self._upstream_transcripts:
+        if self._params.transcripts == "auto" and self._transcripts.seen:
             return
         asr.requested_samples = self._turn_samples
         audio = np.concatenate(self._turn_chunks)
@@ -851,12 +736,3 @@ class TasteTurnCapture(FrameProcessor):
                                                            category=ErrorCategory.UNKNOWN))
         await self._decide(turn, "error", message)
 
-
-async def _first_of(timeout: float, *events: asyncio.Event) -> None:
-    """Wait until one of ``events`` is set, at most ``timeout`` seconds."""
-    waits = [asyncio.ensure_future(event.wait()) for event in events]
-    try:
-        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for wait in waits:
-            wait.cancel()

@@ -1,0 +1,175 @@
+"""An upstream STT's words, routed to the capture's turns: which turn they belong to, and when a
+turn has all of them.
+
+An STT upstream of ``TasteTurnCapture`` sends ``TranscriptionFrame``s at its own pace: often after
+the caller's turn has ended, sometimes after the next one has begun, sometimes in parts. The
+routing rule: the oldest closed turn still collecting its words takes the next transcript, else
+the turn being captured. A closed turn collects parts until one marked ``finalized`` arrives after
+its speech ended, or ``quiet_secs`` pass without one; an STT seen to mark no part finalized (many
+of Pipecat's send one transcript per turn) has its turns taken at their first words. Words that
+no turn takes wait for the next turn, which keeps them only if they came after its speech began:
+older ones are late words of a turn already taken, and are logged and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from loguru import logger
+from pipecat.frames.frames import TranscriptionFrame
+
+
+@dataclass
+class TurnWords:
+    """What an upstream STT said of one turn (its ``TranscriptionFrame`` texts, as they arrive)."""
+
+    parts: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, text)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set at each arrival
+    # A turn that went on after a retracted early hand-over is complete only with words that came
+    # after its (last) speech end: words about the speech before the pause do not finish it.
+    continued: bool = False
+    after: float | None = None
+    # On the capture's sample clock: where the last part marked finalized arrived, and where the
+    # turn's speech ended (set when the turn is closed, at closed_at).
+    final_sample: int | None = None
+    end_sample: int | None = None
+    closed_at: float | None = None
+    frames: list = field(default_factory=list)  # the STT's own TranscriptionFrames of these parts
+
+    def add(self, text: str, at: float, finalized: bool = False, sample: int = 0, frame=None) -> None:
+        self.parts.append((at, text))
+        if frame is not None:
+            self.frames.append(frame)
+        if finalized:
+            self.final_sample = sample
+        self.arrived.set()
+
+    def close(self, now: float, speech_end: float, end_sample: int) -> None:
+        """The turn's speech ended at ``speech_end`` (``end_sample``); the capture closed it at ``now``."""
+        if self.continued:
+            self.after = speech_end
+        self.end_sample, self.closed_at = end_sample, now
+
+    def continuation(self) -> TurnWords:
+        """The words of a turn whose early hand-over was retracted: the speech goes on as a new turn,
+        with the words of the speech before the pause (an STT may also send them a little later)."""
+        return TurnWords(parts=list(self.parts), continued=True)
+
+    def complete(self) -> bool:
+        return any(self.after is None or at > self.after for at, _ in self.parts)
+
+    def done(self, now: float, quiet: float, finals_flagged: bool | None) -> bool:
+        """No more parts are expected: the STT finalized one after the speech ended (one finalized
+        while the caller went on speaking does not cover the rest), or none has come for ``quiet``
+        seconds since the last part and the turn's close. Once the STT is known to mark no part
+        finalized (``finals_flagged`` False), a turn is taken at its first words, without the wait."""
+        if self.closed_at is None or not self.complete():
+            return False
+        if self.final_sample is not None and self.final_sample >= self.end_sample:
+            return True
+        if finals_flagged is False:
+            return True
+        return now - max(self.parts[-1][0], self.closed_at) >= quiet
+
+    def text(self) -> str:
+        return " ".join(text for _, text in self.parts)
+
+
+class UpstreamTranscripts:
+    """One call's routing of upstream transcripts to turns (module docstring). ``owner`` names the
+    capture in log lines; dropped words are recorded in ``log`` (the call's ``CallLog``)."""
+
+    def __init__(self, quiet_secs: float, log, owner: str = "TasteTurnCapture"):
+        self.quiet_secs = quiet_secs
+        self._log = log
+        self._owner = owner
+        self.seen = False  # an upstream transcript came in this call
+        # Whether the STT marks the last part of a turn finalized: None until known (a part marked so
+        # arrives: True; a turn's parts end without one: False).
+        self.finals_flagged: bool | None = None
+        self.collecting: collections.deque[TurnWords] = collections.deque()  # closed turns, oldest first
+        self.ending = False  # the call is ending: no turn waits for more words
+        self._unclaimed: tuple[float, str, TranscriptionFrame | None] | None = None  # (arrival, text, frame)
+
+    def new_turn(self, now: float, start_secs: float) -> TurnWords:
+        """The words of a turn whose speech the VAD confirmed at ``now`` (``start_secs`` after it began)."""
+        words = TurnWords()
+        unclaimed, self._unclaimed = self._unclaimed, None
+        if unclaimed is not None:
+            at, text, frame = unclaimed
+            if now - at <= start_secs:  # an STT cannot transcribe speech before it began
+                words.add(text, at, frame=frame)
+            else:
+                self._drop(text)
+        return words
+
+    def add(self, text: str, finalized: bool, frame: TranscriptionFrame | None, sample: int,
+            current: TurnWords | None) -> None:
+        """A transcript arrived while the capture's sample clock read ``sample``; ``current`` is the
+        turn being captured, if any."""
+        self.seen = True
+        text = (text or "").strip()
+        if not text:
+            return
+        now = time.monotonic()
+        if finalized:
+            self.finals_flagged = True
+        taker = next((w for w in self.collecting if not w.done(now, self.quiet_secs, self.finals_flagged)), None)
+        if taker is None:
+            taker = current
+        if taker is not None:
+            taker.add(text, now, finalized, sample, frame)
+            return
+        if self._unclaimed is not None:
+            self._drop(self._unclaimed[1])
+        self._unclaimed = (now, text, frame)
+
+    def expect(self, words: TurnWords) -> None:
+        """A closed turn collects words until it is taken (``stop``)."""
+        self.collecting.append(words)
+
+    def stop(self, words: TurnWords) -> None:
+        """The turn takes no more words (taken, ignored, failed or retracted)."""
+        self.collecting = collections.deque(w for w in self.collecting if w is not words)
+
+    def end_of_call(self) -> None:
+        """What the STT had to say came before the end of the call: no turn waits any longer."""
+        self.ending = True
+        for words in self.collecting:
+            words.arrived.set()
+
+    async def wait(self, words: TurnWords, wait_secs: Callable[[], float], retracted: asyncio.Event) -> None:
+        """Until all parts of the turn's transcript are in (``TurnWords.done``), the turn is
+        retracted, the call ends, or ``wait_secs()`` (re-read: it may grow) have passed."""
+        started, quiet = time.monotonic(), self.quiet_secs
+        while not retracted.is_set() and not self.ending:
+            now = time.monotonic()
+            if words.done(now, quiet, self.finals_flagged):
+                if self.finals_flagged is None and words.final_sample is None:
+                    self.finals_flagged = False  # the parts ended without a final mark: it sets none
+                return
+            remaining = started + wait_secs() - now
+            if remaining <= 0:
+                return
+            if words.complete():
+                remaining = min(remaining, max(words.parts[-1][0], words.closed_at) + quiet - now)
+            words.arrived.clear()
+            await _first_of(remaining, words.arrived, retracted)
+
+    def _drop(self, text: str) -> None:
+        logger.info(f"{self._owner}: dropped upstream transcript {text!r}: late words of a turn already taken")
+        self._log.event("transcript_dropped", text=text)
+
+
+async def _first_of(timeout: float, *events: asyncio.Event) -> None:
+    """Wait until one of ``events`` is set, at most ``timeout`` seconds."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
