@@ -53,6 +53,9 @@ def to_mono_float(audio) -> np.ndarray:
     elif isinstance(audio, np.ndarray):
         array = audio
     elif isinstance(audio, (list, tuple)):
+        if len(audio) == 2 and isinstance(audio[0], (np.ndarray, torch.Tensor)) and np.isscalar(audio[1]):
+            raise ValueError("audio is a (samples, rate) pair, as soundfile.read returns it: pass the samples "
+                             "and the rate separately (data, rate = soundfile.read(path))")
         array = np.asarray(audio)
     else:
         raise ValueError(

@@ -63,12 +63,19 @@ class TensorInfo:
 
 
 # -- locating ------------------------------------------------------------------------------------
+def check_checkpoint_name(name_or_path) -> None:
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"pass a checkpoint folder or hub id (owner/name), got {name_or_path!r}; "
+                         "taste_speech.tiny.default_tiny_checkpoint() is the folder of the embedded tiny one")
+
+
 def resolve_checkpoint_dir(name_or_path, revision: str | None = None, cache_dir: str | None = None,
                            token=None, local_files_only: bool | None = None, force_download: bool = False,
                            proxies: dict | None = None) -> str:
     """A local directory as is; otherwise a hub id (``owner/name``), fetched with huggingface_hub
     (taken from the local cache when ``HF_HUB_OFFLINE=1`` or ``local_files_only``). Either way the
     directory must hold ``config.json`` and model weights."""
+    check_checkpoint_name(name_or_path)
     path = os.path.expanduser(os.fspath(name_or_path))
     if os.path.isdir(path):
         require_checkpoint_files(path)

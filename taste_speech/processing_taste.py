@@ -25,6 +25,7 @@ for inference (§2.6) and is not read.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -57,6 +58,10 @@ WHISPER_PROMPT_TOKENS = 5  # <|startoftranscript|><|en|><|transcribe|><|notimest
 MIN_AUDIO_SECONDS = 0.1  # shorter than any spoken word: a truncated buffer or a wrong sampling_rate
 MIN_SAMPLE_RATE = 4000  # below telephone band (8 kHz): not the rate of a speech recording
 SILENCE_PEAK = 1e-4  # audio whose loudest sample is below this (-80 dBFS) holds no speech
+# A voice reference this short gives an x-vector of a few syllables: a voice unlike the speaker's.
+MIN_REFERENCE_SECONDS, SHORT_REFERENCE_SECONDS = 0.5, 2.0
+
+logger = logging.getLogger(__name__)
 
 # What the processor needs from a hub repository (never the multi-GB model weights).
 _PROCESSOR_FILES = [
@@ -390,8 +395,9 @@ class TasteProcessor:
                 "or use default_speaker_embedding()"
             )
         _check_rate(sampling_rate)
-        if isinstance(clips, (np.ndarray, torch.Tensor)):
-            clips = [clips]
+        if isinstance(clips, (np.ndarray, torch.Tensor)) or (isinstance(clips, (list, tuple)) and clips
+                                                              and np.isscalar(clips[-1])):
+            clips = [clips]  # one clip (a list of samples; a soundfile (data, rate) pair is refused by its check)
         clips = list(clips)
         if not clips:
             raise ValueError("no reference audio: give at least one clip of the speaker")
@@ -405,6 +411,13 @@ class TasteProcessor:
             if peak < SILENCE_PEAK:  # its x-vector would be a voice nobody has
                 raise ValueError(f"reference clip {i} is silent (peak {peak:.1e}, below -80 dBFS): give a clip "
                                  "of the speaker talking")
+            seconds = wav.size / SAMPLE_RATE
+            if seconds < MIN_REFERENCE_SECONDS:
+                raise ValueError(f"reference clip {i} is {seconds:.2f} s long: give a few seconds of the speaker "
+                                 f"talking (at least {MIN_REFERENCE_SECONDS} s; is sampling_rate={sampling_rate} right?)")
+            if seconds < SHORT_REFERENCE_SECONDS:
+                logger.warning(f"reference clip {i} is only {seconds:.1f} s long: a few seconds of the speaker "
+                               "give a voice closer to theirs")
             out = session.run(None, {input_name: feats[None].astype(np.float32)})[0]
             vectors.append(np.asarray(out, dtype=np.float32).reshape(-1))
         if len({v.size for v in vectors}) != 1:
@@ -486,6 +499,26 @@ class TasteProcessor:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+def as_speaker_embedding(value, dim: int, name: str = "speaker_embeds") -> torch.Tensor:
+    """``value`` as the (1, ``dim``) float32 voice vector of a call, checked: a mistake here would
+    otherwise surface deep in the decoder, or as a voice nobody has."""
+    make = "processor.speaker_embedding(audio, rate) or processor.default_speaker_embedding()"
+    if value is None:
+        raise ValueError(f"{name} is required: a (1, {dim}) speaker embedding from {make}")
+    if not isinstance(value, (torch.Tensor, np.ndarray, list, tuple)):
+        raise ValueError(f"{name} must be a (1, {dim}) tensor, got {type(value).__name__}: make it with {make}")
+    vector = torch.as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value).float()
+    if vector.numel() != dim:
+        raise ValueError(f"{name} must be a (1, {dim}) speaker embedding, got shape {tuple(vector.shape)} "
+                         f"(audio is not a voice vector): make one with {make}")
+    vector = vector.reshape(1, dim)
+    if not bool(torch.isfinite(vector).all()):
+        raise ValueError(f"{name} contains NaN or infinite values: compute it again with {make}")
+    if float(vector.norm()) == 0.0:
+        raise ValueError(f"{name} is all zeros, a voice nobody has: make one with {make}")
+    return vector
+
+
 def _read_default_voice() -> tuple[np.ndarray, int]:
     """The placeholder voice's reference recording (16-bit mono WAV shipped with the package)."""
     import wave
@@ -506,6 +539,9 @@ def _check_rate(sampling_rate) -> None:
 
 
 def _resolve_processor_dir(name_or_path, **hub_kwargs) -> str:
+    from taste_speech.loading import check_checkpoint_name
+
+    check_checkpoint_name(name_or_path)
     path = os.path.expanduser(os.fspath(name_or_path))
     if os.path.isdir(path):
         return path

@@ -13,10 +13,19 @@ temperature, and greedy decoding (``text_top_p == 0``) ignores penalty and tempe
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import torch
+
+
+def check_generator(generator) -> None:
+    """A wrong ``generator`` would only fail deep in a sampling call."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
+                         f"got {type(generator).__name__}")
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None, replacement: bool = False) -> int:
@@ -158,6 +167,12 @@ class SamplingParams:
     delay: int = 1
 
     def __post_init__(self):
+        for name in ("text_top_p", "taste_top_p", "text_temperature", "repetition_penalty", "extra_words"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.extra_words != int(self.extra_words):
+            raise ValueError(f"extra_words must be a whole number of words, got {self.extra_words!r}")
         if not 0.0 <= self.text_top_p <= 1.0:
             raise ValueError(f"text_top_p must be in [0, 1] (0 = greedy), got {self.text_top_p}")
         if not 0.0 <= self.taste_top_p <= 1.0:

@@ -451,3 +451,150 @@ async def _capture(engine, frames, text, transcripts: int = 1):
     turns = [f for f in down if isinstance(f, TasteUserTurnFrame)]
     errors = [f.error for f in up if isinstance(f, ErrorFrame)] + [f.error for f in down if isinstance(f, ErrorFrame)]
     return turns, call, errors
+
+
+# -- arguments refused where they are given (not deep in torch, mid-call, or as a wrong voice) -----------
+def test_a_soundfile_pair_is_named(model, processor, hello, hello_ids):
+    pair = (hello.audio, SR)  # what soundfile.read returns
+    with pytest.raises(ValueError, match=r"\(samples, rate\) pair.*data, rate = soundfile.read"):
+        taste_tokenize(model, processor, pair, hello_ids, sampling_rate=SR)
+    with pytest.raises(ValueError, match=r"\(samples, rate\) pair"):
+        processor.speaker_embedding(pair, SR)
+
+
+def test_a_transcript_of_punctuation_only_is_refused(model, processor, engine, hello):
+    """Whisper writes "." for a noise: aligning the audio to it would answer the noise."""
+    ids = processor.process_text(" ... !!").llm_token_ids
+    with pytest.raises(ValueError, match="no spoken words .only punctuation."):
+        taste_tokenize(model, processor, hello.audio, ids, sampling_rate=SR)
+    with pytest.raises(ValueError, match="only punctuation"):
+        engine.new_session().user_turn(hello.audio, ".")
+    accented = processor.process_text(" café, ¿sí?").llm_token_ids  # letters of any script are words
+    assert taste_tokenize(model, processor, hello.audio, accented, sampling_rate=SR).shape[1] == accented.shape[1]
+
+
+def test_a_stereo_turn_is_mixed_down_by_the_session(engine, hello):
+    session = engine.new_session()
+    mono = session.user_turn(hello.audio, hello.text)
+    stereo = session.user_turn(np.stack([hello.audio, hello.audio]), hello.text)  # was read as one long channel
+    assert stereo.audio_seconds == pytest.approx(mono.audio_seconds)
+    assert torch.equal(stereo.segment.taste_ids, mono.segment.taste_ids)
+
+
+def test_reference_audio_for_a_voice(processor, hello, caplog):
+    as_list = processor.speaker_embedding(hello.audio.tolist(), SR)  # a list of samples is one clip
+    assert torch.allclose(as_list, processor.speaker_embedding(hello.audio, SR))
+    with pytest.raises(ValueError, match=r"reference clip 0 is 0.30 s long.*at least 0.5 s"):
+        processor.speaker_embedding(hello.audio[: int(0.3 * SR)], SR)
+    with caplog.at_level("WARNING", logger="taste_speech.processing_taste"):
+        processor.speaker_embedding(hello.audio[:SR], SR)
+    assert "only 1.0 s long" in caplog.text
+
+
+def test_a_voice_must_be_a_speaker_embedding(engine, model, processor, hello, hello_ids, hello_codes):
+    with pytest.raises(ValueError, match=r"sample_rate in Hz"):
+        engine.speaker_embedding(hello.audio)  # was taken as 16 kHz whatever its rate
+    with pytest.raises(ValueError, match=r"voice must be a \(1, 192\) speaker embedding, got shape \(\d+,\)"):
+        engine.new_session(voice=hello.audio)  # audio, not its x-vector
+    with pytest.raises(ValueError, match="voice is all zeros"):
+        engine.new_session(voice=np.zeros(192, np.float32))
+    flat = processor.default_speaker_embedding().reshape(-1).numpy()
+    assert engine.new_session(voice=flat).voice.shape == (1, 192)
+    from taste_speech.streaming import taste_detokenize
+
+    vg, empty = VoiceGenerator.from_pretrained(default_tiny_checkpoint()), torch.zeros(1, 0, dtype=torch.long)
+    for speaker, match in ((None, "speaker_embeds is required"), (torch.zeros(1, 192), "all zeros"),
+                           ("default", "must be a .1, 192. tensor, got str")):
+        with pytest.raises(ValueError, match=match):
+            taste_detokenize(model, processor, speaker, empty, None, empty, 0.0, hello_ids, hello_codes,
+                             voice_generator=vg)
+
+
+def test_a_generator_must_be_a_torch_generator(model, processor, hello_ids, hello_codes):
+    from taste_speech.streaming import taste_detokenize
+
+    turn = TASTESegment("user", "audio", hello_ids, hello_codes)
+    with pytest.raises(ValueError, match=r"generator must be a torch.Generator .*got int"):
+        streaming_generate(model, processor, [turn], generator=0)
+    with pytest.raises(ValueError, match=r"generator must be a torch.Generator"):
+        empty = torch.zeros(1, 0, dtype=torch.long)
+        taste_detokenize(model, processor, processor.default_speaker_embedding(), empty, None, empty, 0.0, hello_ids,
+                         hello_codes, voice_generator=VoiceGenerator.from_pretrained(default_tiny_checkpoint()),
+                         generator=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+    (dict(extra_words=2.7), "extra_words must be a whole number"),
+    (dict(extra_words=None), "extra_words must be a finite number"),
+    (dict(text_top_p="0.3"), "text_top_p must be a finite number, got '0.3'"),
+])
+def test_sampling_arguments(model, processor, hello_ids, hello_codes, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        streaming_generate(model, processor, [TASTESegment("user", "audio", hello_ids, hello_codes)], **kwargs)
+
+
+def test_a_conversation_takes_the_model_then_the_processor(model, processor):
+    from taste_speech.streaming import Conversation
+
+    with pytest.raises(ValueError, match="takes a TasteForCausalLM and a TasteProcessor, got TasteProcessor"):
+        Conversation(processor, model)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_reply_tokens=0), r"max_reply_tokens must be an integer >= 1, got 0"),
+    (dict(words_per_segment=1.5), r"words_per_segment must be an integer >= 1"),
+    (dict(history_max_turns=-1), r"history_max_turns must be an integer >= 1"),
+    (dict(seed=1.5), r"seed must be an integer"),
+    (dict(prompt_format="chat"), r"prompt_format must be one of"),
+    (dict(text_temperature=0), r"GenerationSettings: text_temperature must be > 0"),
+    (dict(text_top_p=2), r"GenerationSettings: text_top_p must be in \[0, 1\]"),
+    (dict(system_prompt=["be brief"]), r"system_prompt must be a string"),
+])
+def test_generation_settings_are_checked_when_made(kwargs, match):
+    from pipecat_taste.engine import GenerationSettings
+
+    with pytest.raises(ValueError, match=match):
+        GenerationSettings(**kwargs)
+
+
+def test_engine_options_are_checked_before_anything_loads(engine):
+    from pipecat_taste.engine import TasteEngine
+
+    missing = "/no/such/checkpoint"  # the option is refused before the (missing) weights are looked for
+    for kwargs, match in ((dict(asr=True), "asr must be 'auto', a Whisper folder or hub id"),
+                          (dict(decoding="fast"), "decoding must be one of"),
+                          (dict(batch_slots=0), "batch_slots must be an integer >= 1")):
+        with pytest.raises(ValueError, match=match):
+            TasteEngine.from_pretrained(missing, **kwargs)
+    with pytest.raises(RuntimeError, match="could not load the Whisper model .*no Whisper model at '/no/such/whisper'"):
+        TasteEngine.from_pretrained(None, asr="/no/such/whisper")
+    with pytest.raises(ValueError, match="settings must be a GenerationSettings, got dict"):
+        engine.new_session(settings={"max_reply_tokens": 32})
+
+
+@pytest.mark.parametrize("device", ["gpu", "CPU", 0])
+def test_a_device_name_that_torch_does_not_know(device):
+    from taste_speech.modeling_taste import resolve_device
+
+    with pytest.raises(ValueError, match=r"is not a torch device: use 'cpu', 'cuda', 'cuda:N' or 'auto'"):
+        resolve_device(device)
+
+
+def test_no_checkpoint_named():
+    for load in (TasteForCausalLM.from_pretrained, TasteProcessor.from_pretrained):
+        with pytest.raises(ValueError, match=r"pass a checkpoint folder or hub id .owner/name., got None"):
+            load(None)
+    with pytest.raises(ValueError, match="pass the checkpoint folder .or the voice generator's weight file., got None"):
+        VoiceGenerator.from_pretrained(None)
+    with pytest.raises(ValueError, match="do not exist: pass a local checkpoint folder holding cosyvoice/voice_generator.pth"):
+        VoiceGenerator.from_pretrained("MediaTek-Research/Llama-1B-TASTE-V0")  # local weights only
+
+
+@pytest.mark.parametrize("name, value", [("pre_roll_secs", float("nan")), ("min_speech_secs", "0.25"),
+                                         ("early_reply_secs", float("inf")), ("transcript_timeout_secs", None)])
+def test_capture_params_must_be_finite_seconds(name, value):
+    from pipecat_taste.capture import TurnCaptureParams
+
+    with pytest.raises(ValueError, match=rf"TurnCaptureParams.{name} must be a finite number of seconds"):
+        TurnCaptureParams(**{name: value})

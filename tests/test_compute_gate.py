@@ -8,7 +8,7 @@ import pytest
 
 from pipecat_taste.call import TasteCall
 from pipecat_taste.compute import ComputeGate
-from pipecat_taste.engine import _compute_gate
+from pipecat_taste.engine import TasteEngine, _check_options, _compute_gate
 from pipecat_taste.testing import FakeEngine
 
 
@@ -104,9 +104,11 @@ def test_engine_gate_settings():
     assert _compute_gate("auto", "cuda:0") is None  # jobs mostly wait for the GPU there
     assert _compute_gate(None, "cpu") is None
     assert _compute_gate(3, "cpu").slots == 3
-    for bad in (0, "four", 2.5, True):
-        with pytest.raises(ValueError):
-            _compute_gate(bad, "cpu")
+    for bad in (0, "four", 2.5, True):  # refused before any weights load
+        with pytest.raises(ValueError, match="parallel_jobs must be an integer >= 1"):
+            _check_options(None, "auto", bad, None)
+        with pytest.raises(ValueError, match="parallel_jobs must be an integer >= 1"):
+            TasteEngine.from_pretrained("/no/such/checkpoint", parallel_jobs=bad)
 
 
 

@@ -154,6 +154,35 @@ async def test_short_speech_is_ignored(utterances):
     assert [d.decision for d in of(down, TasteTurnDecisionFrame)] == ["ignored"]
 
 
+@pytest.mark.parametrize("mode, text", [("asr", "."), ("upstream", "... ?")])
+async def test_a_transcript_without_words_is_not_answered(mode, text):
+    """Whisper writes "." for a cough or a door: no turn to answer, and no error."""
+    call = TasteCall(FakeEngine(asr_text=text))
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts=mode, transcript_timeout_secs=0.3))
+    frames = vad_turn(1.0) + ([SleepFrame(0.1), stt(text)] if mode == "upstream" else [])
+    down, up = await run_with(capture, frames, tail_secs=1.0)
+    assert not of(down, TasteUserTurnFrame) and not of(up, ErrorFrame)
+    decisions = of(down, TasteTurnDecisionFrame)
+    assert [(d.decision, d.reason) for d in decisions] == [("ignored", f"no words in the transcript {text!r}")]
+
+
+async def test_early_replies_that_cannot_happen_are_named():
+    """early_reply_secs not below the VAD's stop_secs turns early replies off: say so at the start."""
+    from loguru import logger
+
+    said = []
+    sink = logger.add(lambda message: said.append(str(message)), level="WARNING")
+    try:
+        for early in (0.2, 0.6):
+            capture = TasteTurnCapture(TasteCall(FakeEngine()), vad_analyzer=WebRTCVADAnalyzer(),
+                                       params=TurnCaptureParams(early_reply_secs=early))
+            await run_with(capture, audio_frames(silence(0.1)), tail_secs=0.1)
+    finally:
+        logger.remove(sink)
+    named = [line for line in said if "early_reply_secs" in line]
+    assert len(named) == 1 and "early_reply_secs=0.6 is not below the VAD's stop_secs=0.5" in named[0]
+
+
 async def test_follows_an_upstream_vad(utterances):
     """Without its own analyzer the capture uses the VAD frames of a VADProcessor upstream."""
     from pipecat.pipeline.pipeline import Pipeline

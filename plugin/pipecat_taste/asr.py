@@ -79,8 +79,12 @@ class WhisperTranscriber:
         import torch
         from transformers import AutoProcessor, WhisperForConditionalGeneration
 
+        from taste_speech.loading import looks_like_hub_id
         from taste_speech.modeling_taste import resolve_device
 
+        if not os.path.isdir(os.path.expanduser(str(name_or_path))) and not looks_like_hub_id(name_or_path):
+            raise FileNotFoundError(f"no Whisper model at {name_or_path!r}: it is neither a folder nor a hub id "
+                                    "(owner/name, e.g. openai/whisper-large-v3)")
         device = resolve_device(device)
         if dtype in (None, "auto"):
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,9 +124,15 @@ class TurnCaptureParams:
         if self.transcripts not in ("auto", "upstream", "asr"):
             raise ValueError(f"transcripts must be 'auto', 'upstream' or 'asr', got {self.transcripts!r}")
         for name in ("pre_roll_secs", "post_roll_secs", "min_speech_secs", "transcript_timeout_secs",
-                     "first_transcript_grace_secs", "transcript_quiet_secs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TurnCaptureParams.{name} must be >= 0")
+                     "first_transcript_grace_secs", "transcript_quiet_secs", "early_reply_secs",
+                     "incremental_asr_every_secs"):
+            value = getattr(self, name)
+            if name == "early_reply_secs" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"TurnCaptureParams.{name} must be a finite number of seconds, got {value!r}")
+            if value < 0:
+                raise ValueError(f"TurnCaptureParams.{name} must be >= 0, got {value!r}")
         if self.early_reply_secs is not None and self.early_reply_secs <= 0:
             raise ValueError("TurnCaptureParams.early_reply_secs must be > 0 (or None: wait for the VAD)")
         if self.incremental_asr_every_secs <= 0:
@@ -230,6 +238,10 @@ class TasteTurnCapture(FrameProcessor):
         await super().setup(setup)
         await self._call.ensure_session()
         self._sample_rate = self._working_rate(setup.audio_in_sample_rate)
+        early = self._params.early_reply_secs
+        if self._vad is not None and early is not None and early >= self._stop_secs():
+            logger.warning(f"{self}: early_reply_secs={early:g} is not below the VAD's stop_secs={self._stop_secs():g}, "
+                           "so there are no early replies: set it lower, or None to wait for the VAD")
 
     def _working_rate(self, input_rate: int) -> int:
         """The rate the capture keeps turns at: the pipeline's input rate, or, when the VAD cannot
@@ -603,6 +615,9 @@ class TasteTurnCapture(FrameProcessor):
             return
         transcript = await self._transcript(turn)
         if transcript is None or turn.retracted.is_set():
+            return
+        if not any(ch.isalnum() for ch in transcript):  # e.g. an ASR's "." for a noise: nothing to answer
+            await self._decide(turn, "ignored", f"no words in the transcript {transcript!r}")
             return
         record.transcript = transcript
         session = await self._call.ensure_session()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import os
 import threading
 from dataclasses import dataclass, field
@@ -83,6 +84,27 @@ class GenerationSettings:
     # Rolling window of the call's history (LM rows / turns kept): bounds memory and per-turn cost.
     history_max_tokens: int = 4096
     history_max_turns: int = 64
+
+    def __post_init__(self):
+        # Checked here, where the settings are made: the library would only refuse them mid-call,
+        # under its own parameter names.
+        from taste_speech.sampler import SamplingParams
+        from taste_speech.streaming.prompt import FORMATS
+
+        if self.prompt_format not in FORMATS:
+            raise ValueError(f"GenerationSettings.prompt_format must be one of {FORMATS}, got {self.prompt_format!r}")
+        for name in ("max_reply_tokens", "words_per_segment", "history_max_tokens", "history_max_turns", "seed"):
+            value, least = getattr(self, name), (None if name == "seed" else 1)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (least is not None and value < least):
+                need = "an integer" if least is None else f"an integer >= {least}"
+                raise ValueError(f"GenerationSettings.{name} must be {need}, got {value!r}")
+        try:
+            SamplingParams(text_top_p=self.text_top_p, taste_top_p=self.taste_top_p,
+                           text_temperature=self.text_temperature, repetition_penalty=self.repetition_penalty)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"GenerationSettings: {e}") from None
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ValueError(f"GenerationSettings.system_prompt must be a string or None, got {type(self.system_prompt).__name__}")
 
 
 @dataclass
@@ -148,8 +170,7 @@ class TasteEngine:
         windows share batched steps on the static synthesis path (``synthesis_graphs``, rows):
         a number, None (each call steps alone) or 'auto' (16 on the CUDA fast path, where a step
         costs its launches, not its batch size; None elsewhere)."""
-        if decoding not in DECODING:
-            raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
+        _check_options(asr, decoding, parallel_jobs, batch_slots)
         device_name = str(next(model.parameters()).device)
         self.compute_gate = _compute_gate(parallel_jobs, device_name)  # 'auto' resolved
         slots = _batch_slots(batch_slots, device_name, decoding)
@@ -178,6 +199,9 @@ class TasteEngine:
         from taste_speech.processing_taste import TasteProcessor
         from taste_speech.voice_generator import VoiceGenerator
 
+        if isinstance(asr, os.PathLike):
+            asr = os.fspath(asr)
+        _check_options(asr, decoding, parallel_jobs, batch_slots)  # before the weights load (minutes, for the real one)
         device = str(resolve_device(device))  # 'auto' -> 'cuda' or 'cpu', once for every part
         if name_or_path is None:
             from taste_speech.tiny import default_tiny_checkpoint
@@ -194,7 +218,13 @@ class TasteEngine:
         elif isinstance(asr, str):
             from pipecat_taste.asr import WhisperTranscriber
 
-            asr = WhisperTranscriber.from_pretrained(asr, device=device, dtype=dtype)
+            try:
+                asr = WhisperTranscriber.from_pretrained(asr, device=device, dtype=dtype)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"could not load the Whisper model {asr!r} for the built-in ASR ({type(exc).__name__}: {exc}); "
+                    "pass a local Whisper folder or hub id, or asr=None when an upstream Pipecat STT sends "
+                    "TranscriptionFrames") from exc
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
                    decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots)
 
@@ -206,14 +236,19 @@ class TasteEngine:
     def has_asr(self) -> bool:
         return self.asr is not None
 
-    def speaker_embedding(self, reference_audio: np.ndarray | None = None, sample_rate: int = INPUT_SAMPLE_RATE):
-        """The call's voice: from reference audio (CAMPPlus), or the default voice (the checkpoint's,
-        or the placeholder made from ``taste_speech/default_voice.wav``)."""
+    def speaker_embedding(self, reference_audio: np.ndarray | None = None, sample_rate: int | None = None):
+        """The call's voice: from reference audio at ``sample_rate`` Hz (CAMPPlus), or the default
+        voice (the checkpoint's, or the placeholder made from ``taste_speech/default_voice.wav``)."""
         if reference_audio is not None:
+            if sample_rate is None:  # a guess would make a 48 kHz clip a voice three times too low
+                raise ValueError("speaker_embedding needs the reference audio's sample_rate in Hz (e.g. 48000)")
             return self.processor.speaker_embedding(reference_audio, sample_rate)
         return self.processor.default_speaker_embedding()
 
     def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "TasteSession":
+        if settings is not None and not isinstance(settings, GenerationSettings):
+            raise ValueError(f"settings must be a GenerationSettings, got {type(settings).__name__} "
+                             "(e.g. GenerationSettings(max_reply_tokens=96))")
         return TasteSession(self, settings or GenerationSettings(), voice)
 
     def warm_up(self) -> None:
@@ -234,6 +269,17 @@ class TasteEngine:
             self.asr.warm_up()  # the built-in ASR's decode step (captured on CUDA)
 
 
+def _check_options(asr, decoding: str, parallel_jobs, batch_slots) -> None:
+    if decoding not in DECODING:
+        raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
+    for name, value in (("parallel_jobs", parallel_jobs), ("batch_slots", batch_slots)):
+        if value not in (None, "auto") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, None or 'auto', got {value!r}")
+    if not (asr is None or isinstance(asr, str) or callable(asr)):
+        raise ValueError(f"asr must be 'auto', a Whisper folder or hub id, a transcriber (audio16k -> text) or None "
+                         f"(transcripts from an upstream STT), got {asr!r}")
+
+
 def _compute_gate(parallel_jobs: int | str | None, device: str):
     from pipecat_taste.compute import ComputeGate
 
@@ -241,18 +287,12 @@ def _compute_gate(parallel_jobs: int | str | None, device: str):
         if str(device).startswith("cuda"):
             return None
         parallel_jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if parallel_jobs is None:
-        return None
-    if isinstance(parallel_jobs, bool) or not isinstance(parallel_jobs, int):
-        raise ValueError(f"parallel_jobs must be a number >= 1, None or 'auto', got {parallel_jobs!r}")
-    return ComputeGate(parallel_jobs)
+    return None if parallel_jobs is None else ComputeGate(parallel_jobs)
 
 
 def _batch_slots(slots: int | str | None, device: str, decoding: str) -> int | None:
     if slots == "auto":
         return 16 if str(device).startswith("cuda") and decoding != "eager" else None
-    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
-        raise ValueError(f"batch_slots must be a number >= 1, None or 'auto', got {slots!r}")
     return slots
 
 
@@ -301,9 +341,11 @@ class TasteSession:
                                          prompt_format=settings.prompt_format,
                                          max_tokens=settings.history_max_tokens, max_turns=settings.history_max_turns,
                                          cache_kind=engine.cache_kind, lm_batch=engine.lm_batch)
+        from taste_speech.processing_taste import as_speaker_embedding
+
         if voice is None:
             voice = engine.speaker_embedding()
-        self.voice = torch.as_tensor(voice).float().reshape(1, -1)
+        self.voice = as_speaker_embedding(voice, self.model.speech_decoder.spk_embed_dim, "voice")
         self._lm_generator = torch.Generator().manual_seed(settings.seed)
         self._speech_generator = torch.Generator().manual_seed(settings.seed + 1)
         self._speech_cache = None  # the speech decoder's cache, reused by every segment of the call
@@ -371,16 +413,18 @@ class TasteSession:
     def user_turn(self, audio: np.ndarray, transcript: str) -> UserTurn:
         import torch
 
+        from taste_speech.audio import to_mono_float
         from taste_speech.streaming import TASTESegment, taste_tokenize
 
         words = self.processor.split_words(transcript)
         if not words:
             raise ValueError("the transcript is empty: no words to align the user's audio to")
         text_ids = self.processor.encode_words(words).llm_token_ids
-        taste_ids = taste_tokenize(self.model, self.processor, torch.from_numpy(np.ascontiguousarray(audio)).view(1, -1),
+        wav = to_mono_float(audio)  # (channels, samples) or (samples, channels) are mixed down
+        taste_ids = taste_tokenize(self.model, self.processor, torch.from_numpy(wav).view(1, -1),
                                    text_ids, sampling_rate=self.input_sample_rate)
         segment = TASTESegment("user", "audio", text_ids, taste_ids)
-        return UserTurn(transcript, segment, int(text_ids.shape[1]), len(audio) / self.input_sample_rate)
+        return UserTurn(transcript, segment, int(text_ids.shape[1]), wav.size / self.input_sample_rate)
 
     # -- thinking ---------------------------------------------------------------------------------
     def reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:

@@ -79,6 +79,9 @@ class Conversation:
         whose slot holds the cache instead (``cache_kind`` is then unused)."""
         if system is not None and (not isinstance(system, TASTESegment) or system.role != "system"):
             raise ValueError("the system segment must be a TASTESegment with role 'system'")
+        if not hasattr(model, "spoken_lm") or not hasattr(processor, "llm_tokenizer"):
+            raise ValueError(f"Conversation(model, processor) takes a TasteForCausalLM and a TasteProcessor, got "
+                             f"{type(model).__name__} and {type(processor).__name__}")
         if max_tokens < 1 or max_turns < 1:
             raise ValueError(f"max_tokens and max_turns must be >= 1, got {max_tokens} and {max_turns}")
         self.model = model

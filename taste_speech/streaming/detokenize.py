@@ -35,6 +35,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from taste_speech.processing_taste import as_speaker_embedding
+from taste_speech.sampler import check_generator
 from taste_speech.streaming.synthesis import SpeechChunk, speak, start_speaking
 from taste_speech.streaming.synthesis_state import (
     SAMPLES_PER_FRAME,
@@ -195,11 +197,9 @@ def taste_detokenize_stream(
     """
     from taste_speech.modeling_speech_decoder import TopKSampler
 
+    check_generator(generator)
     vg = resolve_voice_generator(processor, voice_generator)
-    speaker_embeds = torch.as_tensor(speaker_embeds).float()
-    if not bool(torch.isfinite(speaker_embeds).all()):  # it would only fail deep in the sampler
-        raise ValueError("speaker_embeds contains NaN or infinite values: compute it again "
-                         "(processor.speaker_embedding(audio, rate)) or use processor.default_speaker_embedding()")
+    speaker_embeds = as_speaker_embedding(speaker_embeds, model.speech_decoder.spk_embed_dim)
     text_ids = _as_ids(text_ids, "text_ids", allow_empty=False)
     taste_ids = _as_codes(taste_ids, text_ids.shape[1], "taste_ids", None)
     prev_text_ids = _as_ids(prev_text_ids, "prev_text_ids", allow_empty=True)

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from taste_speech.sampler import Action, SamplingParams, TasteSampler, VocabularyTables, draw
+from taste_speech.sampler import Action, SamplingParams, TasteSampler, VocabularyTables, check_generator, draw
 from taste_speech.streaming.conversation import Conversation
 from taste_speech.streaming.prompt import CONTINUATION
 from taste_speech.streaming.segment import TASTESegment
@@ -50,8 +50,8 @@ def every_n_words(n: int) -> Callable[[list[PendingWord]], bool]:
 
 def at_punctuation(max_words: int = 8) -> Callable[[list[PendingWord]], bool]:
     """Release at a word that carries punctuation, or after ``max_words`` words."""
-    if max_words < 1:
-        raise ValueError(f"at_punctuation needs max_words >= 1, got {max_words}")
+    if isinstance(max_words, bool) or not isinstance(max_words, int) or max_words < 1:
+        raise ValueError(f"at_punctuation needs an integer max_words >= 1, got {max_words!r}")
     return lambda pending: bool(pending) and (any(c in pending[-1].text for c in PUNCTUATION)
                                               or len(pending) >= max_words)
 
@@ -103,7 +103,8 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
                        sampler_tables: VocabularyTables | None = None) -> "ReplyIterator":
     """An iterator of ``{'is_complete', 'completion_reason', 'segment'}`` items for one reply.
 
-    ``input_segments``: new turns (TASTESegments) - appended to ``conversation`` when one is given
+    ``input_segments``: new turns (TASTESegments; None for none, to reply to the history as it
+    is) - appended to ``conversation`` when one is given
     (its KV cache already holds the earlier turns), else the whole history of a fresh
     Conversation in ``prompt_format`` ('continuation', 'instruct' or 'dialogue', see prompt.py;
     'continuation' when not given; with a conversation it must be the conversation's format).
@@ -137,6 +138,9 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
         raise ValueError(f"max_length must be an integer >= 1 (generated tokens), got {max_length!r}")
     if should_emit_segment is not None and not callable(should_emit_segment):
         raise ValueError("should_emit_segment must be a callable taking the list of pending words")
+    check_generator(generator)
+    if input_segments is None:
+        input_segments = []  # nothing new: the reply follows the conversation's history
     if isinstance(input_segments, TASTESegment):
         input_segments = [input_segments]
     segments = list(input_segments)

@@ -29,6 +29,9 @@ def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int) -> tor
     if peak < SILENCE_PEAK:
         raise ValueError(f"the audio is silent (peak {peak:.1e}, below -80 dBFS): there is no speech to tokenize")
     text = processor.align_llm_ids(text_ids)  # raises when the ids decode to no words
+    if not any(ch.isalnum() for word in text.words for ch in word):  # e.g. Whisper's "." on a noise
+        raise ValueError(f"the transcript {''.join(text.words).strip()!r} has no spoken words (only punctuation): "
+                         "give the words said in the audio")
     limit = getattr(processor, "max_asr_tokens", None)
     if limit is not None and text.asr_token_ids.shape[1] > limit:
         raise ValueError(f"the transcript has {text.asr_token_ids.shape[1]} ASR tokens; the audio tower takes at most "

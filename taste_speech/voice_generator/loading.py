@@ -18,6 +18,8 @@ CONFIG_NAME = "voice_generator_config.json"  # ours: written next to tiny weight
 def resolve_weights_path(path: str | os.PathLike) -> Path:
     """A weights file, or a checkpoint folder holding ``cosyvoice/voice_generator.pth``
     (or ``voice_generator.pth`` directly)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"pass the checkpoint folder (or the voice generator's weight file), got {path!r}")
     path = Path(path)
     if path.is_dir():
         for candidate in (path / PUBLISHED_WEIGHTS, path / "voice_generator.pth"):
@@ -28,7 +30,9 @@ def resolve_weights_path(path: str | os.PathLike) -> Path:
             "or voice_generator.pth; pass the weight file itself if it is named differently"
         )
     if not path.is_file():
-        raise ValueError(f"voice generator weights {path} do not exist")
+        raise ValueError(f"voice generator weights {path} do not exist: pass a local checkpoint folder holding "
+                         f"{PUBLISHED_WEIGHTS} (for a hub id, the folder TasteForCausalLM.from_pretrained found: "
+                         "model.loading_info.directory)")
     return path
 
 
