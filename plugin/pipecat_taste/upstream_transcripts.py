@@ -56,8 +56,9 @@ class TurnWords:
 
     def continuation(self) -> TurnWords:
         """The words of a turn whose early hand-over was retracted: the speech goes on as a new turn,
-        with the words of the speech before the pause (an STT may also send them a little later)."""
-        return TurnWords(parts=list(self.parts), continued=True)
+        with the words of the speech before the pause (an STT may also send them a little later), and
+        their frames (they never went upstream: a retracted turn's transcript is not announced)."""
+        return TurnWords(parts=list(self.parts), frames=list(self.frames), continued=True)
 
     def complete(self) -> bool:
         return any(self.after is None or at > self.after for at, _ in self.parts)
