@@ -39,13 +39,18 @@ def test_a_file_that_is_no_recording_says_what_to_give(tmp_path):
 def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tmp_path, capsys):
     from taste_agents.cli import main
 
+    import soundfile
+
     junk = tmp_path / "voice.wav"
     junk.write_bytes(b"RIFF" + b"\x00" * 40)
+    blip = tmp_path / "blip.wav"
+    soundfile.write(str(blip), 0.1 * np.ones(4800, np.float32), 48000)  # 0.1 s
     cases = [
         (["call", "--simulate", "--transcripts", "asr", "--asr-model", "none"], "--transcripts asr needs the built-in ASR"),
         (["call", "--simulate", "--early-reply-ms", "500"], "would never come before the VAD's end of the turn"),
         (["serve", "--turn-username", "me"], "--turn-username without a turn: --ice-server"),
         (["serve", "--voice", str(junk)], "--voice: "),
+        (["serve", "--voice", str(blip)], "0.10 s of audio; give a few seconds of the voice"),
         (["serve", "--allowed-origin", "app.example.com"], "expected scheme://host[:port]"),
     ]
     for argv, words in cases:

@@ -300,9 +300,11 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         from taste_agents.caller import read_audio
 
         try:
-            read_audio(args.voice)
+            audio, rate = read_audio(args.voice)
         except ValueError as e:
             parser.error(f"--voice: {e}; give a recording of the voice (WAV, FLAC, OGG or MP3)")
+        if audio.size / rate < 0.5:  # checked before the model loads; the speaker encoder refuses it too
+            parser.error(f"--voice {args.voice!r}: {audio.size / rate:.2f} s of audio; give a few seconds of the voice")
     if args.transcripts == "asr" and args.asr_model == "none":
         parser.error("--transcripts asr needs the built-in ASR: drop --asr-model none")
     from taste_agents.phone_agent import PhoneAgentConfig
