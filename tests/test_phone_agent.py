@@ -39,8 +39,6 @@ def test_a_file_that_is_no_recording_says_what_to_give(tmp_path):
 def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tmp_path, capsys):
     from taste_agents.cli import main
 
-    import soundfile
-
     junk = tmp_path / "voice.wav"
     junk.write_bytes(b"RIFF" + b"\x00" * 40)
     blip = tmp_path / "blip.wav"
