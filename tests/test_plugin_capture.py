@@ -8,6 +8,7 @@ import pytest
 from pipecat.frames.frames import (
     ErrorFrame,
     InputAudioRawFrame,
+    TTSAudioRawFrame,
     TranscriptionFrame,
     UserStartedSpeakingFrame,
     UserStoppedSpeakingFrame,
@@ -258,6 +259,43 @@ async def test_the_caller_going_on_retracts_the_early_turn(utterances):
     assert whole.speech_start == call.log.retracted[1].speech_start
     assert turns[1].turn.audio_seconds > turns[0].turn.audio_seconds + time_u.seconds
     assert len(of(up, TranscriptionFrame)) == 1  # only the confirmed turn's
+
+
+async def test_no_early_replies_when_nothing_holds_their_audio(utterances):
+    """A synthesizer without a playout sends audio to the transport as it is made: a tentative
+    turn's reply would be heard before the VAD confirms the turn, or after it was retracted."""
+    from pipecat.pipeline.pipeline import Pipeline
+
+    from pipecat_taste import TasteGenerator, TasteSynthesizer
+
+    hello, time_u = utterances["hello"], utterances["time"]
+    audio = np.concatenate([silence(0.5), hello.audio, silence(0.35), time_u.audio, silence(1.2)])  # a short pause
+    call = TasteCall(FakeEngine(asr_text="hello there"))
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(), params=TurnCaptureParams(transcripts="asr"))
+    down, _ = await run_test(Pipeline([capture, TasteGenerator(call), TasteSynthesizer(call)]),
+                             frames_to_send=paced(audio_frames(audio)) + [SleepFrame(1.5)],
+                             pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+    assert list(call.log.turns) == [1] and call.log.turns[1].early_end_at is None  # one turn, at the VAD's end
+    assert not statuses(down) and not call.log.retracted
+    assert of(down, TTSAudioRawFrame) and {f.context_id for f in of(down, TTSAudioRawFrame)} == {"taste-turn-1"}
+
+
+@pytest.mark.parametrize("limit, answered", [(3.0, [1]), (3.4, [1]), (1.5, [3]), (2.0, [2])])
+async def test_a_turn_split_at_the_window_is_answered_once(utterances, limit, answered):
+    """A turn longer than the audio tower's window is split at max_turn_seconds - 0.5 s. When the
+    split falls on the last syllable or the closing silence (3.0, 3.4 for this 2.3 s utterance) the
+    rest is no turn and the part before is answered; when the caller goes on speaking (1.5, 2.0)
+    the earlier parts get no reply and the last one answers."""
+    time_u = utterances["time"]
+    call = TasteCall(FakeEngine(asr_text="around seven thirty", max_turn_seconds=limit))
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
+                               params=TurnCaptureParams(transcripts="asr", early_reply_secs=None))
+    frames = audio_frames(np.concatenate([silence(0.5), time_u.audio, silence(1.5)]))
+    down, _ = await run_with(capture, frames, tail_secs=1.0)
+    turns = of(down, TasteUserTurnFrame)
+    assert [t.turn_id for t in turns if t.turn_id > call.replies_muted_upto] == answered
+    assert [t.turn_id for t in turns] == sorted(t.turn_id for t in turns)  # handed on in order
+    assert all(t.audio_seconds <= limit for t in call.log.turns.values())
 
 
 async def test_early_replies_can_be_turned_off(utterances):

@@ -217,6 +217,12 @@ class TasteCall:
         self._segment_slots = asyncio.Semaphore(self.max_pending_segments)
 
     @property
+    def holds_tentative_replies(self) -> bool:
+        """Whether the reply to a turn handed on early can wait for the turn to be confirmed: the
+        playout holds its audio; a synthesizer without one would send it to the transport at once."""
+        return self.has_playout or not self.has_synthesizer
+
+    @property
     def agent_busy(self) -> bool:
         return self.active_reply_turn is not None or self.bot_speaking
 

@@ -29,7 +29,15 @@ VAD confirms (``TasteTurnStatusFrame`` 'confirmed'). If the caller goes on speak
 turn is retracted ('retracted': the reply is dropped unheard and the conversation forgets both)
 and the speech continues as a new turn. The transcript goes upstream, and a decision not to
 answer goes downstream, only once the turn is confirmed. The turn's record says when it was
-handed on (``early_end_at``); retracted ones are kept apart (``CallLog.retracted``).
+handed on (``early_end_at``); retracted ones are kept apart (``CallLog.retracted``). The reply's
+audio is held by the ``TastePlayout``: a call with a ``TasteSynthesizer`` but no playout gets no
+early replies.
+
+A turn longer than the audio tower's window (``max_turn_seconds``) is split: the part so far is
+closed and the speech goes on as a new turn. The closed part is handed on once the new one has
+``min_speech_secs`` of speech (it then gets no reply: the caller is still talking, and the new
+part answers for both), or when the new one ends shorter (the split fell on the last syllable or
+the closing silence: the closed part is answered).
 
 VAD: give ``vad_analyzer`` (e.g. :class:`~pipecat_taste.vad.WebRTCVADAnalyzer`) and the capture
 runs it and broadcasts ``VADUserStarted/StoppedSpeakingFrame`` and ``UserStarted/Stopped
@@ -225,6 +233,7 @@ class TasteTurnCapture(FrameProcessor):
         # and a lock that keeps a turn's frame before what is said about it.
         self._silence_from: int | None = None
         self._early: _CapturedTurn | None = None
+        self._split_turn: _CapturedTurn | None = None  # closed at the length limit, held (``_enqueue``)
         self._turn_frames_lock = asyncio.Lock()
         self._ending = False  # an EndFrame came: no new turns; the ones already ended are finished
         self._resampler: StreamResampler | None = None  # input frames at another rate than the capture's
@@ -242,6 +251,9 @@ class TasteTurnCapture(FrameProcessor):
         if self._vad is not None and early is not None and early >= self._stop_secs():
             logger.warning(f"{self}: early_reply_secs={early:g} is not below the VAD's stop_secs={self._stop_secs():g}, "
                            "so there are no early replies: set it lower, or None to wait for the VAD")
+        elif early is not None and not self._call.holds_tentative_replies:
+            logger.info(f"{self}: no early replies: a TasteSynthesizer without a TastePlayout would play a reply "
+                        "before its turn is confirmed (add a TastePlayout to hand turns on early)")
 
     def _working_rate(self, input_rate: int) -> int:
         """The rate the capture keeps turns at: the pipeline's input rate, or, when the VAD cannot
@@ -361,7 +373,10 @@ class TasteTurnCapture(FrameProcessor):
             self._turn_chunks.append(samples)
             self._turn_samples += samples.size
             if self._turn_samples / self._sample_rate >= self._max_turn_seconds():
-                # The audio tower has a fixed window: close this turn and go on in a new one.
+                # The audio tower has a fixed window: close this turn and go on in a new one. The
+                # closed turn waits until the new one proves to be speech (then it gets no reply:
+                # the caller is still talking) or ends without (then it does: the split only cut
+                # the last syllable or the closing silence off).
                 logger.info(f"{self}: turn {self._turn_id} reached {self._max_turn_seconds():.0f} s, splitting it")
                 await self._speech_stopped(now, forced=True)
                 await self._speech_started(now, forced=True)
@@ -401,7 +416,7 @@ class TasteTurnCapture(FrameProcessor):
             early = self._params.early_reply_secs
             silence = (self._samples_seen - self._silence_from) / self._sample_rate
             if (self._capturing and self._early is None and early is not None and early < self._stop_secs()
-                    and silence >= early):
+                    and silence >= early and self._call.holds_tentative_replies):
                 await self._end_early(now, silence)
         elif state == VADState.SPEAKING:
             self._silence_from = None
@@ -458,23 +473,23 @@ class TasteTurnCapture(FrameProcessor):
         self._call.log.event("user_speech_started", self._turn_id)
         if not forced:
             await self.broadcast_frame(UserStartedSpeakingFrame)
-        await self._speech_heard(now, forced=forced)
+        await self._speech_heard(now)
 
-    async def _speech_heard(self, now: float, speaking: bool = True, forced: bool = False):
+    async def _speech_heard(self, now: float, speaking: bool = True):
         """Mute earlier replies and barge in only once the turn has min_speech_secs of speech: a
         shorter one is ignored as noise (a cough, an 'mm') and must not silence the agent."""
         if not self._capturing or self._long_enough:
             return
-        if not forced:  # a forced start goes on with speech already heard
-            heard = (self._samples_seen - self._start_sample) / self._sample_rate
-            need = self._params.min_speech_secs
-            if self._vad is None:  # no VAD state here: long enough once its stop could no longer make it short
-                need += self._stop_secs()
-            if not speaking or heard < need:
-                return
+        heard = (self._samples_seen - self._start_sample) / self._sample_rate
+        need = self._params.min_speech_secs
+        if self._vad is None:  # no VAD state here: long enough once its stop could no longer make it short
+            need += self._stop_secs()
+        if not speaking or heard < need:
+            return
         self._long_enough = True
         self._call.replies_muted_upto = self._turn_id - 1  # earlier turns not yet answered: not any more
-        if not forced and self._params.interrupt_on_speech and self._call.agent_busy:
+        self._release_split()  # (muted now, before its reply could begin)
+        if self._params.interrupt_on_speech and self._call.agent_busy:
             await self._barge_in(now)
 
     async def _barge_in(self, now: float):
@@ -510,10 +525,11 @@ class TasteTurnCapture(FrameProcessor):
         self._call.log.event("user_speech_stopped", self._turn_id)
         if not forced:
             await self.broadcast_frame(UserStoppedSpeakingFrame)
+        self._release_split()  # (not muted: this turn never had min_speech_secs of speech)
         if early is not None:
             await self._confirm(early)
         elif keep:
-            self._enqueue(turn)
+            self._enqueue(turn, held=forced)
         else:
             await self._decide(turn, "ignored", "the call ended while the caller was speaking")
 
@@ -534,12 +550,25 @@ class TasteTurnCapture(FrameProcessor):
         return _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
                              record.speech_start, record.speech_end, record.speech_seconds, self._words, self._turn_asr)
 
-    def _enqueue(self, turn: _CapturedTurn) -> None:
-        if self._finish_queue is not None:
-            self._turns_finishing += 1
+    def _enqueue(self, turn: _CapturedTurn, held: bool = False) -> None:
+        """Hand the closed turn to the finisher; a turn closed at the length limit is ``held`` until
+        the next one shows whether the caller went on speaking (``_release_split``). Either way it
+        takes its upstream words from now on."""
+        if self._finish_queue is None:
+            return
+        self._turns_finishing += 1
+        if turn.speech_seconds >= self._params.min_speech_secs and self._params.transcripts != "asr":
+            self._transcripts.expect(turn.words)
+        if held:
+            self._split_turn = turn
+        else:
+            self._release_split()  # turns are finished in order
             self._finish_queue.put_nowait(turn)
-            if turn.speech_seconds >= self._params.min_speech_secs and self._params.transcripts != "asr":
-                self._transcripts.expect(turn.words)
+
+    def _release_split(self) -> None:
+        turn, self._split_turn = self._split_turn, None
+        if turn is not None:
+            self._finish_queue.put_nowait(turn)
 
     # -- early replies ------------------------------------------------------------------------------------
     async def _end_early(self, now: float, silence_secs: float):
