@@ -15,6 +15,7 @@ from pipecat.frames.frames import (
     TTSAudioRawFrame,
     TTSStartedFrame,
     TTSStoppedFrame,
+    TTSTextFrame,
     UserStoppedSpeakingFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
@@ -25,7 +26,7 @@ from pipecat.tests.utils import SleepFrame, run_test
 from pipecat_taste import TasteSpeechToSpeech
 from pipecat_taste.audio import float_to_pcm16, pcm16_to_float
 from pipecat_taste.call import TasteCall
-from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame, TasteTurnDecisionFrame
+from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame, TasteTurnDecisionFrame, TasteTurnMetricsFrame
 from pipecat_taste.playout import TastePlayout
 from pipecat_taste.synthesis import TasteSynthesizer
 from pipecat_taste.testing import FakeEngine, FakeSegment
@@ -102,6 +103,24 @@ async def test_cancel_frame_hangs_up_in_the_middle_of_the_reply():
     [record] = log.turns.values()
     assert record.ended_by_hangup
     assert 0 < played(down).size < 4 * OUT_RATE and record.played_samples < 4 * OUT_RATE
+    # the record says which words were heard, as the transport was told them (it said none before)
+    heard = "".join(f.text for f in down if isinstance(f, TTSTextFrame)).split()
+    assert heard and record.played_text.split() == heard and record.played_words == len(heard)
+    assert record.audio_end_at is not None
+
+
+async def test_an_interruption_from_elsewhere_is_recorded_like_a_barge_in():
+    """An InterruptionFrame that is not the capture's barge-in (an RTVI client's, or the app's
+    ``task.queue_frame(InterruptionFrame())``) cuts the reply: its record says so (it said
+    interrupted=False while the metrics frame and the history said otherwise)."""
+    engine = FakeEngine(asr_text="what time is it", reply_words=tuple(f"word{i}" for i in range(12)))  # 2.4 s
+    frames = caller_audio(silence_secs=0.7) + [SleepFrame(1.5), InterruptionFrame(), SleepFrame(1.0)]
+    log, down = await run_call(frames, engine)
+    [record] = log.turns.values()
+    assert record.interrupted and record.barge_in_at is None  # not the caller's speech
+    assert 0 < record.played_words < 12 and record.dropped_samples > 0
+    assert [m.interrupted for m in down if isinstance(m, TasteTurnMetricsFrame)] == [True]
+    assert engine.sessions[0].history[-1] == ("assistant", record.played_text)
 
 
 class EndWatch(FrameProcessor):

@@ -232,9 +232,8 @@ class TastePlayout(FrameProcessor):
     async def _end_of_call(self, frame: Frame, direction: FrameDirection):
         await self._pass_held_interruption()
         for reply in self._replies.values():  # the call ends before these were played to the end
-            record = self._call.log.turn(reply.turn_id)
-            record.ended_by_hangup = True
-            record.played_samples = reply.released
+            self._call.log.turn(reply.turn_id).ended_by_hangup = True
+            self._record_played(reply, reply.released, interrupted=False)
         self._end_passed = True
         await self.push_frame(frame, direction)
 
@@ -415,6 +414,7 @@ class TastePlayout(FrameProcessor):
             await self._finish(reply, interrupted=True, extra_samples=0)
         elif active is not None:
             # Nothing of this reply was heard yet: tell the generator so it keeps none of it.
+            self._call.log.turn(active).interrupted = True
             await self.push_frame(TastePlaybackFrame(active, 0, 0, 0, True), FrameDirection.UPSTREAM)
         self._replies = {k: v for k, v in self._replies.items() if k > cut}
         self._playing = None
@@ -470,9 +470,9 @@ class TastePlayout(FrameProcessor):
         self._call.start_needs.record(max(arrived - first - sample / self._rate
                                           for sample, arrived in reply.arrivals[1:]))
 
-    async def _finish(self, reply: _Reply, interrupted: bool, extra_samples: int):
-        call, record = self._call, self._call.log.turn(reply.turn_id)
-        played = reply.released + extra_samples
+    def _record_played(self, reply: _Reply, played: int, interrupted: bool) -> tuple[int, int]:
+        """What the caller heard of the reply, in its record: (words heard, words in the reply)."""
+        record = self._call.log.turn(reply.turn_id)
         words, texts = 0, []
         for index in sorted(reply.segments):
             segment = reply.segments[index]
@@ -480,14 +480,20 @@ class TastePlayout(FrameProcessor):
                 break  # only a prefix of the reply can have been heard
             words += segment.n_words
             texts.append(segment.text)
-        total = sum(s.n_words for s in reply.segments.values())
-        now = time.monotonic()
-        self._learn_start_hold(reply)
         record.played_samples = played
         record.played_words = words
         record.played_text = "".join(texts).strip()
-        record.audio_end_at = (reply.origin + played / self._rate) if reply.origin is not None else now
+        record.audio_end_at = (reply.origin + played / self._rate) if reply.origin is not None else time.monotonic()
         record.dropped_samples = max(0, record.synthesized_samples - played) if interrupted else 0
+        if interrupted:  # the caller's barge-in, or any other InterruptionFrame (an RTVI client's)
+            record.interrupted = True
+        return words, sum(s.n_words for s in reply.segments.values())
+
+    async def _finish(self, reply: _Reply, interrupted: bool, extra_samples: int):
+        call, record = self._call, self._call.log.turn(reply.turn_id)
+        played = reply.released + extra_samples
+        self._learn_start_hold(reply)
+        words, total = self._record_played(reply, played, interrupted)
         call.log.event("bot_audio_stopped", reply.turn_id, interrupted=interrupted, played_samples=played)
         self._replies.pop(reply.turn_id, None)
         if self._playing is reply:
