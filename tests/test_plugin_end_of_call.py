@@ -178,3 +178,22 @@ async def test_a_barge_in_while_the_end_waits_still_ends_the_call(vocode_delay, 
     assert 0 < audio.size < 15 * 0.2 * OUT_RATE and abs(audio[-1]) < 1e-3  # cut short, with a fade
     assert [type(f) for f in down if isinstance(f, (TTSStartedFrame, TTSStoppedFrame))] == [TTSStartedFrame,
                                                                                             TTSStoppedFrame]
+
+
+async def test_without_a_playout_an_interrupted_reply_keeps_only_the_words_sent_on():
+    """No playout to say what was heard: the conversation keeps the words the generator sent on
+    before the interruption, not the one the model was making when it came (it was never spoken)."""
+    from pipecat_taste import TasteGenerator, TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
+
+    engine = FakeEngine(asr_text="what time is it", word_delay=0.3, reply_words=tuple(f"w{i}" for i in range(20)))
+    call = TasteCall(engine)
+    pipeline = Pipeline([TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
+                                          params=TurnCaptureParams(transcripts="asr", early_reply_secs=None)),
+                         TasteGenerator(call)])
+    frames = caller_audio(silence_secs=0.8) + [SleepFrame(1.0), InterruptionFrame(), SleepFrame(1.0)]
+    down, _ = await run_test(pipeline, frames_to_send=frames, pipeline_params=PARAMS)
+    record = call.log.turns[1]
+    sent = "".join(f.text for f in down if isinstance(f, TasteReplySegmentFrame)).strip()
+    assert record.interrupted and 0 < record.total_words < 20
+    assert record.kept_words == record.total_words == len(sent.split())
+    assert engine.sessions[0].history[-1] == ("assistant", sent)

@@ -172,6 +172,7 @@ class TasteGenerator(FrameProcessor):
         if self._stop is not None and self._active_turn is not None:
             self._stop.set()
             self._call.reset_segment_slots()
+            self._call.log.turn(self._active_turn).interrupted = True
             self._call.log.event("generation_cancelled", self._active_turn)
 
     # -- the worker: one turn at a time -------------------------------------------------------------
@@ -309,8 +310,8 @@ class TasteGenerator(FrameProcessor):
             if turn_id in self._retracted:  # retracted while we waited for the report
                 self._reports.pop(turn_id, None)
                 return
-        elif stop.is_set():
-            played = 0 if call.has_playout else None
+        elif stop.is_set():  # with no playout to say what was heard: the words sent on, not those after the stop
+            played = 0 if call.has_playout else total_words
         self._reports.pop(turn_id, None)
         kept = await call.run("think", call.session.commit_reply, played)
         record.kept_words = kept
