@@ -62,3 +62,35 @@ async def test_a_segment_gives_its_slot_back_to_the_semaphore_it_took_it_from():
     await run_test(TasteSynthesizer(call), frames_to_send=frames,
                    pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
     assert not old.locked() and new.locked()
+
+
+@pytest.mark.parametrize("late", [False, True])
+async def test_segments_dropped_by_an_interruption_give_their_slots_back(late):
+    """The generator may be done with the reply (idle: it renews no semaphore on the interruption)
+    while its last segments still wait for the speech decoder: those dropped unspoken must give
+    their slots back, or the next reply waits for room that never comes. ``late``: segments of the
+    interrupted reply that arrive after the interruption."""
+    import asyncio
+
+    from pipecat.frames.frames import InterruptionFrame
+
+    from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeSegment
+
+    call = TasteCall(FakeEngine(decode_delay=0.3))  # a speech decoder slower than the LM
+    slots = call.segment_slots
+    segments = []
+    for i in range(call.max_pending_segments):
+        await slots.acquire()
+        segments.append(TasteReplySegmentFrame(1, i, f" w{i}", 1, FakeSegment([f"w{i}"], 2), slots))
+    call.active_reply_turn = 1
+    if late:
+        frames = [segments[0], SleepFrame(0.1), InterruptionFrame(), SleepFrame(0.05), *segments[1:]]
+    else:
+        frames = [*segments, SleepFrame(0.1), InterruptionFrame()]
+    frames += [TasteReplyEndFrame(1, "finished", len(segments)), SleepFrame(0.6)]
+    await run_test(TasteSynthesizer(call), frames_to_send=frames,
+                   pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    assert call.segment_slots is slots and slots._value == call.max_pending_segments  # all given back
+    assert not [e for e in call.log.events if e["kind"] == "synthesis_done"]  # nothing of it was spoken

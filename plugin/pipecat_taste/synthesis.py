@@ -147,6 +147,8 @@ class TasteSynthesizer(FrameProcessor):
         elif isinstance(frame, (TasteReplySegmentFrame, TasteReplyEndFrame)):
             if frame.turn_id > self._cancelled_upto:
                 self._segments.put_nowait(frame)
+            elif isinstance(frame, TasteReplySegmentFrame):
+                _give_back(frame)  # every segment dropped unspoken gives its back-pressure slot back
         elif isinstance(frame, InterruptionFrame):
             await self._interrupt()
             await self.push_frame(frame, direction)
@@ -167,6 +169,10 @@ class TasteSynthesizer(FrameProcessor):
             return
         self._cancelled_upto = max(self._cancelled_upto, turn or 0, self._call.active_reply_turn or 0)
         await self._stop_stages()
+        while not self._segments.empty():  # dropped: their slots go back (the generator may be idle,
+            queued = self._segments.get_nowait()  # its semaphore not renewed by this interruption)
+            if isinstance(queued, TasteReplySegmentFrame):
+                _give_back(queued)
         self._current_turn = None
         await self.stop_all_metrics()
         self._start_stages()
@@ -183,6 +189,8 @@ class TasteSynthesizer(FrameProcessor):
                 await self._groups.put(("end_of_call", None, frame))
                 continue
             if frame.turn_id <= self._cancelled_upto:
+                if isinstance(frame, TasteReplySegmentFrame):
+                    _give_back(frame)
                 continue
             if frame.turn_id in self._retracted:
                 if isinstance(frame, TasteReplySegmentFrame):
