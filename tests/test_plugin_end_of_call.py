@@ -123,6 +123,27 @@ async def test_an_interruption_from_elsewhere_is_recorded_like_a_barge_in():
     assert engine.sessions[0].history[-1] == ("assistant", record.played_text)
 
 
+async def test_speech_dropped_at_the_end_is_decided_after_the_turns_before_it():
+    """Turn 1 is still being tokenized when the call ends during turn 2: turn 1 goes out first,
+    then turn 2's 'ignored', then the EndFrame (the decision jumped the queue before)."""
+    from pipecat_taste import TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
+    from pipecat_taste.frames import TasteUserTurnFrame
+
+    utterances = load_utterances()
+    call = TasteCall(FakeEngine(asr_text="around seven thirty", turn_delay=0.6))
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
+                               params=TurnCaptureParams(transcripts="asr", early_reply_secs=None))
+    audio = np.concatenate([np.zeros(IN_RATE // 2, np.float32), utterances["time"].audio,
+                            np.zeros(IN_RATE, np.float32), utterances["hello"].audio[:IN_RATE]])
+    n = IN_RATE // 50
+    frames = [InputAudioRawFrame(float_to_pcm16(audio[i:i + n]), IN_RATE, 1) for i in range(0, audio.size - n + 1, n)]
+    down, _ = await run_test(capture, frames_to_send=frames + [EndFrame(), SleepFrame(1.5)], send_end_frame=False,
+                             pipeline_params=PARAMS)
+    order = [(type(f).__name__, getattr(f, "turn_id", None)) for f in down
+             if isinstance(f, (TasteUserTurnFrame, TasteTurnDecisionFrame, EndFrame))]
+    assert order == [("TasteUserTurnFrame", 1), ("TasteTurnDecisionFrame", 2), ("EndFrame", None)]
+
+
 class EndWatch(FrameProcessor):
     """First in a test pipeline. After the EndFrame went by: a barge-in ``interrupt_after`` s later
     (an InterruptionFrame, as the capture sends), and a CancelFrame ``give_up_after`` s later, so

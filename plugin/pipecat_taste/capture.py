@@ -187,6 +187,7 @@ class _CapturedTurn:
     retracted: asyncio.Event = field(default_factory=asyncio.Event)
     pushed: bool = False  # its TasteUserTurnFrame went downstream
     deferred: list = field(default_factory=list)  # coroutine functions to run on confirmation
+    dropped: str | None = None  # why it is no turn to answer (decided by the finisher, in order)
 
 
 _NO_AUDIO = np.zeros(0, np.float32)
@@ -528,10 +529,10 @@ class TasteTurnCapture(FrameProcessor):
         self._release_split()  # (not muted: this turn never had min_speech_secs of speech)
         if early is not None:
             await self._confirm(early)
-        elif keep:
-            self._enqueue(turn, held=forced)
         else:
-            await self._decide(turn, "ignored", "the call ended while the caller was speaking")
+            if not keep:
+                turn.dropped = "the call ended while the caller was speaking"
+            self._enqueue(turn, held=forced)
 
     def _close_turn(self, now: float, silence_secs: float) -> _CapturedTurn:
         """The current turn's audio up to ``post_roll_secs`` after its estimated end (``silence_secs``
@@ -557,7 +558,8 @@ class TasteTurnCapture(FrameProcessor):
         if self._finish_queue is None:
             return
         self._turns_finishing += 1
-        if turn.speech_seconds >= self._params.min_speech_secs and self._params.transcripts != "asr":
+        if turn.dropped is None and turn.speech_seconds >= self._params.min_speech_secs \
+                and self._params.transcripts != "asr":
             self._transcripts.expect(turn.words)
         if held:
             self._split_turn = turn
@@ -639,6 +641,9 @@ class TasteTurnCapture(FrameProcessor):
 
     async def _finish(self, turn: _CapturedTurn):
         record = self._call.log.turn(turn.turn_id)
+        if turn.dropped is not None:
+            await self._decide(turn, "ignored", turn.dropped)
+            return
         if turn.speech_seconds < self._params.min_speech_secs:
             await self._decide(turn, "ignored", f"speech too short ({turn.speech_seconds:.2f} s)")
             return
