@@ -491,6 +491,23 @@ def test_the_window_keeps_the_newest_exchange_and_drops_whole_exchanges(model, p
         new_conversation(model, processor, cache_kind, system=system, max_tokens=4)
 
 
+def test_several_replies_in_a_row_keep_their_question_while_they_fit(model, processor, user_turn, second_turn):
+    """Replies given with no new turn in between (``input_segments=None``) answer the same question:
+    the window keeps them with it (it kept only the newest reply, opening with an answer), unless
+    they alone are over the limit."""
+    conv = Conversation(model, processor, max_turns=5)
+    run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+    run(model, processor, [second_turn], conversation=conv, text_top_p=0.0)
+    for _ in range(2):
+        run(model, processor, None, conversation=conv, text_top_p=0.0)
+    assert [t.role for t in conv.turns] == ["user"] + ["assistant"] * 3 and conv.turns[0] is second_turn
+    assert_cache_equals_fresh_build(model, processor, conv)
+    for _ in range(3):  # past the limit with replies alone: only the newest stays (still bounded)
+        run(model, processor, None, conversation=conv, text_top_p=0.0)
+    assert len(conv.turns) <= 5
+    assert_cache_equals_fresh_build(model, processor, conv)
+
+
 def test_the_window_drops_below_its_limit_so_a_long_call_rarely_prefills_again(model, processor, user_turn):
     conv = Conversation(model, processor, max_turns=8)
     rebuilds, decode = 0, None

@@ -157,6 +157,44 @@ def test_an_error_mid_reply_takes_the_input_turns_back(model, processor, user_tu
     assert conv.turns[-1] is items[-1]["reply"]
 
 
+def _bad_segment(model, processor, turn):
+    """A user turn whose TASTE codes have one RVQ level too few: refused when it is added."""
+    return TASTESegment("user", "audio", turn.text_ids, turn.taste_ids[..., :-1])
+
+
+def test_a_failed_reply_takes_back_a_system_segment_it_opened_with(model, processor, user_turn):
+    conv = Conversation(model, processor, prompt_format=INSTRUCT)
+    system = TASTESegment("system", "text", processor.process_text(" be brief").llm_token_ids)
+    with pytest.raises(ValueError, match="codes per word"):
+        list(generate(model, processor, [system, user_turn, _bad_segment(model, processor, user_turn)], conv))
+    assert conv.system is None and conv.turns == []  # the system segment stayed, and the turn
+    items = list(generate(model, processor, [system, user_turn], conv))  # was: "can only open a conversation"
+    assert conv.system is system and conv.turns == [user_turn, items[-1]["reply"]]
+    assert_consistent(model, processor, conv)
+
+
+def test_a_failed_reply_takes_back_the_same_turn_given_twice(model, processor, user_turn):
+    conv = Conversation(model, processor)
+
+    def failing_stop():
+        raise ConnectionError("transient failure")
+
+    with pytest.raises(ConnectionError):
+        list(generate(model, processor, [user_turn, user_turn], conv, stop=failing_stop))
+    assert conv.turns == []  # both copies (the first one stayed)
+    assert_consistent(model, processor, conv)
+
+
+def test_a_failed_reply_puts_back_what_the_window_dropped_meanwhile(model, processor, user_turn, second_turn):
+    conv = Conversation(model, processor, max_turns=3)
+    list(generate(model, processor, [user_turn], conv))
+    before = list(conv.turns)
+    with pytest.raises(ValueError, match="codes per word"):  # the window rolls while the turns go in
+        list(generate(model, processor, [second_turn, user_turn, _bad_segment(model, processor, user_turn)], conv))
+    assert conv.turns == before  # as if the call never happened (only the later turns were taken back)
+    assert_consistent(model, processor, conv)
+
+
 # -- prev_audio_ms --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def speech(model, processor, tiny_checkpoint):

@@ -375,12 +375,15 @@ class Conversation:
         with self._exclusive("forget_from"):
             return self._forget_from(segment)
 
-    @torch.no_grad()
     def _forget_from(self, segment: TASTESegment) -> int:
         st = self.state
         index = next((i for i in range(len(st.turns) - 1, -1, -1) if st.turns[i] is segment), None)
-        if index is None:
-            return 0
+        return 0 if index is None else self._forget_at(index)
+
+    @torch.no_grad()
+    def _forget_at(self, index: int) -> int:
+        """Forget the turns from position ``index`` on; returns how many."""
+        st = self.state
         forgotten = len(st.turns) - index
         if st.decode is None:  # no cache yet: the next use prefills what is left
             del st.turns[index:], st.turn_rows[index:], st.turn_ids[index:], st.turn_carry[index:]
@@ -393,18 +396,41 @@ class Conversation:
         self._mark_committed()
         return forgotten
 
+    def _history_mark(self) -> tuple:
+        """The history as it stands, without the cache (cheap), for ``_back_to``."""
+        st = self.state
+        return st.system, list(st.turns), list(st.turn_rows), list(st.turn_ids), list(st.turn_carry)
+
+    def _back_to(self, mark: tuple) -> None:
+        """The history of ``mark`` again. Turns added since are cut off the cache in place; when
+        the window rolled meanwhile (or a system segment was set), the history of ``mark`` comes
+        back whole and is prefilled on next use."""
+        st = self.state
+        system, turns = mark[0], mark[1]
+        if st.system is system and len(st.turns) >= len(turns) and all(a is b for a, b in zip(st.turns, turns)):
+            if len(st.turns) > len(turns):
+                self._forget_at(len(turns))
+            return
+        st.system, st.turns, st.turn_rows, st.turn_ids, st.turn_carry = mark[0], *(list(m) for m in mark[1:])
+        self._drop_cache()
+
     def _apply_window(self) -> None:
         """Past ``max_turns`` or ``max_tokens``, drop the oldest exchanges - a turn with the replies
         after it, so that the history never opens with an answer to a dropped question - down to
         ``WINDOW_LOW_WATER`` of either limit, then prefill what is kept. The newest exchange (the
         turn being answered, or a reply with its question) stays even beyond the limits: it is what
-        the next step is about."""
+        the next step is about. Several replies in a row to one question stay with it while they fit
+        the limits; past them only the newest reply is kept (a history of replies only is still
+        bounded)."""
         st = self.state
         if len(st.turns) <= self.max_turns and st.committed_rows <= self.max_tokens:
             return
-        keep_from = len(st.turns) - 1
-        if keep_from > 0 and st.turns[keep_from].role == "assistant" and st.turns[keep_from - 1].role != "assistant":
-            keep_from -= 1
+        keep_from = question = len(st.turns) - 1
+        while question > 0 and st.turns[question].role == "assistant":
+            question -= 1
+        fits = len(st.turns) - question <= self.max_turns and sum(st.turn_rows[question:]) <= self.max_tokens
+        if st.turns[question].role != "assistant" and (question == keep_from - 1 or fits):
+            keep_from = question  # the newest reply keeps its question (so do several in a row, while they fit)
         turns_goal, rows_goal = max(1, int(self.max_turns * WINDOW_LOW_WATER)), int(self.max_tokens * WINDOW_LOW_WATER)
         drop, rows = 0, st.committed_rows
         while drop < keep_from and (len(st.turns) - drop > turns_goal or rows > rows_goal):

@@ -131,8 +131,9 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
     step, so a cancelled reply ends within one step. Abandoning the iterator early (``close()``,
     or dropping it) discards the reply (the next call starts from the committed history;
     ``input_segments`` stay if the first item was asked for, else they were never added). An
-    error during the reply takes ``input_segments`` back out of the conversation before it
-    propagates, so the same turns can be given again.
+    error during the reply leaves the conversation as it was before the call (``input_segments``
+    out again, a system segment among them too, and turns the rolling window dropped meanwhile
+    back in) before it propagates, so the same turns can be given again.
     """
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         raise ValueError(f"max_length must be an integer >= 1 (generated tokens), got {max_length!r}")
@@ -213,11 +214,10 @@ def _generate(model, processor, conversation: Conversation, token: object, segme
               sampler: TasteSampler, params: SamplingParams, eos_id, emit, stop, generator,
               max_length: int) -> Iterator[dict]:
     """The reply, run lazily: adds the input turns, then yields the items of ``_reply``."""
-    added, committed = 0, False
+    mark, committed = conversation._history_mark(), False
     try:
         for segment in segments:
             conversation._add_turn(segment)
-            added += 1
         for item in _reply(model, processor, conversation, sampler, params, eos_id, emit, stop, generator, max_length):
             if item["is_complete"]:  # committed (or nothing to say): the conversation is free again
                 committed = True
@@ -226,20 +226,20 @@ def _generate(model, processor, conversation: Conversation, token: object, segme
     except GeneratorExit:  # closed early: the turns stay, the uncommitted reply rows are cropped on next use
         raise
     except BaseException:
-        if added and not committed:  # all or nothing: a retry must not find the turns twice
-            _take_back(conversation, segments[0])
+        if not committed:  # all or nothing: a retry must not find the turns twice
+            _take_back(conversation, mark)
         raise
     finally:
         conversation._release(token)
 
 
-def _take_back(conversation: Conversation, first: TASTESegment) -> None:
-    """Forget the turns this call added (from ``first`` on)."""
+def _take_back(conversation: Conversation, mark: tuple) -> None:
+    """Forget the turns this call added: the history is that of ``mark`` again."""
     try:
-        conversation._forget_from(first)
+        conversation._back_to(mark)
     except Exception:  # the cache itself failed: drop it, the next use prefills what is left
         conversation._drop_cache()
-        conversation._forget_from(first)
+        conversation._back_to(mark)
 
 
 def _reply(model, processor, conversation: Conversation, sampler: TasteSampler, params: SamplingParams, eos_id,
