@@ -228,6 +228,30 @@ def test_a_state_continues_with_the_summed_chunk_durations(model, processor, spe
         assert max(behind) > PREV_AUDIO_TOLERANCE_MS, behind
 
 
+@pytest.mark.parametrize("unplayed_ms", [0, 200, 500, 700])
+def test_without_a_state_the_audio_goes_on_from_prev_audio_ms(unplayed_ms):
+    """A stateless continuation after less was played than the previous tokens make (a reply cut
+    off part-way): it starts where the audio stopped. Audio between that point and the primed tail
+    was lost, and the first chunks went unfaded, when prev_audio_ms was far below their audio."""
+    from taste_speech.streaming.detokenize import _stateless_start
+    from taste_speech.streaming.synthesis import speak, start_speaking
+    from taste_speech.voice_generator.tiny import make_tiny_voice_generator
+
+    vg = make_tiny_voice_generator(0)
+    g = torch.Generator().manual_seed(11)
+    tokens, speaker = torch.randint(0, 4096, (1, 97), generator=g), torch.randn(1, 192, generator=g)
+    whole = start_speaking(vg, speaker, "low_latency", 22050, torch.Generator().manual_seed(0))
+    total = sum(c.audio.shape[-1] for c in speak(vg, whole, tokens, final=True))
+    first = start_speaking(vg, speaker, "low_latency", 22050, torch.Generator().manual_seed(0))
+    made = sum(c.audio.shape[-1] for c in speak(vg, first, tokens[:, :50], final=True))
+    played = made - round(unplayed_ms * 22050 / 1000)
+    state, primed = _stateless_start(vg, speaker, "low_latency", 22050, torch.Generator().manual_seed(1),
+                                     tokens[:, :50], 1000 * played / 22050)
+    rest = torch.cat([c.audio for c in primed + speak(vg, state, tokens[:, 50:], final=True)], dim=-1)[0]
+    assert played + rest.numel() == total  # nothing lost, nothing repeated
+    assert abs(float(rest[0])) < 1e-3  # it fades in where it starts
+
+
 def test_prev_audio_ms_must_match_the_audio(model, processor, speech):
     vg, ids, taste, starts = speech
     speaker, cut, kw = processor.default_speaker_embedding(), starts[len(starts) // 2], dict(voice_generator=vg)

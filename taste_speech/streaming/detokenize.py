@@ -129,21 +129,26 @@ def _check_stateless_prev_audio(prev_speech_ids: torch.Tensor, prev_audio_ms: fl
 
 
 def _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, prev_speech_ids, prev_audio_ms):
-    """A fresh state primed with the tail of the previous speech tokens (computed, not emitted)."""
+    """A fresh state primed with the tail of the previous speech tokens (computed up to
+    ``prev_audio_ms``, not emitted), and the chunks that priming made beyond that point: when less
+    was played than the previous tokens make, the audio goes on from where it stopped."""
     state = start_speaking(vg, speaker_embeds, policy, out_sampling_rate, generator)
     n_prev = prev_speech_ids.shape[1]
     if n_prev == 0 and prev_audio_ms <= 0:
-        return state
-    tail = prev_speech_ids[:, max(0, n_prev - state.policy.context_tokens - state.policy.first_chunk_tokens):]
-    state.tokens_before = n_prev - tail.shape[1]  # the state continues the utterance's frame grid
+        return state, []
     # audio of the previous tokens runs to sample 256 * frames(n_prev); what was played may differ
     played = round(prev_audio_ms * SOURCE_RATE / 1000)
+    context = state.policy.context_tokens
+    start = max(0, n_prev - context - state.policy.first_chunk_tokens)
+    while start > 0 and frames_for_tokens(start + context) * SAMPLES_PER_FRAME > played:
+        start -= 1  # less was played: the tail begins a context before that point, to go on from there
+    tail = prev_speech_ids[:, start:]
+    state.tokens_before = start  # the state continues the utterance's frame grid
     overshoot = played - frames_for_tokens(n_prev) * SAMPLES_PER_FRAME
     state.skip_until_sample = max(0, state.frames(tail.shape[1]) * SAMPLES_PER_FRAME + overshoot)
     state.audio_ms_before = prev_audio_ms
-    if tail.shape[1]:
-        speak(vg, state, tail)
-    return state
+    primed = speak(vg, state, tail) if tail.shape[1] else []
+    return state, [chunk for chunk in primed if chunk.audio.shape[-1]]
 
 
 def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.Tensor, prev_audio_ms: float) -> None:
@@ -247,9 +252,10 @@ def taste_detokenize_stream(
     sampler = TopKSampler(generator=generator) if sampler is None else sampler
 
     # 3. the voice generator, fed token by token
+    primed = []
     if state is None:
-        state = _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, prev_speech_ids,
-                                 prev_audio_ms)
+        state, primed = _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, prev_speech_ids,
+                                         prev_audio_ms)
     new_tokens: list[int] = []
 
     def item(chunk: SpeechChunk, is_final: bool) -> dict:
@@ -262,6 +268,8 @@ def taste_detokenize_stream(
             "state": state,
         }
 
+    for chunk in primed:  # the previous tokens' audio after prev_audio_ms
+        yield item(chunk, False)
     while (token := decoder.step(dec_state, sampler)) is not None:
         new_tokens.append(token)
         for chunk in speak(vg, state, torch.tensor([[token]])):
