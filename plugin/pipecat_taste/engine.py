@@ -327,6 +327,7 @@ class TasteSession:
     def __init__(self, engine: TasteEngine, settings: GenerationSettings, voice=None):
         import torch
 
+        from taste_speech.processing_taste import as_speaker_embedding
         from taste_speech.streaming import Conversation, TASTESegment
 
         self.engine, self.settings = engine, settings
@@ -341,8 +342,6 @@ class TasteSession:
                                          prompt_format=settings.prompt_format,
                                          max_tokens=settings.history_max_tokens, max_turns=settings.history_max_turns,
                                          cache_kind=engine.cache_kind, lm_batch=engine.lm_batch)
-        from taste_speech.processing_taste import as_speaker_embedding
-
         if voice is None:
             voice = engine.speaker_embedding()
         self.voice = as_speaker_embedding(voice, self.model.speech_decoder.spk_embed_dim, "voice")
