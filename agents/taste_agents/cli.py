@@ -268,7 +268,9 @@ def _summary(report: dict, paths: dict) -> str:
             line += f"  reply {turn.get('reply_duration_ms', 0):.0f} ms"
         if turn.get("asr_after_end_ms") is not None:
             line += f"  ASR after end {turn['asr_after_end_ms']:.0f} ms ({turn['asr_partials']} partials)"
-        if "barge_in_stop_ms" in turn:
+        if turn.get("barge_in") and turn.get("barge_in_stop_ms") is None:
+            line += "  barge-in NOT detected"
+        elif "barge_in_stop_ms" in turn:
             line += f"  barge-in stop {turn['barge_in_stop_ms']:.0f} ms"
             if turn.get("agent_side_barge_in_stop_ms") is not None:
                 line += f" (agent side {turn['agent_side_barge_in_stop_ms']:.0f} ms)"

@@ -142,7 +142,7 @@ def build_report(result, meta: dict) -> dict:
         # this reply's audio: from the moment its first sample was handed over (the audio just after
         # the utterance may still be an earlier reply's tail when the agent is behind)
         handed = None if reply is None or reply.first_audio_at is None else line.sample_of(reply.first_audio_at)
-        first = first_active(agent, max(stop, handed or 0), next_start)
+        first = None if handed is None else first_active(agent, max(stop, handed), next_start)  # never handed: none
         if reply is not None and first is not None:
             last = last_active(agent, first, next_start)
             entry.update({
@@ -162,9 +162,14 @@ def build_report(result, meta: dict) -> dict:
         if name in barge_names:
             cut = next((r for r in records if r.interrupted and r.barge_in_at is not None
                         and start <= line.sample_of(r.barge_in_at) <= stop), None)
-            if cut is not None:
+            if cut is None:  # the agent never noticed: the check must not pass over it
+                entry["barge_in_stop_ms"] = None
+            else:
                 detect = line.sample_of(cut.barge_in_at)
-                last = last_active(agent, start, stop) or start
+                # the cut reply's last sample, wherever it falls before the reply to the barge-in
+                # (an agent that goes on talking after the caller stopped is not stopped)
+                until = handed if handed is not None and handed > start else next_start
+                last = last_active(agent, start, until) or start
                 entry.update({
                     "cut_off_turn": cut.turn_id,
                     "barge_in_detected_s": sec(detect),
@@ -220,7 +225,7 @@ def build_report(result, meta: dict) -> dict:
             "every_turn_decided": every_decided,
             "talk_over_ms_outside_barge_in": talk_over_ms,
             "talk_over_ms_in_barge_in": 10.0 * float(np.sum(both & allowed)),
-            "barge_in_within_100ms": bool(stops) and all(s <= 100.0 for s in stops),
+            "barge_in_within_100ms": bool(stops) and all(s is not None and s <= 100.0 for s in stops),
             **path,
         },
         "agent_turns": log_dict["turns"],

@@ -1,0 +1,86 @@
+"""The simulated call's report (taste_agents.report) on hand-made lines and records: its figures and
+checks must fail when what they claim is false."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from pipecat_taste.call import CallLog, TurnRecord
+from taste_agents.report import build_report
+
+SR = 16000
+
+
+class Line:
+    """What the simulated phone line recorded: the agent's channel (loud where it spoke)."""
+
+    def __init__(self, seconds: float, agent_speaks: list[tuple[float, float]]):
+        n = int(seconds * SR)
+        self.sample_rate, self.frame_samples, self.t0, self.play_sample, self.writes = SR, 320, 0.0, n, None
+        self.agent, self.caller = np.zeros(n, np.int16), np.zeros(n, np.int16)
+        for a, b in agent_speaks:
+            self.agent[int(a * SR):int(b * SR)] = 3000
+
+    def sample_of(self, t):
+        return None if t is None else int(round((t - self.t0) * SR))
+
+
+def report(line, utterances, records, barge_ins=()):
+    """``utterances``: (name, start s, end s); ``records``: TurnRecords of the agent."""
+    events = [SimpleNamespace(sample=int(a * SR), kind="utterance_start", name=name, text="") for name, a, _ in utterances]
+    events += [SimpleNamespace(sample=int(a * SR), kind="barge_in", name=name, text="")
+               for name, a, _ in utterances if name in barge_ins]
+    caller = SimpleNamespace(clock=line.agent.size, events=events,
+                             speech_intervals=[(int(a * SR), int(b * SR), name) for name, a, b in utterances])
+    log = CallLog()
+    for record in records:
+        log.turns[record.turn_id] = record
+    result = SimpleNamespace(line=line, caller=caller, log=log, duration_s=line.agent.size / SR, timed_out=False,
+                             metrics=[], errors=[])
+    return build_report(result, {})
+
+
+def test_a_reply_never_heard_has_no_latency():
+    """The earlier reply still plays when the second one is decided; the second never reaches the
+    line. Its 'first audio' was the earlier reply's tail (0 ms), and went into the median."""
+    line = Line(8, [(1.5, 5.6)])
+    out = report(line, [("u1", 0, 1), ("u2", 4.5, 5.0)],
+                 [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.5),
+                  TurnRecord(2, speech_start=4.5, decision="reply", first_audio_at=None)])
+    assert out["turns"][1]["first_audio_latency_ms"] is None
+    assert out["summary"]["first_audio_latency_ms"]["per_turn"] == [500.0]
+
+
+def test_an_agent_that_talks_on_after_the_barge_in_is_not_stopped():
+    """Detected at 2.35 s, but the reply plays on to 5.5 s: the stop was measured only up to the end
+    of the caller's words (2.4 s), so it read 50 ms."""
+    line = Line(6, [(1.2, 5.5)])
+    out = report(line, [("u1", 0, 1), ("wait", 2.0, 2.4)],
+                 [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.2, interrupted=True,
+                             barge_in_at=2.35),
+                  TurnRecord(2, speech_start=2.0, decision="no_speech")], barge_ins={"wait"})
+    assert out["summary"]["barge_in_stop_ms"] == [3150.0]
+    assert not out["checks"]["barge_in_within_100ms"]
+
+
+def test_a_barge_in_the_agent_never_noticed_fails_the_check():
+    line = Line(10, [(1.2, 2.05), (4.2, 9.0)])
+    out = report(line, [("u1", 0, 1), ("b1", 2.0, 2.6), ("u2", 3.0, 4.0), ("b2", 5.0, 5.6)],
+                 [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.2, interrupted=True,
+                             barge_in_at=2.0),
+                  TurnRecord(2, speech_start=2.0, decision="no_speech"),
+                  TurnRecord(3, speech_start=3.0, decision="reply", first_audio_at=4.2),
+                  TurnRecord(4, speech_start=5.0, decision="no_speech")], barge_ins={"b1", "b2"})
+    assert out["summary"]["barge_in_stop_ms"] == [50.0, None]
+    assert not out["checks"]["barge_in_within_100ms"]
+
+
+def test_a_barge_in_stopped_in_time_passes():
+    """The control: the reply stops 50 ms after detection; the reply to the barge-in comes later."""
+    line = Line(8, [(1.2, 2.05), (3.2, 4.0)])
+    out = report(line, [("u1", 0, 1), ("b1", 2.0, 2.6)],
+                 [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.2, interrupted=True,
+                             barge_in_at=2.0),
+                  TurnRecord(2, speech_start=2.0, decision="reply", first_audio_at=3.2)], barge_ins={"b1"})
+    assert out["summary"]["barge_in_stop_ms"] == [50.0] and out["checks"]["barge_in_within_100ms"]
+    assert out["turns"][1]["first_audio_latency_ms"] == 600.0
