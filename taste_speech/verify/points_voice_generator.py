@@ -6,9 +6,18 @@ injected: ``flow_empty.*`` and ``flow_prompt.*`` (flow with an empty and a non-e
 (re-computed the same way the reference harness did). Inputs (``*.in.*``) and draws (``*.draw.*``)
 are what we feed in. Tolerances follow the golden README: 1e-4 on mel-type tensors, 1e-5 on
 waveforms (1-vs-2-thread reordering noise there is ~7e-6 / 1.2e-7).
+
+F0 is the exception. It is in Hz (up to ~300 in set A), the sum of 512 products through the tiny
+set's large random classifier weights, so another CPU's convolution kernels move it by ~1e-4 Hz
+(2.3e-4 seen on an AVX-512 Xeon, against 0 on the AMD machine the set was checked on first), and
+the harmonic source integrates that into its phase over thousands of samples. So F0 is checked
+on its own (``F0_TOL``), and every stage after it is checked with the golden F0 fed in: each point
+then measures its own stage, at the tight tolerances, on any CPU.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -18,6 +27,7 @@ from taste_speech.voice_generator.flow import mel_frames_for_tokens, nearest_sou
 
 MEL_TOL = 1e-4
 WAV_TOL = 1e-5
+F0_TOL = 1e-3  # Hz: ~30 float32 steps at 300 Hz, far below any audible pitch change
 
 # Per-case scalars and the trace entries they are compared with.
 _FLOW_TRACE = [
@@ -78,19 +88,52 @@ def _golden_draws(golden: Golden, start: int = 0, stop: int | None = None) -> So
     )
 
 
+class _GoldenF0(torch.nn.Module):
+    """Stands in for the F0 predictor: hands out the given F0 tracks, one per call, in order."""
+
+    def __init__(self, tracks: list[torch.Tensor]):
+        super().__init__()
+        self.tracks = list(tracks)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        f0 = self.tracks.pop(0)
+        if f0.shape != (mel.shape[0], mel.shape[-1]):
+            raise ValueError(f"golden F0 {tuple(f0.shape)} does not fit the mel {tuple(mel.shape)}")
+        return f0
+
+
+@contextmanager
+def f0_fed_in(hift, *tracks: torch.Tensor):
+    """HiFT with the golden F0 tracks in place of its own predictor's, restored afterwards."""
+    own = hift.f0_predictor
+    hift.f0_predictor = _GoldenF0(list(tracks))
+    try:
+        yield
+    finally:
+        hift.f0_predictor = own
+
+
+def _tolerance(name: str) -> float:
+    if name in ("f0", "f0_concat_minus_whole"):
+        return F0_TOL
+    return WAV_TOL if name in _WAVE_LIKE else MEL_TOL
+
+
 @torch.inference_mode()
 def hift_points(golden: Golden, model: VoiceGenerator) -> list[PointResult]:
+    mel, hift = golden["hift.in.mel"], model.hift
     trace: dict = {}
-    wav = model.hift.inference(golden["hift.in.mel"], draws=_golden_draws(golden), trace=trace)
-    trace["out.wav"] = wav
-    trace["stft_window"] = model.hift.stft_window
+    with f0_fed_in(hift, golden["hift.f0"]):  # the stages after F0, each on its own (module docstring)
+        trace["out.wav"] = hift.inference(mel, draws=_golden_draws(golden), trace=trace)
+    trace["f0"] = hift.f0_predictor(mel)  # our own F0, against the golden one
+    trace["stft_window"] = hift.stft_window
     results = []
     for key in sorted(k for k in golden.tensors if k.startswith("hift.") and ".in." not in k and ".draw." not in k):
         name = key[len("hift."):]
         if name not in trace:
             results.append(PointResult(key, float("inf"), 0.0, False, "not produced by our HiFT"))
             continue
-        results.append(compare(key, trace[name], golden[key], WAV_TOL if name in _WAVE_LIKE else MEL_TOL))
+        results.append(compare(key, trace[name], golden[key], _tolerance(name)))
     return results
 
 
@@ -140,19 +183,25 @@ def stream_points(golden: Golden, model: VoiceGenerator) -> list[PointResult]:
         split = int(golden["stream_hift.split_frame"][0])
         cut = split * hift.samples_per_frame
         mel = golden["hift.in.mel"]
+        own_f0 = torch.cat([hift.f0_predictor(mel[:, :, :split]), hift.f0_predictor(mel[:, :, split:])], -1)
+        own_f0_split = own_f0 - hift.f0_predictor(mel)
+        # the golden chunk F0s: the golden whole-utterance F0 plus the golden chunked-minus-whole difference
+        whole_f0 = golden["hift.f0"]
+        chunk_f0 = whole_f0 + golden["stream_hift.f0_concat_minus_whole"]
         whole: dict = {}
-        wav = hift.inference(mel, draws=_golden_draws(golden), trace=whole)
         first: dict = {}
         second: dict = {}
-        wav1 = hift.inference(mel[:, :, :split], draws=_golden_draws(golden, 0, cut), trace=first)
-        wav2 = hift.inference(mel[:, :, split:], draws=_golden_draws(golden, cut), trace=second)
+        with f0_fed_in(hift, whole_f0, chunk_f0[:, :split], chunk_f0[:, split:]):
+            wav = hift.inference(mel, draws=_golden_draws(golden), trace=whole)
+            wav1 = hift.inference(mel[:, :, :split], draws=_golden_draws(golden, 0, cut), trace=first)
+            wav2 = hift.inference(mel[:, :, split:], draws=_golden_draws(golden, cut), trace=second)
         results += [
             compare("stream_hift.wav_chunk1", wav1, golden["stream_hift.wav_chunk1"], WAV_TOL),
             compare("stream_hift.wav_chunk2", wav2, golden["stream_hift.wav_chunk2"], WAV_TOL),
             compare("stream_hift.wav_concat_minus_whole", torch.cat([wav1, wav2], -1) - wav,
                     golden["stream_hift.wav_concat_minus_whole"], WAV_TOL),
-            compare("stream_hift.f0_concat_minus_whole", torch.cat([first["f0"], second["f0"]], -1) - whole["f0"],
-                    golden["stream_hift.f0_concat_minus_whole"], MEL_TOL),
+            compare("stream_hift.f0_concat_minus_whole", own_f0_split,
+                    golden["stream_hift.f0_concat_minus_whole"], F0_TOL),
             compare("stream_hift.s_concat_minus_whole", torch.cat([first["s"], second["s"]], -1) - whole["s"],
                     golden["stream_hift.s_concat_minus_whole"], WAV_TOL),
             compare("stream_hift.split_frame", torch.tensor([split]), golden["stream_hift.split_frame"], 0.0),
