@@ -64,12 +64,13 @@ async def test_a_segment_gives_its_slot_back_to_the_semaphore_it_took_it_from():
     assert not old.locked() and new.locked()
 
 
-@pytest.mark.parametrize("late", [False, True])
-async def test_segments_dropped_by_an_interruption_give_their_slots_back(late):
+@pytest.mark.parametrize("when", ["queued", "late", "starting"])
+async def test_segments_dropped_by_an_interruption_give_their_slots_back(when):
     """The generator may be done with the reply (idle: it renews no semaphore on the interruption)
     while its last segments still wait for the speech decoder: those dropped unspoken must give
     their slots back, or the next reply waits for room that never comes. ``late``: segments of the
-    interrupted reply that arrive after the interruption."""
+    interrupted reply that arrive after the interruption; ``starting``: the interruption comes while
+    the reply's speech state is being made (the first segment is off the queue, not yet decoded)."""
     import asyncio
 
     from pipecat.frames.frames import InterruptionFrame
@@ -78,15 +79,18 @@ async def test_segments_dropped_by_an_interruption_give_their_slots_back(late):
     from pipecat_taste.synthesis import TasteSynthesizer
     from pipecat_taste.testing import FakeSegment
 
-    call = TasteCall(FakeEngine(decode_delay=0.3))  # a speech decoder slower than the LM
+    # a speech decoder slower than the LM; or a reply slow to start
+    call = TasteCall(FakeEngine(decode_delay=0.3, start_speech_delay=0.5 if when == "starting" else 0.0))
     slots = call.segment_slots
     segments = []
     for i in range(call.max_pending_segments):
         await slots.acquire()
         segments.append(TasteReplySegmentFrame(1, i, f" w{i}", 1, FakeSegment([f"w{i}"], 2), slots))
     call.active_reply_turn = 1
-    if late:
+    if when == "late":
         frames = [segments[0], SleepFrame(0.1), InterruptionFrame(), SleepFrame(0.05), *segments[1:]]
+    elif when == "starting":
+        frames = [segments[0], SleepFrame(0.2), InterruptionFrame(), *segments[1:]]
     else:
         frames = [*segments, SleepFrame(0.1), InterruptionFrame()]
     frames += [TasteReplyEndFrame(1, "finished", len(segments)), SleepFrame(0.6)]

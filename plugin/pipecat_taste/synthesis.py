@@ -188,13 +188,11 @@ class TasteSynthesizer(FrameProcessor):
             if isinstance(frame, EndFrame):
                 await self._groups.put(("end_of_call", None, frame))
                 continue
-            if frame.turn_id <= self._cancelled_upto:
-                if isinstance(frame, TasteReplySegmentFrame):
-                    _give_back(frame)
-                continue
-            if frame.turn_id in self._retracted:
-                if isinstance(frame, TasteReplySegmentFrame):
-                    _give_back(frame)  # the generator holds a slot per segment sent on
+            if isinstance(frame, TasteReplySegmentFrame):
+                # Taken off the queue, whatever becomes of it: its back-pressure slot goes back now
+                # (an interruption while its reply starts would otherwise cancel this stage holding it).
+                _give_back(frame)
+            if self._dropped(frame.turn_id):
                 continue
             if reply is None or reply.turn_id != frame.turn_id:
                 reply = await self._start_reply(frame.turn_id)
@@ -202,7 +200,6 @@ class TasteSynthesizer(FrameProcessor):
                 await self._groups.put(("end", reply, frame.reason))
                 reply = None
                 continue
-            _give_back(frame)  # the generator may go on: this segment is taken
             if reply.decode_failed:
                 continue
             try:

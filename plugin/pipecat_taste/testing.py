@@ -39,6 +39,7 @@ class FakeEngine:
     first_gap: float = 0.0  # extra cost of the reply's second word (s): its audio comes late, as on slow hardware
     decode_delay: float = 0.0  # speech-decoder cost per word (s)
     vocode_delay: float = 0.0  # vocoder cost per call (s)
+    start_speech_delay: float = 0.0  # cost of a reply's speech state (s): caches, a busy compute gate
     lookahead_tokens: int = 0  # tokens the vocoder holds back until more arrive (like the real synthesis)
     fail_on: tuple[str, ...] = ("explode",)  # a transcript containing one of these fails in user_turn
     fail_vocode_on: tuple[str, ...] = ()  # reply words whose synthesis fails
@@ -162,6 +163,7 @@ class FakeSession:
         if self.engine.fail_start_speech > 0:
             self.engine.fail_start_speech -= 1
             raise RuntimeError("out of memory (FakeEngine.fail_start_speech)")
+        time.sleep(self.engine.start_speech_delay)
         state = SpeechState(out_sample_rate=out_sample_rate)
         state.synthesis = {"phase": 0.0, "tokens": 0, "held": []}
         return state
