@@ -104,6 +104,8 @@ def resolve_device(device) -> torch.device:
         return torch.device("cpu")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        device = f"cuda:{device}"  # torch's accelerator N: on the machines we serve, a CUDA GPU
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):

@@ -573,12 +573,22 @@ def test_engine_options_are_checked_before_anything_loads(engine):
         engine.new_session(settings={"max_reply_tokens": 32})
 
 
-@pytest.mark.parametrize("device", ["gpu", "CPU", 0])
+@pytest.mark.parametrize("device", ["gpu", "CPU", -1, True])
 def test_a_device_name_that_torch_does_not_know(device):
     from taste_speech.modeling_taste import resolve_device
 
     with pytest.raises(ValueError, match=r"is not a torch device: use 'cpu', 'cuda', 'cuda:N' or 'auto'"):
         resolve_device(device)
+
+
+def test_a_device_number_is_that_cuda_gpu():
+    from taste_speech.modeling_taste import resolve_device
+
+    if torch.cuda.is_available():
+        assert resolve_device(0) == torch.device("cuda:0")
+    else:
+        with pytest.raises(RuntimeError, match=r"device='cuda:0' was requested but CUDA is not available"):
+            resolve_device(0)
 
 
 def test_no_checkpoint_named():
