@@ -22,6 +22,12 @@ Tables (one run each, all figures from the same process):
    flow and vocoder windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``,
    ``SynthesisGraphs(rows=16)``: the engine's default on CUDA).
 
+The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``, then
+the calls tables ``batched_calls``, ``graphed_calls``, ``eager_calls``. Each part's figures are written
+(markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
+so a run on a lent GPU with minutes to spare keeps every table it finished
+(``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
+
 On CPU the 'graphed' path runs the same static caches eagerly (there are no CUDA graphs on a
 CPU), so its figures there only show the harness works - the CPU default stays the eager path.
 """
@@ -414,6 +420,10 @@ def table_lines(header, rows) -> list[str]:
 
 # -- the run -------------------------------------------------------------------------------------------
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
+# The parts in the order they run: what the targets need most comes first, so that a run stopped by
+# its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
+PARTS = ("parity", "first_audio", "per_token", "batched_calls", "graphed_calls", "eager_calls")
+CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "eager_calls": EAGER}
 
 
 def progress(message: str) -> None:
@@ -432,49 +442,99 @@ def rounded(value):
     return value
 
 
-def run(args) -> dict:
-    torch.set_grad_enabled(False)
-    dtype = None if args.dtype == "float32" else args.dtype
-    engine = build_engine(args.size, args.device, dtype)
-    asr = build_asr(args.size, engine, args.device, dtype)
-    progress(f"built the {args.size} model and ASR on {args.device}")
-    forced = ForcedReply(engine.model.spoken_lm)
-    audio = user_audio()
-    data = {"size": args.size, "device": device_name(args.device), "dtype": args.dtype, "paths": {}}
-    data["lm_parity"] = lm_parity(engine)
-    progress(f"bf16 parity: {rounded(data['lm_parity'])}")
-    with forced:
+class Suite:
+    """One run: the model, the ASR and the warmed engine of each path, built once and shared by the
+    parts; ``data`` collects the figures (``save`` is called after every part). ``budget_s``: a part,
+    or a row of calls, that would start past the budget is skipped and listed as such."""
+
+    def __init__(self, args, save=lambda data: None):
+        self.args, self.save = args, save
+        self.started = time.perf_counter()
+        dtype = None if args.dtype == "float32" else args.dtype
+        self.engine = build_engine(args.size, args.device, dtype)
+        self.asr = build_asr(args.size, self.engine, args.device, dtype)
+        progress(f"built the {args.size} model and ASR on {args.device} in {time.perf_counter() - self.started:.0f} s")
+        self.forced = ForcedReply(self.engine.model.spoken_lm)
+        self.audio = user_audio()
+        self.engines: dict[DecodePath, object] = {}
+        self.data = {"size": args.size, "device": device_name(args.device), "dtype": args.dtype,
+                     "paths": {"eager": {}, "graphed": {}}, "not_measured": [], "failed": {}}
+
+    def left_s(self) -> float:
+        budget = self.args.budget_s
+        return float("inf") if budget is None else budget - (time.perf_counter() - self.started)
+
+    def engine_for(self, path: DecodePath):
+        if path not in self.engines:
+            self.engines[path] = path_engine(self.engine, path)
+        return self.engines[path]
+
+    def run(self, parts) -> dict:
+        with self.forced:
+            for name in parts:
+                if self.left_s() <= 0:
+                    self.data["not_measured"].append(name)
+                    progress(f"{name}: not measured (the {self.args.budget_s:.0f} s budget is spent)")
+                    continue
+                try:
+                    (self.part_calls if name in CALL_PARTS else getattr(self, "part_" + name))(name)
+                except Exception as exc:  # one failing part must not cost the tables of the others
+                    import traceback
+
+                    traceback.print_exc()
+                    self.data["failed"][name] = f"{type(exc).__name__}: {exc}"
+                    progress(f"{name}: FAILED ({self.data['failed'][name]})")
+                self.save(self.data)
+        return self.data
+
+    # -- the parts, each filling its share of ``data`` --
+    def part_parity(self, _name) -> None:
+        self.data["lm_parity"] = lm_parity(self.engine)
+        progress(f"bf16 parity: {rounded(self.data['lm_parity'])}")
+
+    def part_first_audio(self, _name) -> None:
         for path in (EAGER, GRAPHED):
-            path_eng = path_engine(engine, path)
-            first_audio(path_eng, asr, path, forced, audio)  # warm-up: allocations, kernel choice
-            runs = [first_audio(path_eng, asr, path, forced, audio, whole_reply=True) for _ in range(args.repeats)]
-            best = sorted(runs, key=lambda r: r["first_audio_ms"])[(len(runs) - 1) // 2]
-            entry = {"first_audio": best, "first_audio_runs_ms": [r["first_audio_ms"] for r in runs]}
+            engine = self.engine_for(path)
+            first_audio(engine, self.asr, path, self.forced, self.audio)  # warm-up: allocations, kernel choice
+            runs = [first_audio(engine, self.asr, path, self.forced, self.audio, whole_reply=True)
+                    for _ in range(self.args.repeats)]
+            entry = self.data["paths"][path.name]
+            entry["first_audio"] = sorted(runs, key=lambda r: r["first_audio_ms"])[(len(runs) - 1) // 2]
+            entry["first_audio_runs_ms"] = [r["first_audio_ms"] for r in runs]
             progress(f"{path.name}: first audio {rounded(entry['first_audio_runs_ms'])} ms, "
-                     f"stages {rounded(best['stages'])}")
-            entry["lm_ms_per_token"] = {c: lm_ms_per_token(engine, path, c, args.steps) for c in args.contexts}
-            entry["speech_decoder_ms_per_token"] = {c: speech_decoder_ms_per_token(engine, path, c, args.steps)
-                                                    for c in args.contexts}
+                     f"stages {rounded(entry['first_audio']['stages'])}")
+
+    def part_per_token(self, _name) -> None:
+        for path in (EAGER, GRAPHED):
+            engine, entry, steps = self.engine_for(path), self.data["paths"][path.name], self.args.steps
+            entry["lm_ms_per_token"] = {c: lm_ms_per_token(engine, path, c, steps) for c in self.args.contexts}
+            entry["speech_decoder_ms_per_token"] = {c: speech_decoder_ms_per_token(engine, path, c, steps)
+                                                    for c in self.args.contexts}
             entry["synthesis"] = synthesis_ms_per_chunk(engine, path)
             progress(f"{path.name}: LM ms/token {rounded(entry['lm_ms_per_token'])}, speech decoder "
                      f"{rounded(entry['speech_decoder_ms_per_token'])}, synthesis {rounded(entry['synthesis'])}")
-            if args.calls:
-                entry["concurrency"] = []
-                for n in args.calls:
-                    entry["concurrency"].append(concurrent_first_audio(path_eng, asr, path, forced, n))
-                    progress(f"{path.name}: {rounded(entry['concurrency'][-1])}")
-            data["paths"][path.name] = entry
-            del path_eng
-        if args.calls:
-            batched = path_engine(engine, BATCHED)
-            rows = data["paths"]["graphed"]["concurrency_batched"] = []
-            for n in args.calls:
-                rows.append(concurrent_first_audio(batched, asr, BATCHED, forced, n))
-                progress(f"batched: {rounded(rows[-1])}")
-            data["paths"]["graphed"]["lm_batch"] = batched.lm_batch.stats()
-            data["paths"]["graphed"]["speech_batch"] = batched.speech_batch.stats()
-            data["paths"]["graphed"]["synthesis_batch"] = batched.synthesis_graphs.stats()
-    return data
+
+    def part_calls(self, name: str) -> None:
+        """First audio with 1, 2, 4 ... calls at once on one path; a row is skipped when twice the
+        previous row's time (the calls double) would run past the budget."""
+        path = CALL_PARTS[name]
+        engine = self.engine_for(path)
+        rows = self.data["paths"][path.name]["concurrency_batched" if path is BATCHED else "concurrency"] = []
+        last_s = 0.0
+        for n in self.args.calls:
+            if 2 * last_s > self.left_s():
+                self.data["not_measured"].append(f"{name} {n}")
+                progress(f"{name}: {n} calls not measured (about {2 * last_s:.0f} s, {self.left_s():.0f} s left)")
+                continue
+            t0 = time.perf_counter()
+            rows.append(concurrent_first_audio(engine, self.asr, path, self.forced, n))
+            last_s = time.perf_counter() - t0
+            progress(f"{name}: {rounded(rows[-1])}")
+            self.save(self.data)
+        if path is BATCHED:
+            graphed = self.data["paths"]["graphed"]
+            graphed["lm_batch"], graphed["speech_batch"] = engine.lm_batch.stats(), engine.speech_batch.stats()
+            graphed["synthesis_batch"] = engine.synthesis_graphs.stats()
 
 
 def device_name(device: str) -> str:
@@ -484,68 +544,98 @@ def device_name(device: str) -> str:
 
 
 def markdown(data: dict, command: str) -> list[str]:
+    """The tables of the parts that ran; a part that did not says so."""
     eager, graphed = data["paths"]["eager"], data["paths"]["graphed"]
-    fe, fg = eager["first_audio"], graphed["first_audio"]
     lines = [f"Device: {data['device']}, {data['size']} size, {data['dtype']}, torch {torch.__version__}; "
              f"date {time.strftime('%Y-%m-%d')}; command `{command}`.", ""]
+    if data.get("not_measured"):
+        lines += [f"Not measured in this run (its time budget was spent): {', '.join(data['not_measured'])}.", ""]
+    for part, error in data.get("failed", {}).items():
+        lines += [f"**{part} failed**: `{error}` (traceback in the run's output).", ""]
+    if "first_audio" in eager and "first_audio" in graphed:
+        lines += first_audio_lines(data)
+    if "lm_ms_per_token" in eager and "lm_ms_per_token" in graphed:
+        lines += per_token_lines(eager, graphed)
+    if "lm_parity" in data:
+        par = data["lm_parity"]
+        lines += [f"Parity of the spoken LM in {par['dtype']} against a float32 copy ({par['steps']} steps "
+                  f"teacher-forced with the float32 greedy ids, logits up to {par['max_logit']:.3g}):", ""]
+        lines += table_lines(["path", "same argmax as float32", "largest text-logit difference"],
+                             [[name, f"{par[name]['same_argmax']}/{par['steps']}", f"{par[name]['max_logit_diff']:.3g}"]
+                              for name in ("eager", "graphed")]) + [""]
+    if any(key in entry for entry in (eager, graphed) for key in ("concurrency", "concurrency_batched")):
+        lines += concurrency_lines(eager, graphed)
+    return lines
+
+
+def first_audio_lines(data: dict) -> list[str]:
+    fe, fg = data["paths"]["eager"]["first_audio"], data["paths"]["graphed"]["first_audio"]
     rows = [[stage, fmt(fe["stages"].get(stage, 0.0)), fmt(fg["stages"].get(stage, 0.0))] for stage in STAGES]
     rows.append(["**first audio**", fmt(fe["first_audio_ms"]), fmt(fg["first_audio_ms"])])
-    lines += ["First audio after the end of the user's turn (ms), per stage:", ""]
+    lines = ["First audio after the end of the user's turn (ms), per stage:", ""]
     lines += table_lines(["stage", "eager", "graphed"], rows)
     speedup = fe["first_audio_ms"] / fg["first_audio_ms"]
     asr_e, asr_g = fe["stages"].get("asr_after_turn", 0.0), fg["stages"].get("asr_after_turn", 0.0)
     model_speedup = (fe["first_audio_ms"] - asr_e) / max(1e-9, fg["first_audio_ms"] - asr_g)
-    lines += ["", f"Speed-up of the graphed path (eager ms / graphed ms): {speedup:.2f}x; without the ASR stage "
-              f"{model_speedup:.2f}x (the eager path transcribes the whole turn after it ends, the graphed path "
-              "only checks the partial transcript it made while the caller spoke: part of its gain is that "
-              "change, not the graphs)"
-              + (" (on a CPU there are no CUDA graphs: the 'graphed' path only runs the static shapes eagerly)."
-                 if "CPU" in data["device"] else "."), ""]
-    rows = []
-    for c in sorted(eager["lm_ms_per_token"]):
-        rows.append([f"spoken LM, context {c}", fmt(eager["lm_ms_per_token"][c]), fmt(graphed["lm_ms_per_token"][c])])
-    for c in sorted(eager["speech_decoder_ms_per_token"]):
-        rows.append([f"speech decoder, context {c}", fmt(eager["speech_decoder_ms_per_token"][c]),
-                     fmt(graphed["speech_decoder_ms_per_token"][c])])
+    return lines + ["", f"Speed-up of the graphed path (eager ms / graphed ms): {speedup:.2f}x; without the ASR "
+                    f"stage {model_speedup:.2f}x (the eager path transcribes the whole turn after it ends, the graphed "
+                    "path only checks the partial transcript it made while the caller spoke: part of its gain is "
+                    "that change, not the graphs)"
+                    + (" (on a CPU there are no CUDA graphs: the 'graphed' path only runs the static shapes eagerly)."
+                       if "CPU" in data["device"] else "."), ""]
+
+
+def per_token_lines(eager: dict, graphed: dict) -> list[str]:
+    rows = [[f"spoken LM, context {c}", fmt(eager["lm_ms_per_token"][c]), fmt(graphed["lm_ms_per_token"][c])]
+            for c in sorted(eager["lm_ms_per_token"])]
+    rows += [[f"speech decoder, context {c}", fmt(eager["speech_decoder_ms_per_token"][c]),
+              fmt(graphed["speech_decoder_ms_per_token"][c])] for c in sorted(eager["speech_decoder_ms_per_token"])]
     for key, label in (("first_ms", "synthesis, first chunk"), ("steady_ms", "synthesis, steady chunk"),
                        ("flow_first_ms", "flow, first chunk"), ("flow_steady_ms", "flow, steady chunk"),
                        ("vocoder_first_ms", "vocoder, first chunk"), ("vocoder_steady_ms", "vocoder, steady chunk")):
         rows.append([label, fmt(eager["synthesis"][key]), fmt(graphed["synthesis"][key])])
-    rows.append(["whole reply: compute s per audio s (ASR tail, tower and prefill included)",
-                 f"{fe['rtf']:.3f}", f"{fg['rtf']:.3f}"])
-    lines += ["Per token / per chunk (ms) and real-time factor:", ""]
-    lines += table_lines(["figure", "eager", "graphed"], rows)
-    par = data["lm_parity"]
-    lines += ["", f"Parity of the spoken LM in {par['dtype']} against a float32 copy ({par['steps']} steps "
-              f"teacher-forced with the float32 greedy ids, logits up to {par['max_logit']:.3g}):", ""]
-    lines += table_lines(["path", "same argmax as float32", "largest text-logit difference"],
-                   [[name, f"{par[name]['same_argmax']}/{par['steps']}", f"{par[name]['max_logit_diff']:.3g}"]
-                    for name in ("eager", "graphed")])
-    if "concurrency" in graphed:
-        nan = float("nan")
-        rows = [[str(e["calls"]), fmt(e["first_audio_median_ms"]), fmt(g["first_audio_median_ms"]),
-                 fmt(g["first_audio_max_ms"]), fmt(b["first_audio_median_ms"]), fmt(b["first_audio_max_ms"]),
-                 fmt(g.get("peak_mib_per_call", nan)), fmt(b.get("peak_mib_per_call", nan))]
-                for e, g, b in zip(eager["concurrency"], graphed["concurrency"], graphed["concurrency_batched"])]
-        lines += ["", "Concurrent calls (one thread each; first audio in ms; 'batched': the spoken-LM and the "
-                  "speech-decoder steps of all calls in batched steps, 16 slots, and their flow and vocoder "
-                  "windows in shared steps of up to 16 rows; peak MiB per call: the calls' peak GPU memory "
-                  "above the weights, with what the path set aside up front (batch slots, synthesis graphs), "
-                  "divided by the calls):", ""]
-        lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "batched median",
-                              "batched max", "graphed peak MiB per call", "batched peak MiB per call"], rows)
-        for key, label in (("lm_batch", "spoken-LM"), ("speech_batch", "speech-decoder")):
-            stats = graphed.get(key) or {}
-            if stats.get("steps"):
-                lines += ["", f"Batched {label} steps over the whole table: {stats['steps']} steps served "
-                          f"{stats['rows_stepped']} call steps (mean batch {stats['mean_batch']}); captured sizes "
-                          f"{stats['graphs'] or 'none (no CUDA)'}."]
-        synthesis = graphed.get("synthesis_batch") or {}
-        if synthesis.get("flow", {}).get("steps"):
-            lines += ["", "Batched synthesis over the whole table: " + "; ".join(
-                f"{stage} {synthesis[stage]['steps']} steps served {synthesis[stage]['windows']} windows "
-                f"(mean batch {synthesis[stage]['mean_batch']})" for stage in ("flow", "vocoder")) + "."]
-    return lines
+    if "first_audio" in eager and "first_audio" in graphed:
+        rows.append(["whole reply: compute s per audio s (ASR tail, tower and prefill included)",
+                     f"{eager['first_audio']['rtf']:.3f}", f"{graphed['first_audio']['rtf']:.3f}"])
+    return ["Per token / per chunk (ms) and real-time factor:", ""] + table_lines(["figure", "eager", "graphed"], rows) + [""]
+
+
+def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
+    columns = ((eager, "concurrency", "first_audio_median_ms"), (graphed, "concurrency", "first_audio_median_ms"),
+               (graphed, "concurrency", "first_audio_max_ms"), (graphed, "concurrency_batched", "first_audio_median_ms"),
+               (graphed, "concurrency_batched", "first_audio_max_ms"), (graphed, "concurrency", "peak_mib_per_call"),
+               (graphed, "concurrency_batched", "peak_mib_per_call"))
+    by_calls = {(id(entry), key): {row["calls"]: row for row in entry.get(key, [])} for entry, key, _ in columns}
+    calls = sorted({n for rows in by_calls.values() for n in rows})
+    rows = [[str(n)] + [fmt(by_calls[(id(entry), key)].get(n, {}).get(figure)) for entry, key, figure in columns]
+            for n in calls]
+    lines = ["Concurrent calls (one thread each; first audio in ms; 'batched': the spoken-LM and the "
+             "speech-decoder steps of all calls in batched steps, 16 slots, and their flow and vocoder "
+             "windows in shared steps of up to 16 rows; peak MiB per call: the calls' peak GPU memory "
+             "above the weights, with what the path set aside up front (batch slots, synthesis graphs), "
+             "divided by the calls; — not measured):", ""]
+    lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "batched median",
+                          "batched max", "graphed peak MiB per call", "batched peak MiB per call"], rows)
+    for key, label in (("lm_batch", "spoken-LM"), ("speech_batch", "speech-decoder")):
+        stats = graphed.get(key) or {}
+        if stats.get("steps"):
+            lines += ["", f"Batched {label} steps over the whole table: {stats['steps']} steps served "
+                      f"{stats['rows_stepped']} call steps (mean batch {stats['mean_batch']}); captured sizes "
+                      f"{stats['graphs'] or 'none (no CUDA)'}."]
+    synthesis = graphed.get("synthesis_batch") or {}
+    if synthesis.get("flow", {}).get("steps"):
+        lines += ["", "Batched synthesis over the whole table: " + "; ".join(
+            f"{stage} {synthesis[stage]['steps']} steps served {synthesis[stage]['windows']} windows "
+            f"(mean batch {synthesis[stage]['mean_batch']})" for stage in ("flow", "vocoder")) + "."]
+    return lines + [""]
+
+
+def parse_parts(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown parts {unknown}: choose from {', '.join(PARTS)}")
+    return tuple(p for p in PARTS if p in parts)  # always in the suite's order
 
 
 def main(argv=None) -> int:
@@ -556,21 +646,32 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer steps and runs (the CPU check of the harness)")
     parser.add_argument("--calls", type=lambda text: tuple(int(n) for n in text.split(",")), default=None,
                         help="concurrent calls per row, e.g. 1,2 (default: 1,2,4,8,16 on CUDA, none on a CPU)")
+    parser.add_argument("--parts", type=parse_parts, default=PARTS,
+                        help=f"comma list of {', '.join(PARTS)} (default: all; they run in that order)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds from the start: parts (and rows of calls) that would start later are skipped "
+                             "and listed as not measured; every part's figures are written as soon as it ends")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu_suite.md"))
     args = parser.parse_args(argv)
     args.repeats, args.steps = (1, 8) if args.quick else (5, 50)
     args.contexts = (64, 1024)
     if args.calls is None:
         args.calls = (1, 2, 4, 8, 16) if torch.device(args.device).type == "cuda" else ()
+    parts = [p for p in args.parts if p not in CALL_PARTS or args.calls]
     command = "python -m benchmarks.gpu_suite " + " ".join(argv if argv is not None else sys.argv[1:])
-    data = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lines = ["# Real time on a GPU: eager vs graphed", ""] + markdown(data, command.strip())
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(data, indent=2, default=str))
-    print("\n".join(lines))
-    return 0
+
+    def save(data: dict) -> None:
+        lines = ["# Real time on a GPU: eager vs graphed", ""] + markdown(data, command.strip())
+        out.write_text("\n".join(lines).rstrip() + "\n")
+        out.with_suffix(".json").write_text(json.dumps(data, indent=2, default=str))
+
+    torch.set_grad_enabled(False)
+    data = Suite(args, save).run(parts)
+    save(data)
+    print(out.read_text())
+    return 1 if data["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -315,7 +315,10 @@ GPU_HOWTO = [
     "whole-reply RTF, peak GPU memory per call and first audio with 1-16 concurrent calls, bf16 parity against "
     "float32) into `benchmarks/results/gpu_suite.md`, then this suite in bfloat16 into "
     "`benchmarks/results/gpu.md`. The fast path itself is described in [docs/GPU.md](docs/GPU.md).",
-    "", "```", "bash benchmarks/run_gpu.sh", "```",
+    "", "```", "bash benchmarks/run_gpu.sh", "```", "",
+    "On a lent GPU machine with minutes to spare, `bash benchmarks/device_check.sh OUT_DIR 540` runs the parity "
+    "tests and then the suite's parts in order of importance under a time budget, writing each table as soon as "
+    "it is measured (docs/GPU.md, \"Measuring\").",
 ]
 
 

@@ -44,3 +44,41 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert "| graphed | 32/32 |" in text
     assert "batched median" in text and "Batched speech-decoder steps over the whole table" in text
     assert "Batched synthesis over the whole table: flow " in text
+
+
+def test_a_failing_part_is_reported_each_part_is_saved_and_the_budget_skips_the_rest(tmp_path, monkeypatch):
+    """A lent GPU gives minutes: every part's figures are on disk as soon as it ends, a failing part
+    does not cost the others, and parts past the budget are listed as not measured."""
+    out = tmp_path / "gpu_suite.md"
+    seen_before_first_audio = []
+
+    def failing_parity(engine):
+        raise RuntimeError("capture failed")
+
+    original = gpu_suite.Suite.part_first_audio
+
+    def first_audio_then_spend_the_budget(self, name):
+        seen_before_first_audio.append(out.read_text())  # written after the parity part, before this one
+        original(self, name)
+        self.args.budget_s = 0.0
+
+    monkeypatch.setattr(gpu_suite, "lm_parity", failing_parity)
+    monkeypatch.setattr(gpu_suite.Suite, "part_first_audio", first_audio_then_spend_the_budget)
+    rc = gpu_suite.main(["--device", "cpu", "--size", "tiny", "--quick", "--dtype", "float32", "--calls", "1",
+                         "--parts", "eager_calls,per_token,first_audio,parity", "--budget-s", "3600", "--out", str(out)])
+    assert rc == 1
+    assert "**parity failed**: `RuntimeError: capture failed`" in seen_before_first_audio[0]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["failed"] == {"parity": "RuntimeError: capture failed"}
+    assert data["not_measured"] == ["per_token", "eager_calls"]  # in the suite's order, whatever the flag's
+    assert "first_audio" in data["paths"]["graphed"] and "lm_ms_per_token" not in data["paths"]["graphed"]
+    text = out.read_text()
+    assert "| **first audio** |" in text and "spoken LM, context" not in text and "Concurrent calls" not in text
+    assert "Not measured in this run (its time budget was spent): per_token, eager_calls." in text
+
+
+def test_unknown_parts_are_refused():
+    import pytest
+
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["--parts", "first_audio,latency"])

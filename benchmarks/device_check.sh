@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks in one command sized for a lent GPU machine, which gives a session minutes, not
+# hours: the CUDA-graph parity tests, then the real-time suite at real size in bfloat16 under a
+# time budget. Every result is written into OUT_DIR as soon as it exists, so a run cut short still
+# brings back the tests' output and every table the suite finished.
+#
+#   bash benchmarks/device_check.sh OUT_DIR [SECONDS]    # SECONDS: the whole run (default 540)
+#
+# REHEARSE=1 runs the same steps on a CPU (tiny size, short runs): a check of this script itself.
+# OUT_DIR gets machine.txt (GPU, driver, torch), tests.log, suite.log, gpu_suite.md and gpu_suite.json.
+# On a machine without a package index whose image already has CUDA PyTorch and transformers, carry
+# the wheels of `bash scripts/gpu_wheels.sh` in .whl/: they are installed first (docs/GPU.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: bash benchmarks/device_check.sh OUT_DIR [SECONDS]}"
+budget="${2:-540}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "installing the wheels in .whl failed" >&2; exit 2; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PYTHON="${PYTHON:-.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON=python3
+export PYTHONPATH="$PWD:$PWD/plugin:$PWD/agents${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+{
+    nvidia-smi || true
+    "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
+} >"$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+suite=(--device cuda --dtype bfloat16 --size full)
+if [ "${REHEARSE:-0}" = 1 ]; then
+    suite=(--device cpu --dtype float32 --size tiny --quick --calls 1,2)
+elif ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA device visible to torch: nothing to measure" >&2
+    exit 1
+fi
+
+# The parity tests first (an acceptance point of their own, and a broken capture shows here in
+# seconds), at most a quarter of the budget.
+echo "== tests ($(date +%H:%M:%S))"
+timeout -k 10 $((budget / 4)) "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+    tests/test_gpu_graphs.py tests/test_whisper_decode.py 2>&1 | tee "$out/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+# The suite gets what is left. It starts no part later than a minute before the end (its longest
+# part, a row of concurrent calls, should fit in that minute), and `timeout` stops it at the end.
+left=$((budget - SECONDS - 5))
+echo "== suite ($(date +%H:%M:%S), ${left} s left)"
+timeout -k 10 "$left" "$PYTHON" -m benchmarks.gpu_suite "${suite[@]}" \
+    --budget-s $((left - 60)) --out "$out/gpu_suite.md" 2>&1 | tee "$out/suite.log"
+suite_rc=${PIPESTATUS[0]}
+echo "== done ($(date +%H:%M:%S)): tests exit $tests_rc, suite exit $suite_rc (124: stopped at the budget)"
+[ "$tests_rc" -eq 0 ] && [ "$suite_rc" -eq 0 ]
