@@ -406,15 +406,15 @@ class TasteProcessor:
         vectors = []
         for i, clip in enumerate(clips):
             wav = resample(clip, int(sampling_rate), SAMPLE_RATE)
-            feats = self.fbank(wav)
-            peak = float(np.abs(wav).max())
-            if peak < SILENCE_PEAK:  # its x-vector would be a voice nobody has
-                raise ValueError(f"reference clip {i} is silent (peak {peak:.1e}, below -80 dBFS): give a clip "
-                                 "of the speaker talking")
             seconds = wav.size / SAMPLE_RATE
             if seconds < MIN_REFERENCE_SECONDS:
                 raise ValueError(f"reference clip {i} is {seconds:.2f} s long: give a few seconds of the speaker "
                                  f"talking (at least {MIN_REFERENCE_SECONDS} s; is sampling_rate={sampling_rate} right?)")
+            peak = float(np.abs(wav).max())
+            if peak < SILENCE_PEAK:  # its x-vector would be a voice nobody has
+                raise ValueError(f"reference clip {i} is silent (peak {peak:.1e}, below -80 dBFS): give a clip "
+                                 "of the speaker talking")
+            feats = self.fbank(wav)
             if seconds < SHORT_REFERENCE_SECONDS:
                 logger.warning(f"reference clip {i} is only {seconds:.1f} s long: a few seconds of the speaker "
                                "give a voice closer to theirs")

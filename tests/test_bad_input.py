@@ -486,6 +486,8 @@ def test_reference_audio_for_a_voice(processor, hello, caplog):
     assert torch.allclose(as_list, processor.speaker_embedding(hello.audio, SR))
     with pytest.raises(ValueError, match=r"reference clip 0 is 0.30 s long.*at least 0.5 s"):
         processor.speaker_embedding(hello.audio[: int(0.3 * SR)], SR)
+    with pytest.raises(ValueError, match=r"reference clip 0 is 0.01 s long.*at least 0.5 s"):  # under the fbank's window
+        processor.speaker_embedding(hello.audio[: int(0.01 * SR)], SR)
     with caplog.at_level("WARNING", logger="taste_speech.processing_taste"):
         processor.speaker_embedding(hello.audio[:SR], SR)
     assert "only 1.0 s long" in caplog.text
