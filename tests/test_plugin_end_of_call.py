@@ -218,3 +218,23 @@ async def test_without_a_playout_an_interrupted_reply_keeps_only_the_words_sent_
     assert record.interrupted and 0 < record.total_words < 20
     assert record.kept_words == record.total_words == len(sent.split())
     assert engine.sessions[0].history[-1] == ("assistant", sent)
+
+
+@pytest.mark.parametrize("decision", ["no_speech", "reply"])
+async def test_a_barge_in_while_the_turn_is_decided_marks_only_a_reply_interrupted(decision):
+    """An interruption that lands while the model decides: a reply it stops was interrupted, a
+    no_speech turn had no reply to interrupt (the call's status said it had)."""
+    import time
+
+    from pipecat_taste import TasteGenerator, TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
+
+    engine = FakeEngine(asr_text="mm hm", decide=lambda text: time.sleep(1.5) or decision)
+    call = TasteCall(engine)
+    pipeline = Pipeline([TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
+                                          params=TurnCaptureParams(transcripts="asr", early_reply_secs=None)),
+                         TasteGenerator(call)])
+    frames = caller_audio(silence_secs=0.8) + [SleepFrame(0.5), InterruptionFrame(), SleepFrame(2.0)]
+    down, _ = await run_test(pipeline, frames_to_send=frames, pipeline_params=PARAMS)
+    record = call.log.turns[1]
+    assert record.decision == decision and record.interrupted == (decision == "reply")
+    assert not [f for f in down if isinstance(f, TasteReplySegmentFrame)]  # stopped before its first word

@@ -172,7 +172,9 @@ class TasteGenerator(FrameProcessor):
         if self._stop is not None and self._active_turn is not None:
             self._stop.set()
             self._call.reset_segment_slots()
-            self._call.log.turn(self._active_turn).interrupted = True
+            record = self._call.log.turn(self._active_turn)
+            if record.decision in (None, "reply"):  # a reply cut off (or one about to be decided)
+                record.interrupted = True
             self._call.log.event("generation_cancelled", self._active_turn)
 
     # -- the worker: one turn at a time -------------------------------------------------------------
@@ -223,6 +225,8 @@ class TasteGenerator(FrameProcessor):
                 decision, reason = "no_speech", "the caller spoke again before the reply began"
                 record.reason = reason
             record.decision, record.decided_at = decision, time.monotonic()
+            if decision != "reply":
+                record.interrupted = False  # a barge-in while it was decided cut no reply
             call.log.event("decision", turn_id, decision=decision, **({"reason": reason} if reason else {}))
             await self._announce(turn_id, TasteTurnDecisionFrame(turn_id, decision, reason))
             if decision != "reply":
