@@ -409,6 +409,8 @@ async def test_without_a_playout_the_caller_still_interrupts_a_reply_the_transpo
     assert result.log.turns[1].interrupted and result.log.turns[1].barge_in_at is not None
     checks = result.report["checks"]
     assert checks["talk_over_ms_outside_barge_in"] == 0.0 and checks["barge_in_within_100ms"]
+    # the synthesizer hands the audio to the transport: it says when (the report's latency needs it)
+    assert result.log.turns[1].first_audio_at is not None and result.report["turns"][0]["first_audio_latency_ms"] > 0
 
 
 async def test_pipecat_s_user_aggregator_follows_our_turns_and_a_cough_does_not_cut_the_reply():

@@ -33,6 +33,7 @@ reply's audio out; ``CancelFrame`` stops both stages at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -303,6 +304,9 @@ class TasteSynthesizer(FrameProcessor):
                 if not first_audio:
                     first_audio = True
                     await self.stop_ttfb_metrics()
+                    if not self._call.has_playout:  # handed to the transport from here (else the playout says when)
+                        record.first_audio_at = time.monotonic()
+                        self._call.log.event("bot_audio_started", turn_id)
                 await self._push_audio(turn_id, audio, produced)
                 produced += audio.size
                 record.synthesized_samples = produced
