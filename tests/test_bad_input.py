@@ -569,8 +569,8 @@ def test_engine_options_are_checked_before_anything_loads(engine):
                           (dict(batch_slots=0), "batch_slots must be an integer >= 1")):
         with pytest.raises(ValueError, match=match):
             TasteEngine.from_pretrained(missing, **kwargs)
-    with pytest.raises(RuntimeError, match="could not load the Whisper model .*no Whisper model at '/no/such/whisper'"):
-        TasteEngine.from_pretrained(None, asr="/no/such/whisper")
+    with pytest.raises(FileNotFoundError, match="no Whisper model at '/no/such/whisper': it is neither a folder nor"):
+        TasteEngine.from_pretrained(missing, asr="/no/such/whisper")  # refused before the checkpoint is looked at
     with pytest.raises(ValueError, match="settings must be a GenerationSettings, got dict"):
         engine.new_session(settings={"max_reply_tokens": 32})
 

@@ -245,3 +245,15 @@ def test_a_whisper_stored_in_float16_runs_in_float32_on_a_cpu(tiny_asr, audios, 
     assert next(asked.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'half-ish'"):
         WhisperTranscriber.from_pretrained(str(tmp_path), dtype="half-ish")
+
+
+def test_a_whisper_folder_under_home_can_be_named_with_a_tilde(tiny_asr, tmp_path, monkeypatch):
+    """'~/whisper' is a folder to us and to transformers alike (transformers took it for a bad hub id)."""
+    from transformers import WhisperProcessor
+
+    folder = tmp_path / "whisper"
+    tiny_asr.model.save_pretrained(folder)
+    WhisperProcessor(tiny_asr.feature_extractor, tiny_asr.tokenizer).save_pretrained(folder)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    loaded = WhisperTranscriber.from_pretrained("~/whisper", language=None, max_new_tokens=None)
+    assert torch.equal(next(loaded.model.parameters()), next(tiny_asr.model.parameters()))

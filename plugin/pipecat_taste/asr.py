@@ -44,6 +44,18 @@ class Transcription:
     kept: int = 0  # tokens of the draft that decoding verified and kept
 
 
+def check_whisper_name(name_or_path) -> str:
+    """A Whisper folder (``~`` expanded) or hub id, as given; refused by name when it is neither
+    (checked before any model loads: the TASTE checkpoint takes minutes)."""
+    from taste_speech.loading import looks_like_hub_id
+
+    name = os.path.expanduser(os.fspath(name_or_path))
+    if not os.path.isdir(name) and not looks_like_hub_id(name):
+        raise FileNotFoundError(f"no Whisper model at {name_or_path!r}: it is neither a folder nor a hub id "
+                                "(owner/name, e.g. openai/whisper-large-v3)")
+    return name
+
+
 class WhisperTranscriber:
     def __init__(self, model, feature_extractor, tokenizer, *, device="cpu", language: str | None = "en",
                  max_new_tokens: int | None = 128, decode: str = "auto", graph_mode: str = "auto"):
@@ -79,12 +91,9 @@ class WhisperTranscriber:
         import torch
         from transformers import AutoProcessor, WhisperForConditionalGeneration
 
-        from taste_speech.loading import looks_like_hub_id
         from taste_speech.modeling_taste import resolve_device
 
-        if not os.path.isdir(os.path.expanduser(str(name_or_path))) and not looks_like_hub_id(name_or_path):
-            raise FileNotFoundError(f"no Whisper model at {name_or_path!r}: it is neither a folder nor a hub id "
-                                    "(owner/name, e.g. openai/whisper-large-v3)")
+        name_or_path = check_whisper_name(name_or_path)
         device = resolve_device(device)
         if dtype in (None, "auto"):
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

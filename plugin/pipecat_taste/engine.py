@@ -202,6 +202,10 @@ class TasteEngine:
         if isinstance(asr, os.PathLike):
             asr = os.fspath(asr)
         _check_options(asr, decoding, parallel_jobs, batch_slots)  # before the weights load (minutes, for the real one)
+        if isinstance(asr, str) and asr != "auto":
+            from pipecat_taste.asr import check_whisper_name
+
+            asr = check_whisper_name(asr)  # a mistyped path fails now, not after the weights
         device = str(resolve_device(device))  # 'auto' -> 'cuda' or 'cpu', once for every part
         if name_or_path is None:
             from taste_speech.tiny import default_tiny_checkpoint
