@@ -35,7 +35,7 @@ async def test_scripted_call_over_webrtc_and_what_webrtc_adds(tmp_path):
     assert report["checks"]["talk_over_ms_outside_barge_in"] == 0
     assert report["checks"]["server_call_ended"] and report["server_teardown_s"] < 2.0
     barge = next(t for t in report["turns"] if t["barge_in"])
-    assert barge["cut_off_turn"] is not None
+    assert barge.get("cut_off_turn") is not None, barge  # the agent noticed the barge-in
     assert barge["agent_side_barge_in_stop_ms"] <= 100  # the agent stopped sending within 100 ms
     # at the caller the audio already on its way (network, jitter buffer) still plays out
     assert barge["barge_in_stop_ms"] < 600
