@@ -225,8 +225,8 @@ class TasteGenerator(FrameProcessor):
                 decision, reason = "no_speech", "the caller spoke again before the reply began"
                 record.reason = reason
             record.decision, record.decided_at = decision, time.monotonic()
-            if decision != "reply":
-                record.interrupted = False  # a barge-in while it was decided cut no reply
+            if decision != "reply":  # a barge-in while it was decided cut no reply
+                record.interrupted, record.barge_in_at = False, None
             call.log.event("decision", turn_id, decision=decision, **({"reason": reason} if reason else {}))
             await self._announce(turn_id, TasteTurnDecisionFrame(turn_id, decision, reason))
             if decision != "reply":
