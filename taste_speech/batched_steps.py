@@ -272,11 +272,15 @@ class SlotCache:
             self.batch._release(self.slot)
         self.private = None
 
+    def _check_open(self) -> None:
+        """A closed cache's slot may be another call's by now: it must not be touched."""
+        if self.closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed (its call ended): open a new one")
+
     def _use_private(self, t: int) -> bool:
         """Before feeding ``t`` positions: whether they go to the private cache (leaving the batch
         now if they would not fit)."""
-        if self.closed:
-            raise RuntimeError(f"this {type(self).__name__} was closed (its call ended): open a new one")
+        self._check_open()
         if self.private is None and self.length + t > self.batch.capacity:
             self.private = self._private_copy()
             self.batch._release(self.slot)

@@ -188,6 +188,7 @@ class SlotLMCache(SlotCache):
         return self.batch.prefill(self.slot, self, rows)
 
     def crop(self, length: int) -> None:
+        self._check_open()
         if self.private is not None:
             self.private.crop(length)
             return

@@ -131,6 +131,7 @@ class SlotSpeechCache(SlotCache):
         super().__init__(batch)
 
     def truncate(self, length: int) -> None:
+        self._check_open()
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         if self.private is not None:

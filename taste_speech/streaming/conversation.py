@@ -172,6 +172,17 @@ class Conversation:
         return list(self.state.turns)
 
     # -- the cache ------------------------------------------------------------------------------
+    def _feed(self, decode: LMDecodeState, rows: torch.Tensor) -> None:
+        """Feed ``rows`` to ``decode``'s cache. An LM that fails midway (out of memory, an
+        interrupt) may leave its layers at different lengths: that cache is dropped, and the next
+        use prefills the committed history again (the history itself only changes after a feed)."""
+        try:
+            self.lm.feed(decode, rows)
+        except BaseException:
+            _close_cache(decode)
+            self._drop_cache()
+            raise
+
     @torch.no_grad()
     def _rebuild(self) -> None:
         """Prefill the whole committed history (first use, or after the window moved / a turn in
@@ -201,7 +212,7 @@ class Conversation:
             decode.input_ids.extend(ids)
             st.turn_rows.append(r.shape[1])
             st.turn_ids.append(len(ids))
-        self.lm.feed(decode, torch.cat(rows, dim=1))
+        self._feed(decode, torch.cat(rows, dim=1))
         st.decode, st.carry = decode, carry
         self._mark_committed()
 
@@ -219,7 +230,7 @@ class Conversation:
         decode = self.state.decode
         last = decode.inputs_embeds()[:, rows - 1: rows]
         decode.crop(rows - 1)
-        self.lm.feed(decode, last)
+        self._feed(decode, last)
         del decode.input_ids[ids:]
 
     def ready(self) -> LMDecodeState:
@@ -259,7 +270,7 @@ class Conversation:
             raise ValueError("a system segment can only open a conversation (pass it as Conversation(system=...))")
         decode = self._ready()
         rows, ids, carry = self.format.segment_rows(segment, st.carry)
-        self.lm.feed(decode, rows)
+        self._feed(decode, rows)
         decode.input_ids.extend(ids)
         st.turns.append(segment)
         st.turn_rows.append(rows.shape[1])
@@ -279,7 +290,7 @@ class Conversation:
         decode = self._ready()
         opening = self.format.reply_opening(self.state.carry, eos_id)
         if opening.rows is not None:
-            self.lm.feed(decode, opening.rows)
+            self._feed(decode, opening.rows)
             decode.input_ids.extend(opening.opening_ids)
         self.state.reply_opening = 0 if opening.rows is None else opening.rows.shape[1]
         return opening
@@ -302,7 +313,7 @@ class Conversation:
                              f"{expected}: commit_reply must directly follow the generation of this reply")
         rows, ids, carry = self.format.reply_closing(reply)
         if rows is not None:
-            self.lm.feed(decode, rows)
+            self._feed(decode, rows)
             decode.input_ids.extend(ids)
         st.turns.append(reply)
         st.turn_rows.append(decode.length - st.committed_rows)
@@ -356,7 +367,7 @@ class Conversation:
         n_close = 0 if closing_rows is None else closing_rows.shape[1]
         self._cut(start_rows + rows.shape[1] - n_close, start_ids + len(ids) - len(closing_ids))
         if closing_rows is not None:
-            self.lm.feed(st.decode, closing_rows)
+            self._feed(st.decode, closing_rows)
             st.decode.input_ids.extend(closing_ids)
         st.turns.append(kept)
         st.turn_rows.append(rows.shape[1])

@@ -306,7 +306,7 @@ def _reply(model, processor, conversation: Conversation, sampler: TasteSampler, 
         if words and emit(list(words)):
             yield _item(False, None, _segment(words, k), steps=generated)
             words = []
-        lm.feed(decode, lm.next_row(decode, decision.text_id))
+        conversation._feed(decode, lm.next_row(decode, decision.text_id))
 
     reply = _segment(reply_words, k) if reply_words else None
     conversation._commit_reply(reply)
