@@ -557,6 +557,21 @@ def test_snapshot_and_restore(model, processor, user_turn, second_turn, cache_ki
         assert conv.lm_batch.slots_in_use == 0
     with pytest.raises(ValueError, match="snapshot"):
         conv.restore({"turns": []})
+    conv.close()
+    with pytest.raises(RuntimeError, match="closed: restore the snapshot into a new Conversation"):
+        conv.restore(snap)  # (it came back to life, then failed at its next window roll)
+
+
+def test_a_restored_batched_conversation_goes_back_to_the_batch(model, processor, user_turn, second_turn):
+    """restore() gives a batched conversation a private cache; the next prefill of its history (a
+    window roll) puts it back into a slot, where its decode steps join the other calls'."""
+    conv = new_conversation(model, processor, "batched", max_turns=4)
+    run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+    conv.restore(conv.snapshot())
+    assert not isinstance(conv.state.decode.cache, SlotLMCache) and conv.lm_batch.slots_in_use == 0
+    for _ in range(2):  # past max_turns: the window rolls and the kept history is prefilled again
+        run(model, processor, [second_turn], conversation=conv, text_top_p=0.0)
+    assert isinstance(conv.state.decode.cache, SlotLMCache) and conv.lm_batch.slots_in_use == 1
 
 
 def test_abandoned_reply_is_discarded(model, processor, user_turn):

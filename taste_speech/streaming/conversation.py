@@ -190,8 +190,9 @@ class Conversation:
         if self.closed:
             raise RuntimeError("this conversation was closed: start a new Conversation")
         st = self.state
-        if st.decode is not None and isinstance(st.decode.cache, StaticLMCache):
+        if st.decode is not None and isinstance(st.decode.cache, StaticLMCache) and self.lm_batch is None:
             cache = st.decode.cache  # refilled in place: its buffers and captured decode step stay
+            # (a batched conversation's private copy, after restore(), goes back to the batch instead)
             cache.crop(0)
         else:
             _close_cache(st.decode)
@@ -468,6 +469,8 @@ class Conversation:
         """Put a snapshot back (in a batched conversation the restored cache is a private one).
         The snapshot must come from a conversation in the same prompt format on the same model
         (checkpoint, dtype, device): its cache rows are only valid there."""
+        if self.closed:
+            raise RuntimeError("this conversation was closed: restore the snapshot into a new Conversation")
         if not isinstance(snapshot, ConversationState):
             raise ValueError("restore() takes what snapshot() returned")
         if snapshot.prompt_format is None or snapshot.model_identity is None:
