@@ -83,6 +83,7 @@ async def test_signalling_rejects_bad_requests_with_a_message():
                 assert res.status == 200 and "TASTE voice agent" in await res.text()
         cases = [
             (b"{not json", 400, "malformed JSON"),
+            (b"[" * 4000, 400, "malformed JSON"),  # nested too deep for the parser (was a 500)
             (b"[1, 2]", 400, "JSON object"),
             (json.dumps({"type": "offer"}).encode(), 400, "'sdp'"),
             (json.dumps({"sdp": "v=0\r\n", "type": "answer"}).encode(), 400, "'type'"),
@@ -198,6 +199,18 @@ async def test_a_peer_that_never_connects_gives_its_slot_back():
         pc, answer = await open_peer(url)  # the slot is free again
         assert pc is not None, answer
         await pc.close()
+
+
+async def test_a_peer_that_never_connects_ends_at_the_call_limit_when_that_comes_first():
+    async with running_server(FakeEngine(), config(connect_seconds=6.0, max_call_seconds=1.5)) as (server, url):
+        pc, offer = await make_offer()
+        try:
+            status, _, _ = await post(url + "/api/offer", json.dumps(offer))  # answer never applied
+            assert status == 200 and len(server.calls) == 1
+            assert await wait_until(lambda: not server.calls, 4), "the call outlived its limit"
+            assert "limit of 1.5 s" in server.finished[-1]["ended_because"]
+        finally:
+            await pc.close()
 
 
 async def test_a_call_ends_at_its_time_limit_even_while_talking():
@@ -508,6 +521,9 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
         (["serve", "--ice-server", "stun.example.org:3478"], "expected stun:HOST"),
         (["serve", "--ice-server", "turn:turn.example.org"], "--turn-username"),
         (["serve", "--ssl-keyfile", str(a_file)], "--ssl-keyfile needs its --ssl-certfile"),
+        (["serve", "--ssl-certfile", str(a_file)], "--ssl-certfile/--ssl-keyfile cannot be used"),  # not a PEM
+        (["serve", "--port", "70000"], "--port: must be a TCP port from 1 to 65535"),  # (uvicorn bound 4464)
+        (["serve", "--ice-server", "stun:stun.example.org:3478", "--turn-username", "me"], "--turn-username without a turn"),
         (["serve", "--voice", str(tmp_path / "missing.wav")], "--voice"),
         (["call", "--simulate", "--out", str(a_file)], "is a file; give a folder"),
         (["call", "--simulate", "--max-reply-tokens", "0"], "--max-reply-tokens: must be a whole number >= 1"),

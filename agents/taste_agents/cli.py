@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(call)
     serve = commands.add_parser("serve", help="serve live calls: a WebRTC page and a phone websocket")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--port", type=port_number, default=7860, help="TCP port (default: 7860)")
     serve.add_argument("--max-calls", type=positive_int, default=4, help="concurrent calls; more get HTTP 503")
     serve.add_argument("--max-call-seconds", type=positive_seconds, default=1800.0,
                        help="a call ends after this long (default: 1800)")
@@ -119,6 +119,12 @@ def auto_none_or_count(value: str) -> int | str | None:
 def positive_int(value: str) -> int:
     if not value.strip().isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def port_number(value: str) -> int:
+    if not value.strip().isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535, got {value!r}")
     return int(value)
 
 
@@ -318,10 +324,19 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     for origin in getattr(args, "allowed_origins", None) or ():
         if not origin.partition("://")[2]:
             parser.error(f"--allowed-origin {origin!r}: expected scheme://host[:port], e.g. https://app.example.com")
-    if getattr(args, "turn_username", None) and not getattr(args, "ice_servers", None):
+    turn_servers = [url for url in getattr(args, "ice_servers", None) or () if url.startswith(("turn:", "turns:"))]
+    if getattr(args, "turn_username", None) and not turn_servers:
         parser.error("--turn-username without a turn: --ice-server does nothing; add the TURN server")
     if getattr(args, "ssl_keyfile", None) and not getattr(args, "ssl_certfile", None):
         parser.error("--ssl-keyfile needs its --ssl-certfile (a certfile may also hold the key)")
+    if getattr(args, "ssl_certfile", None):
+        import ssl
+
+        try:  # as the server will load them, so that a mismatch shows now, not after the model loaded
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (ssl.SSLError, OSError) as e:
+            parser.error(f"--ssl-certfile/--ssl-keyfile cannot be used: {e} (a PEM certificate and its own private "
+                         "key; an encrypted key is not supported)")
     if getattr(args, "ice_servers", None):
         from taste_agents.server import ice_servers_from
 

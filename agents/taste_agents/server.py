@@ -377,7 +377,7 @@ class TasteServer:
                 raise SignallingError(413, f"request body larger than {self.config.max_body_bytes} bytes")
         try:
             data = json.loads(body)
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (RecursionError: nested too deep)
             raise SignallingError(400, f"malformed JSON: {e}") from None
         if not isinstance(data, dict):
             raise SignallingError(400, "the body must be a JSON object")
@@ -549,10 +549,12 @@ class TasteServer:
         (the pipeline's idle timeout ends calls in which nobody speaks)."""
         cfg = self.config
         if active.connected is not None:
+            wait = min(cfg.connect_seconds, cfg.max_call_seconds)
             try:
-                await asyncio.wait_for(active.connected.wait(), cfg.connect_seconds)
+                await asyncio.wait_for(active.connected.wait(), wait)
             except (TimeoutError, asyncio.TimeoutError):
-                await self._end(active, f"the peer did not connect within {cfg.connect_seconds:g} s")
+                await self._end(active, f"the peer did not connect within {cfg.connect_seconds:g} s"
+                                if wait == cfg.connect_seconds else f"the call reached its limit of {cfg.max_call_seconds:g} s")
                 return
         await asyncio.sleep(max(0.0, cfg.max_call_seconds - (time.monotonic() - active.started)))
         await self._end(active, f"the call reached its limit of {cfg.max_call_seconds:g} s")
