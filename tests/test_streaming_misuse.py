@@ -302,6 +302,23 @@ def test_text_ids_outside_the_vocabulary(model, processor, speech):
             taste_detokenize(model, processor, speaker, bad, codes, None, 0, ids, taste, voice_generator=vg)
 
 
+def test_a_segment_that_goes_on_with_prev_s_last_word_is_refused_by_name(model, processor, speech):
+    """A new reply's first token may start no word ('mmm' after ' friend'): given the previous
+    reply's last segment as prev_*, the words of the two do not add up (the error blamed the
+    codes' layout)."""
+    vg, ids, taste, starts = speech
+    cut = starts[-1]
+    mmm = torch.tensor([processor.llm_tokenizer.encode("mmm", add_special_tokens=False)])
+    assert not processor.llm_tokenizer.decode(mmm[0, :1]).startswith(" ")
+    codes = torch.full((1, mmm.shape[1], taste.shape[2]), -1)
+    codes[0, 0] = 0
+    with pytest.raises(ValueError, match="text_ids continue the last word of prev_text_ids.*empty prev_"):
+        taste_detokenize(model, processor, processor.default_speaker_embedding(), ids[:, :cut], taste[:, :cut], None, 0,
+                         mmm, codes, voice_generator=vg)
+    taste_detokenize(model, processor, processor.default_speaker_embedding(), None, None, None, 0, mmm, codes,
+                     voice_generator=vg)  # as a new utterance it is fine
+
+
 def test_a_non_finite_voice_is_refused(model, processor, speech):
     vg, ids, taste, _ = speech
     speaker = processor.default_speaker_embedding().clone()

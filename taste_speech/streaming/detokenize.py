@@ -107,6 +107,19 @@ def _check_word_rows(processor, text_ids: torch.Tensor, taste_ids: torch.Tensor,
         )
 
 
+def _check_words_add_up(processor, prev_text_ids: torch.Tensor, text_ids: torch.Tensor) -> None:
+    """The previous segment's words, then this one's: a segment that goes on with the last word of
+    ``prev`` (its first token has no leading space, as a new reply's first token may) cannot be
+    aligned with both segments' codes."""
+    if prev_text_ids.shape[1] == 0:
+        return
+    apart = len(processor.words_from_llm_ids(prev_text_ids)) + len(processor.words_from_llm_ids(text_ids))
+    if len(processor.words_from_llm_ids(torch.cat([prev_text_ids, text_ids], dim=1))) != apart:
+        raise ValueError("text_ids continue the last word of prev_text_ids (their first token starts no new word): "
+                         "prev_* must be the previous segment of the same utterance; start a new reply's speech "
+                         "with empty prev_* (None)")
+
+
 def _as_prev_audio_ms(value) -> float:
     try:
         ms = float(value)
@@ -223,6 +236,7 @@ def taste_detokenize_stream(
                          f"knows {vg.flow.vocab_size}: they come from different checkpoints")
     _check_word_rows(processor, prev_text_ids, prev_taste_ids, "prev_taste_ids")
     _check_word_rows(processor, text_ids, taste_ids, "taste_ids")
+    _check_words_add_up(processor, prev_text_ids, text_ids)
     if state is None:
         _check_stateless_prev_audio(prev_speech_ids, prev_audio_ms)
     else:
