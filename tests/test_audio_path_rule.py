@@ -58,3 +58,23 @@ def test_a_barge_in_after_all_audio_was_out_may_fade_the_heard_audio_mirrored():
     assert reply_audio_intact(synth, np.concatenate([synth, mirrored]), record(interrupted=True), CHUNK, FADE)[0]
     other = (speech(FADE, seed=2) * np.linspace(1, 0, FADE)).astype("<i2")
     assert not reply_audio_intact(synth, np.concatenate([synth, other]), record(interrupted=True), CHUNK, FADE)[0]
+
+
+def test_a_gap_bridge_is_taken_out_and_the_audio_after_it_may_fade_back_in():
+    """Where the synthesizer fell behind, the playout sends a frame of the heard audio mirrored and
+    faded to silence into the gap, and fades the next audio in (``record.audio_gaps``)."""
+    synth, n = speech(), 320
+    bridge = np.zeros(n, "<i2")
+    bridge[:FADE] = (synth[2000 - FADE:2000][::-1] * np.linspace(1, 0, FADE)).astype("<i2")
+    back_in = synth[2000:].copy()
+    back_in[:FADE] = (back_in[:FADE] * np.linspace(0, 1, FADE)).astype("<i2")
+    gap = SimpleNamespace(interrupted=False, ended_by_hangup=False, audio_gaps=[(2000, n)])
+    assert reply_audio_intact(synth, np.concatenate([synth[:2000], bridge, back_in]), gap, CHUNK, FADE) == (True, synth.size)
+    wrong_place = SimpleNamespace(**{**vars(gap), "audio_gaps": [(1900, n)]})
+    assert not reply_audio_intact(synth, np.concatenate([synth[:2000], bridge, back_in]), wrong_place, CHUNK, FADE)[0]
+    loud = bridge.copy()
+    loud[0] = 32000  # a bridge louder than the audio before it is no fade
+    assert not reply_audio_intact(synth, np.concatenate([synth[:2000], loud, back_in]), gap, CHUNK, FADE)[0]
+    changed = back_in.copy()
+    changed[FADE + 10] += 1  # past the fade-in the audio is the synthesizer's, bit-exact
+    assert not reply_audio_intact(synth, np.concatenate([synth[:2000], bridge, changed]), gap, CHUNK, FADE)[0]

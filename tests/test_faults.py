@@ -27,10 +27,12 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat_taste.engine import TasteEngine
 from taste_agents.caller import Pause, Say, WaitForReply, load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig, build_phone_agent
+from taste_agents.report import reply_audio_intact
 from taste_agents.simulate import SimulatedLine, simulate_call
 
 SR = 16000
 FADE = int(0.02 * SR)  # the playout's fade-out after a cut is at most this long (10 ms + one frame)
+FRAME = int(0.02 * SR)  # the playout's frames
 
 
 @pytest.fixture(scope="module")
@@ -105,17 +107,14 @@ def pcm(chunks) -> np.ndarray:
 
 
 def check_reply_audio(log, turn_id: int) -> tuple[str, np.ndarray]:
-    """'complete' (released = synthesized), 'cut' (a bit-exact prefix + at most FADE samples of
-    fade-out, never louder than the audio it fades) or raises AssertionError. Returns the kind
-    and the released audio."""
+    """'complete' (released = synthesized) or 'cut' (a bit-exact prefix + at most FADE samples of
+    fade-out, never louder than the audio it fades): the reports' audio rule
+    (``report.reply_audio_intact``; gaps where the synthesis fell behind are bridged), else
+    AssertionError. Returns the kind and the released audio."""
     synth, released = pcm(log.synthesized_audio.get(turn_id, [])), pcm(log.released_audio.get(turn_id, []))
-    same = int(np.argmin(np.append(released[: synth.size] == synth[: released.size], False)))
-    if same == synth.size and not released[synth.size:].any():
-        return "complete", released
-    tail = released[same:]
-    assert tail.size <= FADE, f"turn {turn_id}: {tail.size} released samples differ from the synthesized audio"
-    assert np.all(np.abs(tail.astype(np.int32)) <= np.abs(synth[same:same + tail.size].astype(np.int32)) + 1)
-    return "cut", released
+    intact, same = reply_audio_intact(synth, released, log.turns[turn_id], FRAME, FADE)
+    assert intact, f"turn {turn_id}: the released audio differs from the synthesized audio from sample {same} on"
+    return ("complete" if same == synth.size else "cut"), released
 
 
 def check_line(result) -> None:

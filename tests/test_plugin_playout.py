@@ -40,6 +40,61 @@ async def test_barge_in_fades_without_a_step(chunk_ms, barge_in_after_s):
 
 
 
+@pytest.mark.serial  # what a transport plays in real time around a gap
+@pytest.mark.parametrize("rate", [8000, 24000, 48000])
+async def test_a_gap_in_the_synthesis_fades_out_and_back_in(rate):
+    """The second chunk comes 350 ms late (the synthesizer fell behind real time): as the transport
+    plays the frames, the audio must neither stop dead on a sample of the tone nor restart on one
+    (both clicks); the reply's audio is all there, and the gap is counted and recorded."""
+    import time
+
+    from pipecat.frames.frames import TTSStoppedFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+
+    from taste_agents.report import reply_audio_intact
+
+    class Timed(FrameProcessor):
+        def __init__(self):
+            super().__init__()
+            self.audio = []  # (arrival time, samples)
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            if isinstance(frame, TTSAudioRawFrame) and direction == FrameDirection.DOWNSTREAM:
+                self.audio.append((time.monotonic(), pcm16_to_float(frame.audio)))
+            await self.push_frame(frame, direction)
+
+    call = TasteCall(FakeEngine())
+    call.active_reply_turn = 1
+    call.log.keep_audio = True
+    t = np.arange(rate * 300 // 1000) / rate
+    tone = (0.3 * np.sin(2 * np.pi * 437 * t)).astype(np.float32)
+    first, second = tone[: rate * 110 // 1000], tone[rate * 110 // 1000:]
+    context = context_id_for(1)
+    timed = Timed()
+    frames = [TTSStartedFrame(context_id=context), TTSAudioRawFrame(float_to_pcm16(first), rate, 1, context_id=context),
+              SleepFrame(0.35), TTSAudioRawFrame(float_to_pcm16(second), rate, 1, context_id=context),
+              TTSStoppedFrame(context_id=context), SleepFrame(0.4)]
+    await run_test(Pipeline([TastePlayout(call), timed]), frames_to_send=frames,
+                   pipeline_params=PipelineParams(audio_out_sample_rate=rate))
+    # played back to back; a frame that comes after the transport ran dry starts after silence
+    ends_before_silence, starts_after_silence, heard_until = [], [], None
+    for arrived, samples in timed.audio:
+        if heard_until is not None and arrived > heard_until + 0.002:
+            ends_before_silence.append(previous[-1])
+            starts_after_silence.append(samples[0])
+            heard_until = arrived
+        heard_until = (heard_until or arrived) + samples.size / rate
+        previous = samples
+    assert starts_after_silence, "no gap: the test did not make the synthesis fall behind"
+    assert np.abs(ends_before_silence).max() < 1e-3 and np.abs(starts_after_silence).max() < 1e-3
+    record = call.log.turn(1)
+    assert record.underruns == 1 and len(record.audio_gaps) == 1
+    released = np.frombuffer(b"".join(call.log.released_audio[1]), "<i2")  # the bridge, and all the tone
+    assert reply_audio_intact(np.frombuffer(float_to_pcm16(tone), "<i2"), released, record, rate // 100, rate // 50)[0]
+
+
 async def test_a_segment_gives_its_slot_back_to_the_semaphore_it_took_it_from():
     """After a barge-in the generator has a new back-pressure semaphore; a segment sent before it
     that the synthesizer takes afterwards must not add a place to the new one (the limit would

@@ -58,14 +58,40 @@ def last_active(channel: np.ndarray, start: int, stop: int) -> int | None:
     return None if idx.size == 0 else start + int(idx[-1]) + 1
 
 
+def _without_gap_bridges(released: np.ndarray, gaps) -> tuple[np.ndarray | None, list[int]]:
+    """The released reply audio without the frames the playout sent into gaps (``record.audio_gaps``:
+    each the heard audio's mirror faded to silence, no louder than the audio before it), and the
+    reply samples at which the audio came back; (None, []) when a bridge is not what it should be."""
+    kept, resumes, taken, last = [], [], 0, 0
+    for before, n in gaps:
+        start = before + taken
+        bridge, heard = released[start:start + n].astype(np.int32), released[max(0, start - n):start].astype(np.int32)
+        if bridge.size != n or bridge[-1] != 0 or (heard.size and np.abs(bridge).max() > np.abs(heard).max() + 1):
+            return None, []
+        kept.append(released[last:start])
+        last, taken = start + n, taken + n
+        resumes.append(before)
+    kept.append(released[last:])
+    return np.concatenate(kept), resumes
+
+
 def reply_audio_intact(synth: np.ndarray, released: np.ndarray, record, chunk_samples: int,
                        fade_samples: int) -> tuple[bool, int]:
     """The rule for one reply: the audio the playout released is the synthesizer's audio, bit-exact -
     all of it, then only the zero padding of the last frame; or a prefix when the reply was cut
     (barge-in: followed by at most a fade-out of what came next, or of the heard audio mirrored when
-    nothing more had come; hang-up: cut where the line went dead). Returns (intact, length of the identical prefix)."""
+    nothing more had come; hang-up: cut where the line went dead). Where the synthesizer fell
+    behind, the playout's gap bridges are taken out and the audio after each may fade back in.
+    Returns (intact, length of the identical prefix)."""
+    released, resumes = _without_gap_bridges(released, getattr(record, "audio_gaps", None) or ())
+    if released is None:
+        return False, 0
     n = min(synth.size, released.size)
-    common = int(np.argmin(np.append(synth[:n] == released[:n], False)))
+    same = synth[:n] == released[:n]
+    for at in resumes:  # faded back in: no louder than the synthesized audio
+        window = slice(at, min(at + fade_samples, n))
+        same[window] |= np.abs(released[window].astype(np.int32)) <= np.abs(synth[window].astype(np.int32)) + 1
+    common = int(np.argmin(np.append(same, False)))
     if record.ended_by_hangup and not record.interrupted:
         good = common == released.size or (common == synth.size and not released[synth.size:].any())
     elif record.interrupted and released.size <= synth.size + fade_samples:

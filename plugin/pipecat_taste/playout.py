@@ -37,7 +37,10 @@ its audio, as a speech-to-speech service does (so an assistant aggregator after
 included: it is what the context keeps, and RTVI reports it as bot-output); at the end
 ``TTSStoppedFrame`` then ``LLMFullResponseEndFrame`` (one of each per reply, also when it is cut
 off: the transport reports one BotStarted/BotStopped pair). It counts underruns (the synthesizer
-not keeping up with real time) instead of hiding them.
+not keeping up with real time) instead of hiding them, and keeps them from clicking: when a reply's
+next audio has not come by the time half of ``lead_ms`` is left in the transport, one frame of the
+heard audio mirrored and faded to silence goes out in its place, and the audio that comes next
+fades in (the turn's record lists these gaps: ``audio_gaps``).
 
 On barge-in the fade and the ``TTSStoppedFrame`` go out first and the ``InterruptionFrame`` is
 passed on (then the reply's ``LLMFullResponseEndFrame``: an aggregator keeps the words heard,
@@ -83,7 +86,7 @@ from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
 from pipecat.utils.text.base_text_aggregator import TextType
 
-from pipecat_taste.audio import FrameSlicer, fade_out, float_to_pcm16, pcm16_to_float, samples_for_ms
+from pipecat_taste.audio import FrameSlicer, fade_in, fade_out, float_to_pcm16, pcm16_to_float, samples_for_ms
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import (
     TasteAudioStartedFrame,
@@ -134,6 +137,7 @@ class _Reply:
     arrivals: list[tuple[int, float]] = field(default_factory=list)  # (first sample, time) of each chunk at the start
     first_release: float | None = None  # when its first audio was released (the origin before any underrun)
     last_released: np.ndarray | None = None  # the last frame handed over (a barge-in fade continues it)
+    bridged: bool = False  # its audio ran out: a faded bridge went out in its place, the next audio fades in
 
 
 class TastePlayout(FrameProcessor):
@@ -284,6 +288,16 @@ class TastePlayout(FrameProcessor):
         lead = self._params.lead_ms / 1000.0
         while True:
             if not self._queue:
+                playing = self._playing
+                if playing is not None and playing.origin is not None and not playing.ended and not playing.bridged:
+                    # More of this reply is due. Late audio still plays seamlessly while the transport
+                    # has some of the lead left; past half of it, bridge the gap
+                    due = playing.origin + playing.released / self._rate - lead / 2
+                    if due > time.monotonic():
+                        await self._sleep_or_wake(due - time.monotonic())
+                    else:
+                        await self._bridge(playing)
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -324,8 +338,12 @@ class TastePlayout(FrameProcessor):
                 if heard_at < now - 0.005 and reply.released:
                     # The synthesizer fell behind real time: the transport ran dry; restart the clock.
                     reply.origin = now - reply.released / self._rate
-                    self._call.log.turn(reply.turn_id).underruns += 1
+                    if not reply.bridged:  # (a bridge counted it already)
+                        self._call.log.turn(reply.turn_id).underruns += 1
                 self._queue.popleft()
+                if reply.bridged:  # the audio comes back after a gap that was faded out: fade it in
+                    payload = fade_in(payload, samples_for_ms(self._params.fade_out_ms, self._rate))
+                    reply.bridged = False
                 await self._release(reply, payload)
             elif kind == "end":
                 # Wait until the released audio has been heard before reporting the reply done.
@@ -372,15 +390,35 @@ class TastePlayout(FrameProcessor):
 
     async def _release(self, reply: _Reply, samples: np.ndarray):
         await self._push_texts(reply, samples.size)
-        pcm = float_to_pcm16(samples)
-        frame = TTSAudioRawFrame(pcm, self._rate, 1, context_id=context_id_for(reply.turn_id))
-        frame.interruptible = False  # the playout decides what gets dropped, not the transport
         reply.released += samples.size
         reply.queued_samples -= samples.size
         reply.last_released = samples
+        await self._send(reply, samples)
+
+    async def _send(self, reply: _Reply, samples: np.ndarray):
+        pcm = float_to_pcm16(samples)
+        frame = TTSAudioRawFrame(pcm, self._rate, 1, context_id=context_id_for(reply.turn_id))
+        frame.interruptible = False  # the playout decides what gets dropped, not the transport
         if self._call.log.keep_audio:
             self._call.log.released_audio.setdefault(reply.turn_id, []).append(pcm)
         await self.push_frame(frame)
+
+    async def _bridge(self, reply: _Reply):
+        """The reply's next audio is due and has not come (the synthesizer fell behind real time):
+        the transport would stop dead on the last sample, a click. One frame goes out in its place,
+        the heard audio mirrored about its last sample (so its value goes on) faded to silence; the
+        reply's clock moves on by that frame, and its next audio fades in."""
+        n, fade = self._frame_samples, samples_for_ms(self._params.fade_out_ms, self._rate)
+        bridge = np.zeros(n, np.float32)
+        if reply.last_released is not None and fade:
+            mirrored = reply.last_released[::-1][: min(fade, n)]
+            bridge[: mirrored.size] = fade_out(mirrored, mirrored.size)
+        reply.bridged = True
+        reply.origin += n / self._rate
+        record = self._call.log.turn(reply.turn_id)
+        record.underruns += 1
+        record.audio_gaps.append((reply.released, n))
+        await self._send(reply, bridge)
 
     def _first_audio(self, reply: _Reply, now: float):
         record = self._call.log.turn(reply.turn_id)
@@ -425,6 +463,8 @@ class TastePlayout(FrameProcessor):
         samples about to be released (queued frames, then the slicer's partial frame). When fewer
         have arrived (synthesis just in time: everything received is out), the released audio
         mirrored about its last sample makes up the rest - its value goes on, so there is no step."""
+        if reply.bridged:  # its audio already faded out into a gap: nothing is playing to fade
+            return np.zeros(0, np.float32)
         need = samples_for_ms(self._params.fade_out_ms, self._rate)
         pieces, have = [], 0
         for kind, item_reply, payload in self._queue:
