@@ -610,3 +610,20 @@ def test_capture_params_must_be_finite_seconds(name, value):
 
     with pytest.raises(ValueError, match=rf"TurnCaptureParams.{name} must be a finite number of seconds"):
         TurnCaptureParams(**{name: value})
+
+
+async def test_an_output_rate_the_synthesis_cannot_make_is_refused_when_the_pipeline_starts():
+    """(It was taken as given, and every reply then failed on its own, silent.)"""
+    from pipecat.frames.frames import ErrorFrame
+    from pipecat.pipeline.worker import PipelineParams
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeEngine
+
+    _, up = await run_test(TasteSynthesizer(TasteCall(FakeEngine())), frames_to_send=[SleepFrame(0.1)],
+                           pipeline_params=PipelineParams(audio_out_sample_rate=11025))
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert any("audio_out_sample_rate is 11025 Hz" in e and "set PipelineParams(audio_out_sample_rate=...)" in e
+               for e in errors), errors

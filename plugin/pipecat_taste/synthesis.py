@@ -112,7 +112,13 @@ class TasteSynthesizer(FrameProcessor):
 
     async def setup(self, setup: FrameProcessorSetup):
         await super().setup(setup)
+        from taste_speech.streaming.synthesis_state import SUPPORTED_OUTPUT_RATES
+
         self._out_rate = setup.audio_out_sample_rate
+        if self._out_rate not in SUPPORTED_OUTPUT_RATES:  # else every reply would fail, one by one
+            raise ValueError(f"{self}: the pipeline's audio_out_sample_rate is {self._out_rate} Hz, and the TASTE "
+                             f"synthesis resamples to {SUPPORTED_OUTPUT_RATES} Hz only: set "
+                             "PipelineParams(audio_out_sample_rate=...) (or the transport's) to one of them")
         await self._call.ensure_session()
 
     async def cleanup(self):
