@@ -201,18 +201,22 @@ async def test_a_barge_in_while_the_end_waits_still_ends_the_call(vocode_delay, 
                                                                                             TTSStoppedFrame]
 
 
+def capture_and_generator(call) -> Pipeline:
+    """The built-in ASR's turns, answered; no synthesizer, no playout."""
+    from pipecat_taste import TasteGenerator, TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
+
+    return Pipeline([TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
+                                      params=TurnCaptureParams(transcripts="asr", early_reply_secs=None)),
+                     TasteGenerator(call)])
+
+
 async def test_without_a_playout_an_interrupted_reply_keeps_only_the_words_sent_on():
     """No playout to say what was heard: the conversation keeps the words the generator sent on
     before the interruption, not the one the model was making when it came (it was never spoken)."""
-    from pipecat_taste import TasteGenerator, TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
-
     engine = FakeEngine(asr_text="what time is it", word_delay=0.3, reply_words=tuple(f"w{i}" for i in range(20)))
     call = TasteCall(engine)
-    pipeline = Pipeline([TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
-                                          params=TurnCaptureParams(transcripts="asr", early_reply_secs=None)),
-                         TasteGenerator(call)])
     frames = caller_audio(silence_secs=0.8) + [SleepFrame(1.0), InterruptionFrame(), SleepFrame(1.0)]
-    down, _ = await run_test(pipeline, frames_to_send=frames, pipeline_params=PARAMS)
+    down, _ = await run_test(capture_and_generator(call), frames_to_send=frames, pipeline_params=PARAMS)
     record = call.log.turns[1]
     sent = "".join(f.text for f in down if isinstance(f, TasteReplySegmentFrame)).strip()
     assert record.interrupted and 0 < record.total_words < 20
@@ -226,15 +230,9 @@ async def test_a_barge_in_while_the_turn_is_decided_marks_only_a_reply_interrupt
     no_speech turn had no reply to interrupt (the call's status said it had)."""
     import time
 
-    from pipecat_taste import TasteGenerator, TasteTurnCapture, TurnCaptureParams, WebRTCVADAnalyzer
-
-    engine = FakeEngine(asr_text="mm hm", decide=lambda text: time.sleep(1.5) or decision)
-    call = TasteCall(engine)
-    pipeline = Pipeline([TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
-                                          params=TurnCaptureParams(transcripts="asr", early_reply_secs=None)),
-                         TasteGenerator(call)])
+    call = TasteCall(FakeEngine(asr_text="mm hm", decide=lambda text: time.sleep(1.5) or decision))
     frames = caller_audio(silence_secs=0.8) + [SleepFrame(0.5), InterruptionFrame(), SleepFrame(2.0)]
-    down, _ = await run_test(pipeline, frames_to_send=frames, pipeline_params=PARAMS)
+    down, _ = await run_test(capture_and_generator(call), frames_to_send=frames, pipeline_params=PARAMS)
     record = call.log.turns[1]
     assert record.decision == decision and record.interrupted == (decision == "reply")
     assert not [f for f in down if isinstance(f, TasteReplySegmentFrame)]  # stopped before its first word
