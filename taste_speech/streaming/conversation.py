@@ -175,7 +175,7 @@ class Conversation:
     def _feed(self, decode: LMDecodeState, rows: torch.Tensor) -> None:
         """Feed ``rows`` to ``decode``'s cache. An LM that fails midway (out of memory, an
         interrupt) may leave its layers at different lengths: that cache is dropped, and the next
-        use prefills the committed history again (the history itself only changes after a feed)."""
+        use prefills the history as it then stands (a turn is only added after its rows are in)."""
         try:
             self.lm.feed(decode, rows)
         except BaseException:
