@@ -150,9 +150,37 @@ async def test_no_transcript_and_no_asr_is_an_error_not_a_crash(utterances):
 async def test_short_speech_is_ignored(utterances):
     blip = utterances["hello"].audio[: int(0.45 * SR)]
     frames = audio_frames(np.concatenate([silence(0.5), blip])) + transcript("hel") + audio_frames(silence(1.0))
-    _, down, _ = await run_capture(frames, params=TurnCaptureParams(min_speech_secs=0.8, transcript_timeout_secs=0.2))
+    _, down, _ = await run_capture(frames, params=TurnCaptureParams(min_turn_secs=0.8, min_speech_secs=0.8,
+                                                                    transcript_timeout_secs=0.2))
     assert not of(down, TasteUserTurnFrame)
     assert [d.decision for d in of(down, TasteTurnDecisionFrame)] == ["ignored"]
+
+
+@pytest.mark.parametrize("mode", ["asr", "upstream"])
+async def test_a_short_yes_is_answered_but_not_while_the_agent_talks(utterances, mode):
+    """The VAD measures a spoken 'yes' at about 0.2 s, under min_speech_secs: the caller's answer
+    (it was ignored as too short), unless it came while the agent was answering (a backchannel)."""
+    yes = utterances["yes"]
+    frames = audio_frames(np.concatenate([silence(0.5), yes.audio]))
+    frames += (transcript(yes.text) if mode == "upstream" else []) + audio_frames(silence(1.0))
+    params = TurnCaptureParams(transcripts=mode, transcript_timeout_secs=0.5)
+    call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text=yes.text), params=params, tail_secs=1.0)
+    (record,) = call.log.turns.values()
+    assert record.speech_seconds < params.min_speech_secs  # (what makes it a short one)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [yes.text]
+
+    busy = TasteCall(FakeEngine(asr_text=yes.text))
+    busy.active_reply_turn = busy.new_turn_id()  # the agent is answering
+    capture = TasteTurnCapture(busy, vad_analyzer=WebRTCVADAnalyzer(), params=params)
+    down, _ = await run_test(capture, frames_to_send=frames + [SleepFrame(1.0)],
+                             pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+    assert not of(down, TasteUserTurnFrame) and not [e for e in busy.log.events if e["kind"] == "barge_in"]
+    assert busy.log.turn(busy.active_reply_turn + 1).reason.endswith("over the agent's reply")
+
+
+def test_min_turn_secs_cannot_be_above_min_speech_secs():
+    with pytest.raises(ValueError, match="min_turn_secs .0.5. must not be above min_speech_secs .0.25."):
+        TurnCaptureParams(min_turn_secs=0.5)
 
 
 @pytest.mark.parametrize("mode, text", [("asr", "."), ("upstream", "... ?")])

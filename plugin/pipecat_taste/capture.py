@@ -100,8 +100,11 @@ from pipecat_taste.upstream_transcripts import TurnWords, UpstreamTranscripts
 @dataclass
 class TurnCaptureParams:
     """pre_roll_secs: audio kept before the estimated speech onset. post_roll_secs: audio kept
-    after the estimated speech end. min_speech_secs: shorter turns are ignored (coughs, clicks)
-    and neither barge in nor mute earlier replies. transcript_timeout_secs: how long to wait after
+    after the estimated speech end. min_turn_secs: shorter speech is dropped as a click, without a
+    transcript. min_speech_secs: shorter speech neither barges in nor mutes earlier replies (a cough,
+    an 'mm'), and is ignored when it began while the agent was answering or speaking (a backchannel);
+    otherwise it is transcribed, and answered when it has words (the VAD measures a spoken 'yes' at
+    about 0.2 s). transcript_timeout_secs: how long to wait after
     the turn for an upstream transcript before falling back to the built-in ASR; in 'auto' with a
     built-in ASR, until the call's first upstream transcript arrives, only
     first_transcript_grace_secs (a call that relies on the built-in ASR would otherwise lose the
@@ -117,6 +120,7 @@ class TurnCaptureParams:
 
     pre_roll_secs: float = 0.3
     post_roll_secs: float = 0.2
+    min_turn_secs: float = 0.1
     min_speech_secs: float = 0.25
     transcript_timeout_secs: float = 1.5
     first_transcript_grace_secs: float = 0.3
@@ -131,7 +135,7 @@ class TurnCaptureParams:
     def __post_init__(self):
         if self.transcripts not in ("auto", "upstream", "asr"):
             raise ValueError(f"transcripts must be 'auto', 'upstream' or 'asr', got {self.transcripts!r}")
-        for name in ("pre_roll_secs", "post_roll_secs", "min_speech_secs", "transcript_timeout_secs",
+        for name in ("pre_roll_secs", "post_roll_secs", "min_turn_secs", "min_speech_secs", "transcript_timeout_secs",
                      "first_transcript_grace_secs", "transcript_quiet_secs", "early_reply_secs",
                      "incremental_asr_every_secs"):
             value = getattr(self, name)
@@ -141,6 +145,9 @@ class TurnCaptureParams:
                 raise ValueError(f"TurnCaptureParams.{name} must be a finite number of seconds, got {value!r}")
             if value < 0:
                 raise ValueError(f"TurnCaptureParams.{name} must be >= 0, got {value!r}")
+        if self.min_turn_secs > self.min_speech_secs:  # else speech that mutes a reply could go unanswered
+            raise ValueError(f"TurnCaptureParams.min_turn_secs ({self.min_turn_secs:g}) must not be above "
+                             f"min_speech_secs ({self.min_speech_secs:g})")
         if self.early_reply_secs is not None and self.early_reply_secs <= 0:
             raise ValueError("TurnCaptureParams.early_reply_secs must be > 0 (or None: wait for the VAD)")
         if self.incremental_asr_every_secs <= 0:
@@ -188,6 +195,8 @@ class _CapturedTurn:
     pushed: bool = False  # its TasteUserTurnFrame went downstream
     deferred: list = field(default_factory=list)  # coroutine functions to run on confirmation
     dropped: str | None = None  # why it is no turn to answer (decided by the finisher, in order)
+    over_agent: bool = False  # it began while the agent was answering or speaking
+    after_split: bool = False  # it goes on from a turn closed at the length limit
 
 
 _NO_AUDIO = np.zeros(0, np.float32)
@@ -219,6 +228,8 @@ class TasteTurnCapture(FrameProcessor):
         self._turn_id: int | None = None
         self._vad_start_at = 0.0
         self._long_enough = False  # the current turn has min_speech_secs of speech: it mutes and barges in
+        self._over_agent = False  # the current turn began while the agent was answering or speaking
+        self._after_split = False  # the current turn goes on from one closed at the length limit
         self._words: TurnWords | None = None  # the current turn's upstream transcript
         self._transcripts = UpstreamTranscripts(self._params.transcript_quiet_secs, call.log, owner=str(self))
         self._finish_queue: asyncio.Queue | None = None
@@ -459,6 +470,8 @@ class TasteTurnCapture(FrameProcessor):
         self._silence_from = None
         self._turn_id = self._call.new_turn_id()
         self._long_enough = False
+        self._over_agent = self._call.agent_busy
+        self._after_split = forced
         self._vad_start_at = now
         self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
         self._words = self._transcripts.new_turn(now, self._start_secs())
@@ -549,7 +562,8 @@ class TasteTurnCapture(FrameProcessor):
         record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
         self._words.close(now, record.speech_end, end_sample)
         return _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
-                             record.speech_start, record.speech_end, record.speech_seconds, self._words, self._turn_asr)
+                             record.speech_start, record.speech_end, record.speech_seconds, self._words, self._turn_asr,
+                             over_agent=self._over_agent, after_split=self._after_split)
 
     def _enqueue(self, turn: _CapturedTurn, held: bool = False) -> None:
         """Hand the closed turn to the finisher; a turn closed at the length limit is ``held`` until
@@ -558,7 +572,7 @@ class TasteTurnCapture(FrameProcessor):
         if self._finish_queue is None:
             return
         self._turns_finishing += 1
-        if turn.dropped is None and turn.speech_seconds >= self._params.min_speech_secs \
+        if turn.dropped is None and turn.speech_seconds >= self._params.min_turn_secs \
                 and self._params.transcripts != "asr":
             self._transcripts.expect(turn.words)
         if held:
@@ -644,8 +658,14 @@ class TasteTurnCapture(FrameProcessor):
         if turn.dropped is not None:
             await self._decide(turn, "ignored", turn.dropped)
             return
-        if turn.speech_seconds < self._params.min_speech_secs:
+        if turn.speech_seconds < self._params.min_turn_secs:
             await self._decide(turn, "ignored", f"speech too short ({turn.speech_seconds:.2f} s)")
+            return
+        if turn.speech_seconds < self._params.min_speech_secs and (turn.over_agent or turn.after_split):
+            # an 'mm-hm' while the agent talks (a backchannel; a 'yes' after it is a turn), or the last
+            # syllable of a turn split at the length limit (the part before it is answered)
+            where = "after the split" if turn.after_split else "over the agent's reply"
+            await self._decide(turn, "ignored", f"short speech ({turn.speech_seconds:.2f} s) {where}")
             return
         transcript = await self._transcript(turn)
         if transcript is None or turn.retracted.is_set():
