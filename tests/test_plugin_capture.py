@@ -326,6 +326,25 @@ async def test_a_turn_split_at_the_window_is_answered_once(utterances, limit, an
     assert all(t.audio_seconds <= limit for t in call.log.turns.values())
 
 
+@pytest.mark.serial  # paced audio: the limit must fall in a 0.35 s pause
+async def test_a_split_in_the_pause_after_an_early_hand_over_does_not_confirm_it(utterances):
+    """The length limit falls in a short pause after the turn was handed on early, and the caller
+    goes on: the early turn is taken back, not confirmed (that gave one sentence two replies)."""
+    from pipecat.pipeline.pipeline import Pipeline
+
+    from pipecat_taste import TasteGenerator
+
+    audio = np.concatenate([silence(0.5), utterances["hello"].audio, silence(0.35), utterances["time"].audio, silence(1.0)])
+    call = TasteCall(FakeEngine(asr_text="hello there", max_turn_seconds=4.0))
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(), params=TurnCaptureParams(transcripts="asr"))
+    down, _ = await run_test(Pipeline([capture, TasteGenerator(call)]),
+                             frames_to_send=paced(audio_frames(audio)) + [SleepFrame(1.0)],
+                             pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+    assert "tentative" in [status for _, status in statuses(down)], "no early hand-over: nothing was tested"
+    assert len([r for r in call.log.turns.values() if r.decision == "reply"]) == 1  # one sentence, one reply
+    assert call.log.retracted  # the early turn, taken back at the split
+
+
 async def test_early_replies_can_be_turned_off(utterances):
     hello = utterances["hello"]
     frames = paced(audio_frames(np.concatenate([silence(0.5), hello.audio, silence(1.2)])))

@@ -390,6 +390,8 @@ class TasteTurnCapture(FrameProcessor):
                 # the caller is still talking) or ends without (then it does: the split only cut
                 # the last syllable or the closing silence off).
                 logger.info(f"{self}: turn {self._turn_id} reached {self._max_turn_seconds():.0f} s, splitting it")
+                if self._early is not None:  # in the pause after an early hand-over: the split decides,
+                    await self._retract(now)  # not a confirmation the VAD never gave
                 await self._speech_stopped(now, forced=True)
                 await self._speech_started(now, forced=True)
             else:
