@@ -326,6 +326,25 @@ async def test_a_turn_split_at_the_window_is_answered_once(utterances, limit, an
     assert all(t.audio_seconds <= limit for t in call.log.turns.values())
 
 
+@pytest.mark.serial  # paced audio: the click must fall in the pause after the early hand-over
+async def test_a_click_after_an_early_hand_over_does_not_wait_for_words(utterances):
+    """A 40 ms lip smack in the pause takes the early turn back (the VAD calls it speech); the STT's
+    transcript is already in, and nothing more will come for a click: the turn goes on with it
+    (it waited for words after the click until the transcript timeout)."""
+    hello = utterances["hello"]
+    energy = np.convolve(hello.audio ** 2, np.ones(int(0.04 * SR)), "valid")
+    loudest = int(np.argmax(energy))
+    click = hello.audio[loudest:loudest + int(0.04 * SR)]
+    frames = (paced(audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.26)])))
+              + [TranscriptionFrame(hello.text, "caller", time_now_iso8601(), finalized=True)]
+              + paced(audio_frames(np.concatenate([silence(0.06), click, silence(2.5)]))))
+    call, down, _ = await run_capture(frames, params=TurnCaptureParams(transcripts="upstream", transcript_timeout_secs=3.0))
+    assert call.log.retracted, "the click did not take the early turn back: nothing was tested"
+    (turn,) = [t for t in of(down, TasteUserTurnFrame) if t.turn_id not in call.log.retracted]
+    record = call.log.turns[turn.turn_id]
+    assert turn.transcript == hello.text and record.tokenized_at - record.vad_stop_at < 1.0  # not the 3 s timeout
+
+
 @pytest.mark.serial  # paced audio: the limit must fall in a 0.35 s pause
 async def test_a_split_in_the_pause_after_an_early_hand_over_does_not_confirm_it(utterances):
     """The length limit falls in a short pause after the turn was handed on early, and the caller

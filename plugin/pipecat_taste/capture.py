@@ -230,6 +230,7 @@ class TasteTurnCapture(FrameProcessor):
         self._long_enough = False  # the current turn has min_speech_secs of speech: it mutes and barges in
         self._over_agent = False  # the current turn began while the agent was answering or speaking
         self._after_split = False  # the current turn goes on from one closed at the length limit
+        self._resumed_sample: int | None = None  # where the caller spoke again after an early hand-over
         self._words: TurnWords | None = None  # the current turn's upstream transcript
         self._transcripts = UpstreamTranscripts(self._params.transcript_quiet_secs, call.log, owner=str(self))
         self._finish_queue: asyncio.Queue | None = None
@@ -474,6 +475,7 @@ class TasteTurnCapture(FrameProcessor):
         self._long_enough = False
         self._over_agent = self._call.agent_busy
         self._after_split = forced
+        self._resumed_sample = None
         self._vad_start_at = now
         self._start_sample = self._samples_seen - (0 if forced else int(self._start_secs() * self._sample_rate))
         self._words = self._transcripts.new_turn(now, self._start_secs())
@@ -562,7 +564,9 @@ class TasteTurnCapture(FrameProcessor):
         record.audio_seconds = audio.size / self._sample_rate
         end_sample = self._samples_seen - int(silence_secs * self._sample_rate)
         record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
-        self._words.close(now, record.speech_end, end_sample)
+        resumed = self._resumed_sample  # a click that took an early hand-over back brings no new words
+        words_follow = resumed is None or (end_sample - resumed) / self._sample_rate >= self._params.min_speech_secs
+        self._words.close(now, record.speech_end, end_sample, words_follow)
         return _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
                              record.speech_start, record.speech_end, record.speech_seconds, self._words, self._turn_asr,
                              over_agent=self._over_agent, after_split=self._after_split)
@@ -606,6 +610,7 @@ class TasteTurnCapture(FrameProcessor):
     async def _retract(self, now: float):
         """The caller speaks again: take the early turn back; the speech goes on as a new turn."""
         early, self._early = self._early, None
+        self._resumed_sample = self._samples_seen
         early.retracted.set()
         self._transcripts.stop(early.words)
         old = self._call.log.retract(early.turn_id)

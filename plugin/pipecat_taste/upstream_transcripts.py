@@ -48,9 +48,11 @@ class TurnWords:
             self.final_sample = sample
         self.arrived.set()
 
-    def close(self, now: float, speech_end: float, end_sample: int) -> None:
-        """The turn's speech ended at ``speech_end`` (``end_sample``); the capture closed it at ``now``."""
-        if self.continued:
+    def close(self, now: float, speech_end: float, end_sample: int, words_follow: bool = True) -> None:
+        """The turn's speech ended at ``speech_end`` (``end_sample``); the capture closed it at ``now``.
+        ``words_follow``: a continued turn's speech after its retraction was long enough to hold
+        words (not a click), so the STT's words for it are waited for."""
+        if self.continued and words_follow:
             self.after = speech_end
         self.end_sample, self.closed_at = end_sample, now
 
