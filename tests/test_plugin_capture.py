@@ -139,6 +139,22 @@ async def test_auto_transcripts_with_only_the_built_in_asr_do_not_wait_for_the_t
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["around seven"]
 
 
+async def test_an_stt_s_late_words_for_a_turn_the_built_in_asr_took_are_not_the_next_turn_s(utterances):
+    """'auto' waits only a grace for the call's first upstream transcript, then the built-in ASR
+    takes the turn; the STT's words for it, coming while the caller already says the next thing,
+    are dropped (they were given to that next turn)."""
+    hello, time_u = utterances["hello"], utterances["time"]
+    half = time_u.audio.size // 2
+    frames = (audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.8), time_u.audio[:half]]))
+              + [SleepFrame(0.5)] + transcript(hello.text)  # late: turn 1 went to the built-in ASR
+              + audio_frames(np.concatenate([time_u.audio[half:], silence(0.8)])) + transcript(time_u.text)
+              + audio_frames(silence(0.5)))
+    call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="hello there"),
+                                      params=TurnCaptureParams(transcripts="auto", transcript_timeout_secs=1.0),
+                                      tail_secs=1.5)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["hello there", time_u.text]
+
+
 async def test_no_transcript_and_no_asr_is_an_error_not_a_crash(utterances):
     frames = audio_frames(np.concatenate([silence(0.5), utterances["time"].audio, silence(1.0)]))
     _, down, up = await run_capture(frames, params=TurnCaptureParams(transcript_timeout_secs=0.2), tail_secs=2.0)
@@ -618,7 +634,8 @@ async def test_finished_turns_are_not_held_for_the_rest_of_the_call(mode):
     capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts=mode))
     down, _ = await run_with(capture, frames)
     assert len(of(down, TasteUserTurnFrame)) == 3
-    assert not capture._transcripts.collecting
+    # none waits: those left only drop their late words until the transcript timeout (no audio in them)
+    assert all(w.absorb_until is not None for w in capture._transcripts.collecting)
 
 
 def test_an_stt_known_to_mark_no_part_final_is_taken_at_its_first_words():

@@ -738,6 +738,9 @@ class TasteTurnCapture(FrameProcessor):
                 await self._fail(turn, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
                                                 "(is an STT service upstream of TasteTurnCapture?)")
                 return None
+            # the built-in ASR steps in; an STT's words for this turn may still be on their way (the
+            # first turns wait only a grace period): they must not become the next turn's
+            self._transcripts.absorb(turn.words, self._params.transcript_timeout_secs)
         session = await self._call.ensure_session()
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
         asr = turn.asr or _TurnASR(None)

@@ -8,7 +8,9 @@ the turn being captured. A closed turn collects parts until one marked ``finaliz
 its speech ended, or ``quiet_secs`` pass without one; an STT seen to mark no part finalized (many
 of Pipecat's send one transcript per turn) has its turns taken at their first words. Words that
 no turn takes wait for the next turn, which keeps them only if they came after its speech began:
-older ones are late words of a turn already taken, and are logged and dropped.
+older ones are late words of a turn already taken, and are logged and dropped. So are words that
+come, while no closed turn waits, within the transcript timeout of a turn the built-in ASR took
+instead (``absorb``): they are that turn's, late, not the words of the turn being spoken.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class TurnWords:
     end_sample: int | None = None
     closed_at: float | None = None
     frames: list = field(default_factory=list)  # the STT's own TranscriptionFrames of these parts
+    # Answered without its STT's words (the built-in ASR stepped in): words still coming for it until
+    # then are dropped, never given to the next turn.
+    absorb_until: float | None = None
 
     def add(self, text: str, at: float, finalized: bool = False, sample: int = 0, frame=None) -> None:
         self.parts.append((at, text))
@@ -121,7 +126,12 @@ class UpstreamTranscripts:
         now = time.monotonic()
         if finalized:
             self.finals_flagged = True
-        taker = next((w for w in self.collecting if not w.done(now, self.quiet_secs, self.finals_flagged)), None)
+        self._forget_absorbed(now)
+        taker = next((w for w in self.collecting
+                      if w.absorb_until is None and not w.done(now, self.quiet_secs, self.finals_flagged)), None)
+        if taker is None and any(w.absorb_until is not None for w in self.collecting):
+            self._drop(text)  # late words of a turn the built-in ASR took, not of the one being spoken
+            return
         if taker is None:
             taker = current
         if taker is not None:
@@ -136,8 +146,22 @@ class UpstreamTranscripts:
         self.collecting.append(words)
 
     def stop(self, words: TurnWords) -> None:
-        """The turn takes no more words (taken, ignored, failed or retracted)."""
-        self.collecting = collections.deque(w for w in self.collecting if w is not words)
+        """The turn takes no more words (taken, ignored, failed or retracted); one that absorbs
+        its late words (``absorb``) stays until its time is up."""
+        if words.absorb_until is None:
+            self.collecting = collections.deque(w for w in self.collecting if w is not words)
+
+    def absorb(self, words: TurnWords, seconds: float) -> None:
+        """The turn goes on without its STT's words (the built-in ASR transcribes it): words that
+        still come in the next ``seconds`` are its own, late, and are dropped."""
+        now = time.monotonic()
+        self._forget_absorbed(now)
+        words.absorb_until = now + seconds
+        if words not in self.collecting:
+            self.collecting.append(words)
+
+    def _forget_absorbed(self, now: float) -> None:
+        self.collecting = collections.deque(w for w in self.collecting if w.absorb_until is None or w.absorb_until > now)
 
     def end_of_call(self) -> None:
         """What the STT had to say came before the end of the call: no turn waits any longer."""
