@@ -157,7 +157,7 @@ class UpstreamTranscripts:
         now = time.monotonic()
         self._forget_absorbed(now)
         words.absorb_until = now + seconds
-        if words not in self.collecting:
+        if not any(w is words for w in self.collecting):
             self.collecting.append(words)
 
     def _forget_absorbed(self, now: float) -> None:
