@@ -23,7 +23,7 @@ from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
 from pipecat_taste.playout import PlayoutParams
 from pipecat_taste.start_hold import StartNeeds
 from pipecat_taste.testing import FakeEngine
-from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
+from taste_agents.caller import BargeIn, Pause, Say, Utterance, WaitForReply, load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig
 from taste_agents.simulate import simulate_call
 
@@ -110,6 +110,24 @@ async def test_a_turn_not_yet_answered_when_the_caller_speaks_again_is_not_answe
     assert second.decision == "reply" and second.played_words == second.total_words > 0
     assert result.report["checks"]["talk_over_ms_outside_barge_in"] == 0.0
     assert [role for role, _ in engine.sessions[0].history] == ["user", "user", "assistant"]
+
+
+@pytest.mark.parametrize("early_reply_secs", [None, 0.2])
+async def test_a_noise_after_a_turn_not_yet_answered_does_not_leave_it_unanswered(u, early_reply_secs):
+    """The same timing, but what follows the turn is a noise long enough to mute its reply (0.6 s)
+    in which the STT finds no words: it is no turn, so the mute is lifted and the turn is answered."""
+    hello = u["hello"].audio
+    noise = Utterance("noise", "", hello[len(hello) // 4: len(hello) // 4 + int(0.6 * 16000)])
+    engine = FakeEngine(turn_delay=0.9)
+    script = [Pause(0.3), Say(u["hello"]), Pause(0.7), Say(noise), WaitForReply(timeout_s=5, end_silence_s=0.8)]
+    result = await simulate_call(engine, script, config=config(capture=TurnCaptureParams(early_reply_secs=early_reply_secs)),
+                                 tail_s=1.0)
+    first, second = (result.log.turns[t] for t in sorted(result.log.turns) if result.log.turns[t].decision)
+    assert second.decision == "ignored" and "no words" in second.reason, second.reason
+    assert first.decision == "reply" and first.played_words == first.total_words > 0
+    assert first.first_audio_at > second.decided_at  # it waited for the verdict on the noise
+    assert not result.errors
+    assert [role for role, _ in engine.sessions[0].history] == ["user", "assistant"]
 
 
 async def test_stages_run_concurrently_and_first_audio_comes_before_the_reply_is_done(u):

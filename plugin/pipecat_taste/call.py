@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipecat_taste.engine import GenerationSettings
+from pipecat_taste.reply_mutes import ReplyMutes
 from pipecat_taste.start_hold import StartNeeds
 
 STAGES = ("listen", "think", "speech_tokens", "vocode")
@@ -160,11 +161,16 @@ class TasteCall:
         self._members: set = set()  # the processors of the call that have not cleaned up yet
         # Agent activity, for barge-in: the turn whose reply is being generated or played.
         self.active_reply_turn: int | None = None
-        # Turns up to this id get no reply if it has not begun yet: the caller spoke again after
-        # them, and a reply now would talk over the caller (the turns stay in the conversation).
-        self.replies_muted_upto = 0
+        # Turns whose reply has not begun when the caller speaks again get none: it would talk over
+        # the caller (the turns stay in the conversation; ``pipecat_taste.reply_mutes``).
+        self.mutes = ReplyMutes()
         self.bot_speaking = False
         self.closed = False
+
+    @property
+    def replies_muted_upto(self) -> int:
+        """The latest turn muted so far (its mute may still be lifted: ``mutes``)."""
+        return self.mutes.upto
 
     # -- session and workers ----------------------------------------------------------------------
     async def ensure_session(self):

@@ -47,8 +47,10 @@ its VAD frames.
 Barge-in: when the caller has spoken ``min_speech_secs`` while the agent is answering (generating
 or playing), the capture broadcasts an ``InterruptionFrame``; the generator, synthesizer and
 playout stop at once. Earlier turns whose reply has not begun yet get none from then on
-(``TasteCall.replies_muted_upto``): it would talk over the caller. A shorter sound (a cough, an
-'mm') is ignored as a turn, so it must neither interrupt nor mute. With an upstream VAD, whose
+(``TasteCall.mutes``): it would talk over the caller. Such a mute stands once the new turn is
+handed on with words; one that proves to be no turn (the transcript has no words) lifts it, and the
+earlier turn is answered after all. A shorter sound (a cough, an 'mm') is ignored as a turn, so it
+must neither interrupt nor mute. With an upstream VAD, whose
 state the capture does not see, that is ``min_speech_secs`` plus the VAD's ``stop_secs``.
 
 ``EndFrame``: the turns already ended are finished (transcribed with the words that came before
@@ -505,7 +507,7 @@ class TasteTurnCapture(FrameProcessor):
         if not speaking or heard < need:
             return
         self._long_enough = True
-        self._call.replies_muted_upto = self._turn_id - 1  # earlier turns not yet answered: not any more
+        self._call.mutes.mute(self._turn_id)  # earlier turns not yet answered: not any more (if this is a turn)
         self._release_split()  # (muted now, before its reply could begin)
         if self._params.interrupt_on_speech and self._call.agent_busy:
             await self._barge_in(now)
@@ -616,6 +618,7 @@ class TasteTurnCapture(FrameProcessor):
         old = self._call.log.retract(early.turn_id)
         self._call.log.event("user_turn_retracted", early.turn_id)
         self._turn_id = self._call.new_turn_id()
+        self._call.mutes.move(early.turn_id, self._turn_id)
         record = self._call.log.turn(self._turn_id)
         record.vad_start_at, record.speech_start = old.vad_start_at, old.speech_start
         record.early_retracted = old.early_retracted + 1
@@ -658,7 +661,15 @@ class TasteTurnCapture(FrameProcessor):
             finally:
                 self._turns_finishing -= 1
                 self._transcripts.stop(turn.words)
+                self._settle_mute(turn)
                 turn.audio = _NO_AUDIO  # not needed any more (a tentative turn lives on until confirmed)
+
+    def _settle_mute(self, turn: _CapturedTurn) -> None:
+        """A turn that muted earlier replies keeps the mute if it was handed on (it answers for them)
+        or the call is ending; one ignored as no turn lifts it (they are answered after all)."""
+        record = self._call.log.turns.get(turn.turn_id)
+        no_turn = turn.dropped is None and record is not None and record.decision == "ignored"
+        self._call.mutes.settle(turn.turn_id, keep=not no_turn)
 
     async def _finish(self, turn: _CapturedTurn):
         record = self._call.log.turn(turn.turn_id)
@@ -734,6 +745,10 @@ class TasteTurnCapture(FrameProcessor):
                 return None
             if turn.words.parts:
                 return turn.words.text()
+            if self._transcripts.seen and (mode == "upstream" or not self._call.engine.has_asr):
+                # the STT is there (it spoke this call) and had nothing to say of this one: a noise
+                await self._decide(turn, "ignored", "the STT sent no words for it")
+                return None
             if mode == "upstream":
                 await self._fail(turn, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
                                                 "(is an STT service upstream of TasteTurnCapture?)")

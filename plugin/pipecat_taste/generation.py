@@ -206,7 +206,7 @@ class TasteGenerator(FrameProcessor):
         record = call.log.turn(turn_id)
         session = await call.ensure_session()
         stop = threading.Event()
-        muted = turn_id <= call.replies_muted_upto  # the caller spoke again before this reply began
+        muted = await call.mutes.muted(turn_id)  # the caller spoke again before this reply began
         if muted:
             stop.set()  # the turn joins the conversation; no word of a reply is made
         self._stop, self._active_turn = stop, turn_id
