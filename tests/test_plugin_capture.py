@@ -342,6 +342,35 @@ async def test_a_turn_split_at_the_window_is_answered_once(utterances, limit, an
     assert all(t.audio_seconds <= limit for t in call.log.turns.values())
 
 
+@pytest.mark.parametrize("mode", ["upstream", "auto"])
+@pytest.mark.parametrize("sent", ["one_transcript_at_the_end", "as_the_caller_speaks"])
+async def test_a_split_turn_is_answered_with_the_stt_s_words(mode, sent):
+    """An STT may send one transcript for the whole speech once it ends (a segmented STT), or its
+    words as the caller speaks. Either way the words that come after the speech ended go to the last
+    part of a turn split at the length limit, the part that is answered, as soon as they come (they
+    went to the first part, answered only once the last part had waited out the transcript timeout
+    for words of its own)."""
+    call = TasteCall(FakeEngine(max_turn_seconds=2.0))  # split after 1.5 s
+    noise = 0.1 * np.random.default_rng(1).standard_normal(int(2.5 * SR)).astype(np.float32)
+    start, stop = VADUserStartedSpeakingFrame(start_secs=0.2), VADUserStoppedSpeakingFrame(stop_secs=0.2)
+    if sent == "one_transcript_at_the_end":
+        frames = [start] + audio_frames(noise) + [stop, SleepFrame(0.2), stt("all of it at once")]
+        heard = ["all of it at once"]
+    else:
+        cut = int(1.8 * SR)
+        frames = [start] + audio_frames(noise[:cut]) + [SleepFrame(0.1), stt("the first part"), SleepFrame(0.1)] + \
+            audio_frames(noise[cut:]) + [stop, SleepFrame(0.2), stt("and the rest")]
+        heard = ["the first part", "and the rest"]
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts=mode))
+    down, up = await run_with(capture, frames, tail_secs=2.0)
+    turns = of(down, TasteUserTurnFrame)
+    assert [t.transcript for t in turns] == heard
+    assert [t.transcript for t in turns if t.turn_id > call.replies_muted_upto] == [heard[-1]]  # the answered part
+    assert not of(up, ErrorFrame), [e.error for e in of(up, ErrorFrame)]
+    if len(heard) == 1:
+        assert call.log.turns[1].decision == "ignored" and "last part" in call.log.turns[1].reason
+
+
 @pytest.mark.serial  # paced audio: the click must fall in the pause after the early hand-over
 async def test_a_click_after_an_early_hand_over_does_not_wait_for_words(utterances):
     """A 40 ms lip smack in the pause takes the early turn back (the VAD calls it speech); the STT's

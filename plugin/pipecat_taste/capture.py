@@ -508,6 +508,8 @@ class TasteTurnCapture(FrameProcessor):
             return
         self._long_enough = True
         self._call.mutes.mute(self._turn_id)  # earlier turns not yet answered: not any more (if this is a turn)
+        if self._split_turn is not None:  # the speech went on: this part answers for the one before
+            self._split_turn.words.goes_on_in(self._words)
         self._release_split()  # (muted now, before its reply could begin)
         if self._params.interrupt_on_speech and self._call.agent_busy:
             await self._barge_in(now)
@@ -739,12 +741,18 @@ class TasteTurnCapture(FrameProcessor):
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
         if mode in ("auto", "upstream"):
-            await self._transcripts.wait(turn.words, self._upstream_wait_secs, turn.retracted)
+            # a split turn's STT words may all come when the speech ends (when an STT is known to be there)
+            split_waits = mode == "upstream" or self._transcripts.seen or not self._call.engine.has_asr
+            await self._transcripts.wait(turn.words, self._upstream_wait_secs, turn.retracted, split_waits)
             self._transcripts.stop(turn.words)  # taken: later words belong to the next turn
             if turn.retracted.is_set():
                 return None
             if turn.words.parts:
                 return turn.words.text()
+            if split_waits and turn.words.spent:  # the part after it is answered for both, with their words
+                await self._decide(turn, "ignored", "no words of its own: the STT's words for the speech split "
+                                                    "here came after it ended, with the last part")
+                return None
             if self._transcripts.seen and (mode == "upstream" or not self._call.engine.has_asr):
                 # the STT is there (it spoke this call) and had nothing to say of this one: a noise
                 await self._decide(turn, "ignored", "the STT sent no words for it")

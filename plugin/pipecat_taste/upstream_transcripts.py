@@ -10,7 +10,9 @@ of Pipecat's send one transcript per turn) has its turns taken at their first wo
 no turn takes wait for the next turn, which keeps them only if they came after its speech began:
 older ones are late words of a turn already taken, and are logged and dropped. So are words that
 come, while no closed turn waits, within the transcript timeout of a turn the built-in ASR took
-instead (``absorb``): they are that turn's, late, not the words of the turn being spoken.
+instead (``absorb``): they are that turn's, late, not the words of the turn being spoken. A turn
+split at the length limit takes no words once the part that went on has ended (``spent``): they are
+the whole speech's, and go to that last part, which is answered.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class TurnWords:
     # Answered without its STT's words (the built-in ASR stepped in): words still coming for it until
     # then are dropped, never given to the next turn.
     absorb_until: float | None = None
+    # A turn closed at the length limit: the words of the part that goes on. Once that part ended, an
+    # STT's words (one transcript for the whole speech, as a segmented STT sends) go to it.
+    next_part: TurnWords | None = field(default=None, repr=False)
+    previous_part: TurnWords | None = field(default=None, repr=False)
 
     def add(self, text: str, at: float, finalized: bool = False, sample: int = 0, frame=None) -> None:
         self.parts.append((at, text))
@@ -60,12 +66,24 @@ class TurnWords:
         if self.continued and words_follow:
             self.after = speech_end
         self.end_sample, self.closed_at = end_sample, now
+        if self.previous_part is not None:
+            self.previous_part.arrived.set()  # it is spent now: its wait is over
+
+    def goes_on_in(self, next_part: TurnWords) -> None:
+        """This turn was closed at the length limit and its speech goes on as ``next_part``."""
+        self.next_part, next_part.previous_part = next_part, self
 
     def continuation(self) -> TurnWords:
         """The words of a turn whose early hand-over was retracted: the speech goes on as a new turn,
         with the words of the speech before the pause (an STT may also send them a little later), and
         their frames (they never went upstream: a retracted turn's transcript is not announced)."""
         return TurnWords(parts=list(self.parts), frames=list(self.frames), continued=True)
+
+    @property
+    def spent(self) -> bool:
+        """A part of a split turn whose speech went on and has ended since: words arriving now are
+        the whole speech's, and go to the last part (the one answered)."""
+        return self.next_part is not None and self.next_part.closed_at is not None
 
     def complete(self) -> bool:
         return any(self.after is None or at > self.after for at, _ in self.parts)
@@ -75,6 +93,8 @@ class TurnWords:
         while the caller went on speaking does not cover the rest), or none has come for ``quiet``
         seconds since the last part and the turn's close. Once the STT is known to mark no part
         finalized (``finals_flagged`` False), a turn is taken at its first words, without the wait."""
+        if self.spent:
+            return True
         if self.closed_at is None or not self.complete():
             return False
         if self.final_sample is not None and self.final_sample >= self.end_sample:
@@ -129,7 +149,7 @@ class UpstreamTranscripts:
         self._forget_absorbed(now)
         taker = next((w for w in self.collecting
                       if w.absorb_until is None and not w.done(now, self.quiet_secs, self.finals_flagged)), None)
-        if taker is None and any(w.absorb_until is not None for w in self.collecting):
+        if taker is None and any(w.absorb_until is not None and not w.spent for w in self.collecting):
             self._drop(text)  # late words of a turn the built-in ASR took, not of the one being spoken
             return
         if taker is None:
@@ -169,20 +189,25 @@ class UpstreamTranscripts:
         for words in self.collecting:
             words.arrived.set()
 
-    async def wait(self, words: TurnWords, wait_secs: Callable[[], float], retracted: asyncio.Event) -> None:
+    async def wait(self, words: TurnWords, wait_secs: Callable[[], float], retracted: asyncio.Event,
+                   split_waits: bool = False) -> None:
         """Until all parts of the turn's transcript are in (``TurnWords.done``), the turn is
-        retracted, the call ends, or ``wait_secs()`` (re-read: it may grow) have passed."""
+        retracted, the call ends, or ``wait_secs()`` (re-read: it may grow) have passed. With
+        ``split_waits``, a part of a split turn waits until the part after it ends (an STT may
+        send its words only then; the wait costs nothing: that part is finished after it)."""
         started, quiet = time.monotonic(), self.quiet_secs
         while not retracted.is_set() and not self.ending:
             now = time.monotonic()
             if words.done(now, quiet, self.finals_flagged):
-                if self.finals_flagged is None and words.final_sample is None:
+                if self.finals_flagged is None and words.final_sample is None and not words.spent:
                     self.finals_flagged = False  # the parts ended without a final mark: it sets none
                 return
             remaining = started + wait_secs() - now
-            if remaining <= 0:
+            if split_waits and words.next_part is not None and not words.parts:
+                remaining = None  # until the next part ends (``close`` wakes this wait)
+            elif remaining <= 0:
                 return
-            if words.complete():
+            elif words.complete():
                 remaining = min(remaining, max(words.parts[-1][0], words.closed_at) + quiet - now)
             words.arrived.clear()
             await _first_of(remaining, words.arrived, retracted)
@@ -192,8 +217,8 @@ class UpstreamTranscripts:
         self._log.event("transcript_dropped", text=text)
 
 
-async def _first_of(timeout: float, *events: asyncio.Event) -> None:
-    """Wait until one of ``events`` is set, at most ``timeout`` seconds."""
+async def _first_of(timeout: float | None, *events: asyncio.Event) -> None:
+    """Wait until one of ``events`` is set, at most ``timeout`` seconds (None: no limit)."""
     waits = [asyncio.ensure_future(event.wait()) for event in events]
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
