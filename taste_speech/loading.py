@@ -37,6 +37,8 @@ SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 SAFE_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_SHARD = re.compile(r"pytorch_model-\d{5}-of-\d{5}\.bin")
 
 # safetensors dtype names -> torch dtypes (the ones a TASTE checkpoint can contain).
 SAFETENSORS_DTYPES = {
@@ -120,11 +122,14 @@ def require_checkpoint_files(directory: str) -> None:
 
 
 def weight_files(directory: str) -> list[str]:
-    """The weight files of a checkpoint directory: the shards named by an index, or one file."""
+    """The weight files of a checkpoint directory: the shards named by an index, or one file;
+    safetensors before ``.bin``, as transformers reads them."""
     if os.path.exists(os.path.join(directory, SAFE_INDEX)) and os.path.exists(os.path.join(directory, SAFE_SINGLE)):
         raise CheckpointError(f"{directory} holds both {SAFE_SINGLE} and a shard index ({SAFE_INDEX}): one of "
                               "them is left over from an older save; delete the older one")
-    for index_name in (SAFE_INDEX, BIN_INDEX):
+    for index_name, single in ((SAFE_INDEX, SAFE_SINGLE), (BIN_INDEX, BIN_SINGLE)):
+        if os.path.isfile(os.path.join(directory, single)):
+            return [os.path.join(directory, single)]
         index = os.path.join(directory, index_name)
         if os.path.exists(index):
             try:
@@ -138,9 +143,6 @@ def weight_files(directory: str) -> list[str]:
                 raise CheckpointError(f"{index} names shard(s) that are not there: {', '.join(absent)}; "
                                       "download the missing files")
             return paths
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if os.path.isfile(os.path.join(directory, name)):
-            return [os.path.join(directory, name)]
     raise CheckpointError(
         f"no model weights in {directory}: expected model.safetensors, sharded model-*.safetensors with "
         f"{SAFE_INDEX}, or pytorch_model.bin"
@@ -413,5 +415,6 @@ def _remove_other_weight_files(directory: str, keep: list[str]) -> None:
     """An earlier save's weight files would be read instead of (or beside) this one's. Removed only
     once the new files are all in place, so a save that fails leaves the old checkpoint whole."""
     for name in os.listdir(directory):
-        if name not in keep and (name in (SAFE_SINGLE, SAFE_INDEX) or SAFE_SHARD.fullmatch(name)):
+        if name not in keep and (name in (SAFE_SINGLE, SAFE_INDEX, BIN_SINGLE, BIN_INDEX)
+                                 or SAFE_SHARD.fullmatch(name) or BIN_SHARD.fullmatch(name)):
             os.remove(os.path.join(directory, name))

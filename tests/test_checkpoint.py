@@ -240,6 +240,42 @@ def test_a_second_save_replaces_the_first(reference, tmp_path):
         TasteForCausalLM.from_pretrained(tmp_path)
 
 
+def test_a_save_over_a_bin_checkpoint_is_what_loads_next(reference, tmp_path):
+    """A sharded ``.bin`` checkpoint (as ``safe_serialization=False`` writes it), edited and saved
+    into its own folder: the next load reads the new safetensors (it read the old .bin shards)."""
+    model = reference[0]
+    state = load_file(str(reference_file(model, tmp_path / "src")))
+    keys = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": keys[: len(keys) // 2],
+              "pytorch_model-00002-of-00002.bin": keys[len(keys) // 2:]}
+    folder = tmp_path / "bin"
+    shutil.copytree(tmp_path / "src", folder, ignore=shutil.ignore_patterns("model*.safetensors*"))
+    for name, names in shards.items():
+        torch.save({k: state[k] for k in names}, folder / name)
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, names in shards.items() for k in names}}))
+    loaded = TasteForCausalLM.from_pretrained(folder)
+    assert [os.path.basename(f) for f in loaded.loading_info.files] == sorted(shards)
+    with torch.no_grad():
+        loaded.spoken_lm.pad_audio_unit_embed.add_(1.0)
+    loaded.save_pretrained(folder)
+    assert sorted(f for f in os.listdir(folder) if "model" in f and f != "config.json") == ["model.safetensors"]
+    again = TasteForCausalLM.from_pretrained(folder)
+    assert torch.equal(again.spoken_lm.pad_audio_unit_embed, loaded.spoken_lm.pad_audio_unit_embed)
+    # a folder that holds both formats (e.g. two downloads): safetensors first, as transformers reads them
+    for name in shards:
+        torch.save({k: torch.zeros_like(state[k]) for k in shards[name]}, folder / name)
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, names in shards.items() for k in names}}))
+    assert [os.path.basename(f) for f in TasteForCausalLM.from_pretrained(folder).loading_info.files] == \
+        ["model.safetensors"]
+
+
+def reference_file(model, folder):
+    model.save_pretrained(folder)
+    return folder / "model.safetensors"
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(reference, tmp_path, monkeypatch):
     import safetensors.torch
 
