@@ -64,7 +64,8 @@ class LatentTasteHead(nn.Module):
         self.b_logvar = nn.Parameter(torch.zeros(codebook_dim))
 
     def latent(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mu = self.fc_mu(hidden_states.float())
+        # float32 in the published run-dtype layout; whatever the head holds after a plain .to(dtype)
+        mu = self.fc_mu(hidden_states.to(self.fc_mu.weight.dtype)).float()
         return mu + torch.exp(0.5 * self.b_logvar.float())  # inference adds sigma to the mean (spec §11.2)
 
     @staticmethod

@@ -336,3 +336,57 @@ def test_a_conversation_belongs_to_its_model_and_format(model, processor, user_t
     assert conv.turns == []
     items = list(generate(model, processor, [user_turn], conv, prompt_format=INSTRUCT, max_length=3))
     assert items[-1]["is_complete"] and conv.turns[0] is user_turn
+
+
+# -- special tokens in text segments ---------------------------------------------------------------------
+def test_text_ids_with_special_tokens_are_refused_everywhere(model, processor, speech):
+    """``tokenizer(text).input_ids`` starts with <|begin_of_text|>: taste_tokenize refused it, but a
+    text turn fed it to the LM as a second start of text, and taste_detokenize spoke it as a word."""
+    vg, ids, taste, _ = speech
+    tokenizer = processor.llm_tokenizer
+    with_bos = tokenizer(" be brief and friendly", return_tensors="pt").input_ids
+    assert with_bos[0, 0] == tokenizer.bos_token_id
+    with pytest.raises(ValueError, match=r"system segment's text_ids contain special token ids .*process_text"):
+        Conversation(model, processor, system=TASTESegment("system", "text", with_bos))
+    conv = Conversation(model, processor)
+    with pytest.raises(ValueError, match=r"user segment's text_ids contain special token ids"):
+        conv.add_turn(TASTESegment("user", "text", with_bos))
+    with pytest.raises(ValueError, match=r"user segment's text_ids contain special token ids"):
+        list(generate(model, processor, [TASTESegment("user", "text", with_bos)], conv))
+    assert conv.state.turns == []  # nothing of it was fed
+    clean = processor.process_text(" be brief and friendly").llm_token_ids
+    conv.add_turn(TASTESegment("user", "text", clean))
+    assert_consistent(model, processor, conv)
+    speaker, kw = processor.default_speaker_embedding(), dict(voice_generator=vg)
+    for args, name in (((None, None, None, 0, with_bos, torch.zeros(1, with_bos.shape[1], taste.shape[2]).long()),
+                        "text_ids"),
+                       ((with_bos, torch.zeros(1, with_bos.shape[1], taste.shape[2]).long(), None, 0, ids, taste),
+                        "prev_text_ids")):
+        with pytest.raises(ValueError, match=rf"^{name} contain special token ids"):
+            taste_detokenize(model, processor, speaker, *args, **kw)
+
+
+# -- models cast with the plain nn.Module API ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_model_cast_with_to_dtype_generates(model, processor, user_turn, dtype):
+    """``model.to(torch.bfloat16)`` casts the heads too (``set_run_dtypes`` keeps them float32): the
+    latent head ran its input in float32 against bfloat16 weights and generation failed."""
+    cast = copy.deepcopy(model).to(dtype)
+    conv = Conversation(cast, processor)
+    items = list(generate(cast, processor, [user_turn], conv))
+    segments = [item["segment"] for item in items if item["segment"] is not None]
+    assert items[-1]["is_complete"] and items[-1]["completion_reason"] == "finished", items[-1]
+    assert segments and all(s.taste_ids.dtype == torch.long and s.taste_ids.shape[1] == s.text_ids.shape[1]
+                            for s in segments)
+    assert_consistent(cast, processor, conv)
+
+
+def test_a_voice_generator_in_half_precision_is_refused_by_name(model, processor, speech):
+    vg, ids, taste, _ = speech
+    half = copy.deepcopy(vg).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"voice generator's weights are torch.bfloat16; .*voice_generator.float\(\)"):
+        taste_detokenize(model, processor, processor.default_speaker_embedding(), None, None, None, 0, ids, taste,
+                         voice_generator=half)
+    out = taste_detokenize(model, processor, processor.default_speaker_embedding(), None, None, None, 0, ids, taste,
+                           voice_generator=half.float())
+    assert out["audio_waveform"].abs().max() > 0

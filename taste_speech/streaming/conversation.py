@@ -36,6 +36,7 @@ from taste_speech.lm_cache import CACHE_KINDS, StaticLMCache
 from taste_speech.modeling_spoken_lm import LMDecodeState
 from taste_speech.streaming.prompt import CONTINUATION, PromptFormat
 from taste_speech.streaming.segment import TASTESegment
+from taste_speech.streaming.tokenize import check_no_special_ids
 
 
 REPLY_ROWS = 512  # room a static cache keeps beyond the window for the reply in progress
@@ -140,6 +141,7 @@ class Conversation:
 
     def _check_system_fits(self, system: TASTESegment) -> None:
         """The window never drops the system segment: it must leave room for the conversation."""
+        check_no_special_ids(self.processor, system.text_ids, "the system segment's text_ids")
         rows = self.format.sos_rows().shape[1] + self.format.segment_rows(system, None)[0].shape[1]
         if rows > self.max_tokens // 2:
             raise ValueError(f"the system segment takes {rows} LM rows, more than half of max_tokens={self.max_tokens}: "
@@ -261,6 +263,7 @@ class Conversation:
     def _add_turn(self, segment: TASTESegment) -> None:
         if not isinstance(segment, TASTESegment):
             raise ValueError(f"turns must be TASTESegment objects, got {type(segment).__name__}")
+        check_no_special_ids(self.processor, segment.text_ids, f"the {segment.role} segment's text_ids")
         st = self.state
         if segment.role == "system":
             if st.system is None and not st.turns:

@@ -45,7 +45,7 @@ from taste_speech.streaming.synthesis_state import (
     SynthesisState,
     frames_for_tokens,
 )
-from taste_speech.streaming.tokenize import check_llm_ids
+from taste_speech.streaming.tokenize import check_llm_ids, check_no_special_ids
 from taste_speech.voice_generator import VoiceGenerator
 
 IGNORE = -1
@@ -53,15 +53,18 @@ PREV_AUDIO_TOLERANCE_MS = 30.0  # rounding of durations summed by the caller, pl
 
 
 def resolve_voice_generator(processor, voice_generator: Optional[VoiceGenerator]) -> VoiceGenerator:
-    if voice_generator is not None:
-        return voice_generator
-    getter = getattr(processor, "get_generator", None)
-    if callable(getter):
-        return getter()
-    raise ValueError(
-        "taste_detokenize needs the voice generator: pass voice_generator=VoiceGenerator.from_pretrained(checkpoint_dir) "
-        "(loaded once and reused), or use a processor that provides get_generator()"
-    )
+    if voice_generator is None:
+        getter = getattr(processor, "get_generator", None)
+        if not callable(getter):
+            raise ValueError(
+                "taste_detokenize needs the voice generator: pass voice_generator=VoiceGenerator.from_pretrained("
+                "checkpoint_dir) (loaded once and reused), or use a processor that provides get_generator()")
+        voice_generator = getter()
+    dtype = next(voice_generator.parameters()).dtype
+    if dtype != torch.float32:  # its flow and vocoder need float32 (parity; the F0 and phase sums)
+        raise ValueError(f"the voice generator's weights are {dtype}; it runs in float32 only - use "
+                         "voice_generator.float() (the LM may run in bfloat16: from_pretrained(torch_dtype=...))")
+    return voice_generator
 
 
 def _as_ids(value, name: str, allow_empty: bool) -> torch.Tensor:
@@ -225,8 +228,9 @@ def taste_detokenize_stream(
     prev_speech_ids = _as_ids(prev_speech_ids, "prev_speech_ids", allow_empty=True)
     if prev_taste_ids.shape[1] and prev_taste_ids.shape[2] != taste_ids.shape[2]:
         raise ValueError(f"prev_taste_ids has K={prev_taste_ids.shape[2]} codes per row, taste_ids K={taste_ids.shape[2]}")
-    check_llm_ids(processor, text_ids, "text_ids")
-    check_llm_ids(processor, prev_text_ids, "prev_text_ids")
+    for ids, name in ((text_ids, "text_ids"), (prev_text_ids, "prev_text_ids")):
+        check_llm_ids(processor, ids, name)
+        check_no_special_ids(processor, ids, name)
     prev_audio_ms = _as_prev_audio_ms(prev_audio_ms)
     decoder = model.speech_decoder
     if prev_speech_ids.shape[1] and bool(((prev_speech_ids < 0) | (prev_speech_ids >= decoder.speech_token_size)).any()):

@@ -23,7 +23,7 @@ def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int) -> tor
     """
     text_ids = _check_text_ids(text_ids)
     check_llm_ids(processor, text_ids, "text_ids")
-    _check_no_special_ids(processor, text_ids)
+    check_no_special_ids(processor, text_ids)
     wav = processor.prepare_audio(audio, sampling_rate)  # mono 16 kHz; empty / NaN / too short / too long raise
     peak = float(np.abs(wav).max()) if wav.size else 0.0
     if peak < SILENCE_PEAK:
@@ -57,14 +57,15 @@ def _check_text_ids(text_ids) -> torch.Tensor:
     return text_ids.long().cpu()
 
 
-def _check_no_special_ids(processor, text_ids: torch.Tensor) -> None:
-    """A transcript has no special tokens; ``tokenizer(text)`` adds <|begin_of_text|>, which would
-    be glued to the first word and shift the word alignment."""
+def check_no_special_ids(processor, text_ids: torch.Tensor, name: str = "text_ids") -> None:
+    """Words have no special tokens; ``tokenizer(text)`` adds <|begin_of_text|>, which would be
+    glued to the first word and shift the word alignment (in a turn fed to the LM: a second start
+    of text inside the history; in speech: spoken as a word)."""
     specials = special_token_ids(processor.llm_tokenizer)
-    found = sorted({int(i) for i in text_ids[0].tolist() if int(i) in specials})
+    found = sorted({int(i) for i in text_ids.reshape(-1).tolist() if int(i) in specials})
     if found:
         names = [processor.llm_tokenizer.decode([i]) for i in found]
-        raise ValueError(f"text_ids contain special token ids {found} {names}: a transcript has none - encode it with "
+        raise ValueError(f"{name} contain special token ids {found} {names}: words have none - encode the text with "
                          "processor.process_text(text).llm_token_ids (not tokenizer(text), which adds "
                          "<|begin_of_text|>)")
 
