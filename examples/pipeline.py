@@ -9,6 +9,7 @@ transport, Daily, ... - nothing else changes.
     .venv/bin/python examples/pipeline.py
 """
 
+import argparse
 import asyncio
 
 from pipecat.pipeline.pipeline import Pipeline
@@ -42,4 +43,5 @@ async def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
     asyncio.run(main())

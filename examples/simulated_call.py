@@ -7,8 +7,8 @@ The caller says two things, barges in on the second answer, and hangs up; the ca
 out/example-call/ (recording.wav: caller left, agent right; report.json; timeline.png).
 """
 
+import argparse
 import asyncio
-import sys
 
 from pipecat_taste import TasteEngine
 from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
@@ -34,4 +34,9 @@ async def main(model: str | None, device: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else None, sys.argv[2] if len(sys.argv) > 2 else "cpu"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default=None,
+                        help="checkpoint folder or hub id (default: the embedded tiny checkpoint)")
+    parser.add_argument("device", nargs="?", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
+    args = parser.parse_args()
+    asyncio.run(main(args.model, args.device))

@@ -112,3 +112,12 @@ def test_the_bot_file_answers_a_webrtc_caller_under_pipecat_s_runner(tmp_path):
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+@pytest.mark.parametrize("name", ["pipeline.py", "simulated_call.py", "bot.py"])
+def test_example_help_runs_nothing(name):
+    """--help prints the usage and exits (simulated_call.py took it for a model path, pipeline.py
+    ignored it and ran a whole call)."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--help"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]

@@ -107,7 +107,7 @@ def test_verify_rejects_a_plain_checkpoint_with_exit_2(tiny_checkpoint, taste_lm
     captured = capsys.readouterr()
     err = captured.err
     assert f"{tiny_checkpoint} is not a golden reference directory (no io.safetensors)" in err
-    assert "shared/reference/" in err and "parity" not in captured.out
+    assert "tests/data/taste_lm_tiny_a" in err and "parity" not in captured.out
     with pytest.raises(NotGoldenDirError, match="not a golden reference directory"):
         Golden(str(tiny_checkpoint))
 

@@ -45,7 +45,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
     parser.add_argument("--max-reply-tokens", type=positive_int, default=None,
-                        help="longest reply in LLM tokens (default: 6 on the tiny checkpoint, 48 otherwise)")
+                        help="longest reply in LLM tokens (default: 6 on the embedded tiny checkpoint, 48 with --model)")
     parser.add_argument("--voice", default=None,
                         help="a recording of the agent's voice (WAV, FLAC, OGG or MP3), a few seconds of clean "
                              "speech (default: the checkpoint's default voice, or a synthetic placeholder: "
@@ -54,7 +54,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="Whisper folder or hub id for the built-in ASR (live calls need transcripts); 'none' to "
                              "rely on transcripts sent by the client or an upstream STT (default: auto - the Whisper "
                              "model the checkpoint names, openai/whisper-large-v3 for the published one; the random "
-                             "tiny ASR for the tiny checkpoint; none with --transcripts upstream)")
+                             "tiny ASR for the embedded tiny checkpoint; none with --transcripts upstream, and "
+                             "none for call --simulate --model ...: its scripted caller sends transcripts)")
     parser.add_argument("--transcripts", default="auto", choices=["auto", "asr", "upstream"],
                         help="where each turn's transcript comes from: auto (an upstream/client STT if one sends "
                              "it, else the built-in ASR), asr (always the built-in ASR) or upstream")
@@ -153,8 +154,8 @@ def ms_or_none(value) -> float | None:
 
 def asr_choice(args) -> str | None:
     """The built-in ASR to load: --asr-model, where 'auto' means none when transcripts come from
-    elsewhere - upstream only, or a simulated call with a real checkpoint, whose scripted caller sends
-    its own (its Whisper would only be downloaded and compete with the call; the tiny checkpoint's
+    elsewhere - upstream only, or a simulated call with --model, whose scripted caller sends its own
+    (its Whisper would only be downloaded and compete with the call; the embedded tiny checkpoint's
     random ASR is small: kept) - unless --transcripts asr asks for it."""
     transcripts = getattr(args, "transcripts", "auto")
     simulated = args.command == "call" and args.model is not None and transcripts != "asr"

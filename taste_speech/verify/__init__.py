@@ -46,9 +46,9 @@ class NotGoldenDirError(FileNotFoundError):
 def require_golden_dir(directory: str) -> None:
     if not os.path.isfile(os.path.join(directory, "io.safetensors")):
         raise NotGoldenDirError(
-            f"{directory} is not a golden reference directory (no io.safetensors); pass a folder from "
-            "shared/reference/ (e.g. shared/reference/taste_lm/tiny_a, shared/reference/voice_generator/tiny_a) "
-            "or tests/data/. To check an ordinary checkpoint use python -m taste_speech.check DIR")
+            f"{directory} is not a golden reference directory (no io.safetensors); pass one of the "
+            "project's golden folders: tests/data/taste_lm_tiny_a, tests/data/voice_generator_tiny_a (the project's "
+            "reference set, where you have it, holds more). To check an ordinary checkpoint use python -m taste_speech.check DIR")
 
 
 class Golden:

@@ -1,7 +1,8 @@
 """``python -m taste_speech.verify DIR [DIR ...]``: run every parity point of golden directories.
 
 Exit codes: 0 = all parity points match, 1 = a parity point failed, 2 = a DIR is not a golden
-reference directory (no io.safetensors; use a folder from shared/reference/ or tests/data/).
+reference directory (no io.safetensors; use tests/data/taste_lm_tiny_a or
+tests/data/voice_generator_tiny_a).
 """
 
 from __future__ import annotations
