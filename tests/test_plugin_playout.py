@@ -2,6 +2,8 @@
 continues the waveform however much of the reply had arrived unreleased (the just-in-time case has
 none), and the synthesizer gives each segment's back-pressure slot back where it was taken."""
 
+import asyncio
+
 import numpy as np
 import pytest
 from pipecat.frames.frames import InterruptionFrame, TTSAudioRawFrame, TTSStartedFrame
@@ -153,3 +155,67 @@ async def test_segments_dropped_by_an_interruption_give_their_slots_back(when):
                    pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
     assert call.segment_slots is slots and slots._value == call.max_pending_segments  # all given back
     assert not [e for e in call.log.events if e["kind"] == "synthesis_done"]  # nothing of it was spoken
+
+
+@pytest.mark.parametrize("chunks_10ms, barge_in_delay_s", [(1, 0.0), (2, 0.005)])
+async def test_a_barge_in_as_a_reply_ends_keeps_its_closing_frames(chunks_10ms, barge_in_delay_s):
+    """The caller cuts in just after the playout sent the reply's TTSStoppedFrame, while the
+    transport still has its last audio queued: the transport's interruption reset kept the audio
+    (uninterruptible) but dropped the interruptible TTSStopped and LLMFullResponseEnd, so the bot
+    was reported speaking until the next reply ended."""
+    from pipecat.frames.frames import (BotStartedSpeakingFrame, BotStoppedSpeakingFrame, LLMFullResponseEndFrame,
+                                       LLMFullResponseStartFrame, TTSStoppedFrame)
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.transports.base_transport import TransportParams
+
+    from pipecat_taste.frames import TasteSegmentAudioFrame
+    from taste_agents.simulate import SimulatedLine, _LineOutput
+
+    class BargeIn(FrameProcessor):  # before the playout: an InterruptionFrame when the trigger says so
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            await self.push_frame(frame, direction)
+
+    class AtFirstStop(FrameProcessor):  # after the playout: fires once the first TTSStoppedFrame passes
+        fired = False
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            await self.push_frame(frame, direction)
+            if isinstance(frame, TTSStoppedFrame) and not self.fired:
+                self.fired = True
+                self.create_task(self._barge_in())
+
+        async def _barge_in(self):
+            await asyncio.sleep(barge_in_delay_s)
+            await barge_in.push_frame(InterruptionFrame())
+
+    class Tap(FrameProcessor):
+        seen: list = []
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            self.seen.append(frame)
+            await self.push_frame(frame, direction)
+
+    call = TasteCall(FakeEngine())
+    call.active_reply_turn = 1  # the generator keeps it until the playout's report is committed
+    line = SimulatedLine(RATE, 10.0, frame_ms=10 * chunks_10ms)
+    out = _LineOutput(line, TransportParams(audio_out_enabled=True, audio_out_sample_rate=RATE,
+                                            audio_out_10ms_chunks=chunks_10ms, audio_out_end_silence_secs=0))
+    t = np.arange(int(0.3 * RATE)) / RATE
+    tone = (0.3 * np.sin(2 * np.pi * 437 * t)).astype(np.float32)
+    frames = []
+    for turn in (1, 2):
+        context = context_id_for(turn)
+        frames += [TTSStartedFrame(context_id=context), TasteSegmentAudioFrame(turn, 0, " hello", 1, 0, tone.size),
+                   TTSAudioRawFrame(float_to_pcm16(tone), RATE, 1, context_id=context),
+                   TTSStoppedFrame(context_id=context), SleepFrame(1.0)]
+    barge_in, tap = BargeIn(), Tap()
+    await run_test(Pipeline([barge_in, TastePlayout(call), AtFirstStop(), out, tap]), frames_to_send=frames,
+                   pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    counts = {cls.__name__: sum(isinstance(f, cls) for f in tap.seen)
+              for cls in (TTSStartedFrame, TTSStoppedFrame, LLMFullResponseStartFrame, LLMFullResponseEndFrame,
+                          BotStartedSpeakingFrame, BotStoppedSpeakingFrame)}
+    assert set(counts.values()) == {2}, counts  # one of each per reply

@@ -315,8 +315,8 @@ class TastePlayout(FrameProcessor):
                 self._queue.popleft()
                 self._playing = reply
                 reply.started = True
-                await self.push_frame(LLMFullResponseStartFrame())
-                await self.push_frame(TTSStartedFrame(context_id=context_id_for(reply.turn_id)))
+                await self.push_frame(_kept(LLMFullResponseStartFrame()))
+                await self.push_frame(_kept(TTSStartedFrame(context_id=context_id_for(reply.turn_id))))
             elif kind == "audio":
                 if reply.origin is None:
                     if not self._prebuffered(reply):
@@ -353,8 +353,8 @@ class TastePlayout(FrameProcessor):
                     continue
                 self._queue.popleft()
                 await self._push_texts(reply)  # markers that came after their audio
-                await self.push_frame(TTSStoppedFrame(context_id=context_id_for(reply.turn_id)))
-                await self.push_frame(LLMFullResponseEndFrame())  # after the last word: the aggregator commits
+                await self.push_frame(_kept(TTSStoppedFrame(context_id=context_id_for(reply.turn_id))))
+                await self.push_frame(_kept(LLMFullResponseEndFrame()))  # after the last word: the aggregator commits
                 await self._finish(reply, interrupted=False, extra_samples=0)
 
     def _prebuffered(self, reply: _Reply) -> bool:
@@ -442,7 +442,7 @@ class TastePlayout(FrameProcessor):
         if started:
             if fade.size:
                 await self._release(reply, fade)
-            await self.push_frame(TTSStoppedFrame(context_id=context_id_for(reply.turn_id)))
+            await self.push_frame(_kept(TTSStoppedFrame(context_id=context_id_for(reply.turn_id))))
         if transport_speaking:
             self._held_interruption = (frame, direction, started)
             self._hold_task = self.create_task(self._pass_held_interruption_later())
@@ -498,7 +498,7 @@ class TastePlayout(FrameProcessor):
     async def _pass_interruption(self, frame: InterruptionFrame, direction: FrameDirection, reply_started: bool):
         await self.push_frame(frame, direction)
         if reply_started:  # after the interruption: an aggregator keeps the words heard, as interrupted
-            await self.push_frame(LLMFullResponseEndFrame())
+            await self.push_frame(_kept(LLMFullResponseEndFrame()))
 
     # -- end of a reply ----------------------------------------------------------------------------------
     def _learn_start_hold(self, reply: _Reply) -> None:
@@ -546,3 +546,11 @@ class TastePlayout(FrameProcessor):
                                                                      value=latency)]))
         await self.push_frame(TasteTurnMetricsFrame(reply.turn_id, record.decision or "reply", latency,
                                                     played / self._rate, interrupted, record.barge_in_stop_s))
+
+
+def _kept(frame: Frame) -> Frame:
+    """A reply's bracket (TTS/LLM start and stop), uninterruptible like its audio: an interruption
+    that reaches the transport while the reply's last audio is still queued there must not drop
+    the close of a reply it keeps the audio of (its aggregator and RTVI would wait for it)."""
+    frame.interruptible = False
+    return frame
