@@ -3,6 +3,7 @@ continues the waveform however much of the reply had arrived unreleased (the jus
 none), and the synthesizer gives each segment's back-pressure slot back where it was taken."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -219,3 +220,46 @@ async def test_a_barge_in_as_a_reply_ends_keeps_its_closing_frames(chunks_10ms, 
               for cls in (TTSStartedFrame, TTSStoppedFrame, LLMFullResponseStartFrame, LLMFullResponseEndFrame,
                           BotStartedSpeakingFrame, BotStoppedSpeakingFrame)}
     assert set(counts.values()) == {2}, counts  # one of each per reply
+
+
+async def test_a_reply_whose_synthesis_fails_ends_where_it_failed():
+    """The third word's synthesis fails while the LM is still generating: the audio before it plays
+    straight through and fades out, and the reply ends there (its last partial frame waited in the
+    playout until the generation ended, 4 s later, and then played alone: a blip and an underrun)."""
+    from pipecat.frames.frames import TTSStoppedFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.frame_processor import FrameProcessor
+
+    from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame
+    from pipecat_taste.playout import PlayoutParams
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeSegment
+
+    class Tap(FrameProcessor):
+        seen: list = []
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            self.seen.append((time.monotonic(), frame))
+            await self.push_frame(frame, direction)
+
+    call = TasteCall(FakeEngine(fail_vocode_on=("can",)))
+    call.active_reply_turn = 1
+
+    def segment(i, word):
+        return TasteReplySegmentFrame(1, i, " " + word, 1, FakeSegment([word], 2), None)
+
+    frames = [segment(0, "sure"), segment(1, "I"), segment(2, "can"), SleepFrame(4.0),  # still generating
+              segment(3, "help"), TasteReplyEndFrame(1, "finished", 4), SleepFrame(0.5)]
+    tap = Tap()
+    # 30 ms frames: the fake's 20 ms words leave a partial frame in the playout's slicer at the failure
+    await run_test(Pipeline([TasteSynthesizer(call), TastePlayout(call, params=PlayoutParams(frame_ms=30)), tap]),
+                   frames_to_send=frames, pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    audio_at = [t for t, f in tap.seen if isinstance(f, TTSAudioRawFrame)]
+    stopped_at = [t for t, f in tap.seen if isinstance(f, TTSStoppedFrame)]
+    record = call.log.turns[1]
+    assert len(record.errors) == 1 and record.played_words == 2
+    assert audio_at[-1] - audio_at[0] < 1.0 and len(stopped_at) == 1 and stopped_at[0] - audio_at[-1] < 1.0
+    assert record.underruns == 0 and record.audio_gaps == []
+    audio = np.concatenate([pcm16_to_float(f.audio) for _, f in tap.seen if isinstance(f, TTSAudioRawFrame)])
+    assert abs(audio[-1]) < 1e-3  # faded out

@@ -83,6 +83,7 @@ class _Reply:
     tokens: int = 0  # speech tokens decoded so far
     decode_failed: bool = False  # speech-token stage only: decode no more segments of this reply
     failed: bool = False  # vocoder stage only: vocode no more of this reply
+    closed: bool = False  # vocoder stage only: its audio ended (finished or failed); later groups are dropped
 
 
 class TasteSynthesizer(FrameProcessor):
@@ -264,7 +265,7 @@ class TasteSynthesizer(FrameProcessor):
                 self._end_passed = True
                 await self.push_frame(payload)
                 continue
-            if self._dropped(reply.turn_id):
+            if self._dropped(reply.turn_id) or reply.closed:
                 continue
             turn_id = reply.turn_id
             record = self._call.log.turn(turn_id)
@@ -301,7 +302,10 @@ class TasteSynthesizer(FrameProcessor):
             if produced == 0 and audio.size:
                 audio = fade_in(audio, samples_for_ms(self._fade_in_ms, self._out_rate))
             n_fade = samples_for_ms(self._fade_out_ms, self._out_rate)
-            if final or reply.failed:
+            # A failed reply ends here, not when its generation does: the audio before the failure
+            # plays straight through and fades out (a playout held its last partial frame until then).
+            closing = final or reply.failed
+            if closing:
                 audio, hold = fade_out(audio, n_fade), np.zeros(0, dtype=np.float32)
             else:
                 keep = max(0, audio.size - n_fade)
@@ -316,12 +320,14 @@ class TasteSynthesizer(FrameProcessor):
                 await self._push_audio(turn_id, audio, produced)
                 produced += audio.size
                 record.synthesized_samples = produced
-            if final:
+            if closing:
+                reply.closed = True
                 await self.stop_processing_metrics()
                 await self.push_frame(TasteAudioStoppedFrame(turn_id) if self._call.has_playout
                                       else TTSStoppedFrame(context_id=context_id_for(turn_id)))
-                self._call.log.event("synthesis_done", turn_id, samples=produced, reason=payload)
-                if self._current_turn == turn_id:
+                self._call.log.event("synthesis_done", turn_id, samples=produced,
+                                     reason=payload if final else "failed")
+                if final and self._current_turn == turn_id:  # (a failed one is still being generated)
                     self._current_turn = None
 
     async def _push_audio(self, turn_id: int, audio: np.ndarray, offset: int):
