@@ -371,6 +371,20 @@ async def test_a_split_turn_is_answered_with_the_stt_s_words(mode, sent):
         assert call.log.turns[1].decision == "ignored" and "last part" in call.log.turns[1].reason
 
 
+async def test_a_split_turn_s_last_part_that_muted_is_not_ignored_as_short():
+    """An upstream VAD whose stop_secs (0.5) the capture has not learned yet (it assumes 0.2): the
+    part after the split had enough speech to mute the first one, but its measured speech is short.
+    It was ignored as the last syllable after the split, the first part as spent, and the STT's
+    transcript of the whole speech was never answered."""
+    call = TasteCall(FakeEngine(max_turn_seconds=2.0))  # split after 1.5 s
+    speech = 0.1 * np.random.default_rng(0).standard_normal(int(1.7 * SR)).astype(np.float32)
+    frames = [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio_frames(speech) + audio_frames(silence(0.5)) + \
+        [VADUserStoppedSpeakingFrame(stop_secs=0.5), SleepFrame(0.3), stt("all of what I said")]
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="upstream"))
+    down, _ = await run_with(capture, frames, tail_secs=2.0)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["all of what I said"]
+
+
 @pytest.mark.serial  # paced audio: the click must fall in the pause after the early hand-over
 async def test_a_click_after_an_early_hand_over_does_not_wait_for_words(utterances):
     """A 40 ms lip smack in the pause takes the early turn back (the VAD calls it speech); the STT's

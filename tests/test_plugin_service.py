@@ -130,6 +130,43 @@ async def test_a_noise_after_a_turn_not_yet_answered_does_not_leave_it_unanswere
     assert [role for role, _ in engine.sessions[0].history] == ["user", "assistant"]
 
 
+async def test_a_muting_turn_that_fails_does_not_leave_the_turn_before_it_unanswered(u):
+    """The caller's next words fail to tokenize (an error for that turn): they will not be answered,
+    so the turn before them is (it got no reply either, and the call fell silent)."""
+    failing = Utterance("failing", "please explode now", u["time"].audio)  # FakeEngine fails on 'explode'
+    engine = FakeEngine(turn_delay=0.9)
+    script = [Pause(0.3), Say(u["hello"]), Pause(0.7), Say(failing), WaitForReply(timeout_s=5, end_silence_s=0.8)]
+    result = await simulate_call(engine, script, config=config(capture=WAIT_FOR_VAD), tail_s=1.0)
+    first, second = result.log.turns[1], result.log.turns[2]
+    assert second.decision == "error" and len(result.errors) == 1
+    assert first.decision == "reply" and first.played_words == first.total_words > 0
+
+
+async def test_a_noise_handed_on_early_then_taken_back_keeps_the_turn_before_it_muted(u):
+    """A noise ('uh', no words) mutes the turn before it, is handed on early and ignored; then the
+    caller goes on and it is taken back: the speech that goes on still mutes that turn (the mute was
+    lifted as the noise was ignored, and the turn was answered over the caller)."""
+    hello = u["hello"].audio
+    uh = Utterance("uh", "", hello[len(hello) // 4: len(hello) // 4 + int(0.6 * 16000)])
+    engine = FakeEngine(asr_text="x", turn_delay=0.9)  # turn 1 is still being tokenized when the caller goes on
+
+    def new_session(settings=None, voice=None):  # the built-in ASR hears no words in a short piece of audio
+        session = FakeEngine.new_session(engine, settings, voice)
+        session.transcribe = lambda audio: "" if len(audio) / session.input_sample_rate < 1.5 else "some words here"
+        return session
+
+    engine.new_session = new_session
+    script = [Pause(0.3), Say(u["hello"]), Pause(0.7), Say(uh), Pause(0.35), Say(u["time"]),
+              WaitForReply(timeout_s=6, end_silence_s=0.8)]
+    result = await simulate_call(engine, script, config=config(capture=TurnCaptureParams(transcripts="asr")),
+                                 tail_s=1.0)
+    assert result.log.retracted  # the scenario: the noise was handed on early and taken back
+    first = result.log.turns[1]
+    assert first.decision == "no_speech" and "spoke again" in first.reason and first.played_words == 0
+    assert result.report["checks"]["talk_over_ms_outside_barge_in"] == 0.0
+    assert [r.decision for r in result.log.turns.values()][-1] == "reply"
+
+
 async def test_stages_run_concurrently_and_first_audio_comes_before_the_reply_is_done(u):
     engine = FakeEngine(word_delay=0.15, decode_delay=0.03, vocode_delay=0.01)
     script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=5, end_silence_s=0.8)]

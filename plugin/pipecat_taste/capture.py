@@ -48,8 +48,8 @@ Barge-in: when the caller has spoken ``min_speech_secs`` while the agent is answ
 or playing), the capture broadcasts an ``InterruptionFrame``; the generator, synthesizer and
 playout stop at once. Earlier turns whose reply has not begun yet get none from then on
 (``TasteCall.mutes``): it would talk over the caller. Such a mute stands once the new turn is
-handed on with words; one that proves to be no turn (the transcript has no words) lifts it, and the
-earlier turn is answered after all. A shorter sound (a cough, an 'mm') is ignored as a turn, so it
+handed on with words; one that proves to be no turn (the transcript has no words) or fails lifts
+it, and the earlier turn is answered after all. A shorter sound (a cough, an 'mm') is ignored as a turn, so it
 must neither interrupt nor mute. With an upstream VAD, whose
 state the capture does not see, that is ``min_speech_secs`` plus the VAD's ``stop_secs``.
 
@@ -199,6 +199,7 @@ class _CapturedTurn:
     dropped: str | None = None  # why it is no turn to answer (decided by the finisher, in order)
     over_agent: bool = False  # it began while the agent was answering or speaking
     after_split: bool = False  # it goes on from a turn closed at the length limit
+    long_enough: bool = False  # it had min_speech_secs of speech: it muted earlier replies (or barged in)
 
 
 _NO_AUDIO = np.zeros(0, np.float32)
@@ -573,7 +574,8 @@ class TasteTurnCapture(FrameProcessor):
         self._words.close(now, record.speech_end, end_sample, words_follow)
         return _CapturedTurn(self._turn_id, audio, self._sample_rate, self._vad_start_at, now,
                              record.speech_start, record.speech_end, record.speech_seconds, self._words, self._turn_asr,
-                             over_agent=self._over_agent, after_split=self._after_split)
+                             over_agent=self._over_agent, after_split=self._after_split,
+                             long_enough=self._long_enough)
 
     def _enqueue(self, turn: _CapturedTurn, held: bool = False) -> None:
         """Hand the closed turn to the finisher; a turn closed at the length limit is ``held`` until
@@ -668,10 +670,16 @@ class TasteTurnCapture(FrameProcessor):
 
     def _settle_mute(self, turn: _CapturedTurn) -> None:
         """A turn that muted earlier replies keeps the mute if it was handed on (it answers for them)
-        or the call is ending; one ignored as no turn lifts it (they are answered after all)."""
-        record = self._call.log.turns.get(turn.turn_id)
-        no_turn = turn.dropped is None and record is not None and record.decision == "ignored"
-        self._call.mutes.settle(turn.turn_id, keep=not no_turn)
+        or the call is ending; one that is not answered (no words, or it failed) lifts it: they are
+        answered after all. A turn handed on early is settled once the VAD confirms it (a retraction
+        moves its mute to the speech that goes on)."""
+        if turn.tentative and not turn.confirmed:
+            if not turn.retracted.is_set():
+                async def settle_when_confirmed():
+                    self._call.mutes.settle(turn.turn_id, keep=turn.pushed)
+                turn.deferred.append(settle_when_confirmed)
+            return
+        self._call.mutes.settle(turn.turn_id, keep=turn.pushed or turn.dropped is not None)
 
     async def _finish(self, turn: _CapturedTurn):
         record = self._call.log.turn(turn.turn_id)
@@ -681,7 +689,8 @@ class TasteTurnCapture(FrameProcessor):
         if turn.speech_seconds < self._params.min_turn_secs:
             await self._decide(turn, "ignored", f"speech too short ({turn.speech_seconds:.2f} s)")
             return
-        if turn.speech_seconds < self._params.min_speech_secs and (turn.over_agent or turn.after_split):
+        if turn.speech_seconds < self._params.min_speech_secs and (turn.over_agent or turn.after_split) \
+                and not turn.long_enough:  # (one that muted or barged in is a turn)
             # an 'mm-hm' while the agent talks (a backchannel; a 'yes' after it is a turn), or the last
             # syllable of a turn split at the length limit (the part before it is answered)
             where = "after the split" if turn.after_split else "over the agent's reply"

@@ -5,7 +5,9 @@ would talk over the caller: the turn gets none and the new turn answers for both
 speech may prove to be no turn at all (a noise the STT finds no words in): had its mute stood, the
 earlier turn would go unanswered and the call fall silent. So a mute is provisional until its
 turn is settled - kept when the turn is handed on with words (or the call ends), lifted when it
-is ignored - and the generator waits for that verdict before it treats a turn as muted.
+is not (no words, or it failed) - and the generator waits for that verdict before it treats a turn
+as muted. A turn handed on early is settled when the VAD confirms it; taken back, its mute moves to
+the speech that goes on.
 
 One object per call (``TasteCall.mutes``); the capture mutes and settles, the generator asks.
 """
