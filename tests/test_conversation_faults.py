@@ -114,3 +114,23 @@ def test_a_closed_slot_cache_cannot_be_cropped(model):
     cache.close()
     with pytest.raises(RuntimeError, match="was closed"):
         cache.crop(0)  # its slot may be another call's by now
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "batched"])
+@pytest.mark.parametrize("played_words", [0, 2])
+def test_a_barge_in_cut_that_fails_keeps_the_words_heard(model, processor, turns, kind, played_words):
+    """The reply is cut to the words the caller heard and the LM fails while the cache is cut (the
+    last kept row is fed again): the history keeps exactly those words (the assistant turn was
+    gone), and the next reply is that of a conversation whose cut did not fail."""
+    reference, conversation = new_conversation(model, processor, "dynamic"), new_conversation(model, processor, kind)
+    for each in (reference, conversation):
+        reply_ids(model, processor, each, [turns[0]])
+    assert int(conversation.turns[-1].word_starts().sum()) > 2
+    reference.truncate_last_assistant(played_words)
+    with FailOnce(model, "one") as fault:
+        with pytest.raises(MemoryError):
+            conversation.truncate_last_assistant(played_words)
+    assert fault.fired
+    assert [(t.role, t.text_ids.tolist()) for t in conversation.turns] == \
+        [(t.role, t.text_ids.tolist()) for t in reference.turns]
+    assert reply_ids(model, processor, conversation, [turns[1]]) == reply_ids(model, processor, reference, [turns[1]])

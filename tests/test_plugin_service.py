@@ -167,6 +167,27 @@ async def test_a_noise_handed_on_early_then_taken_back_keeps_the_turn_before_it_
     assert [r.decision for r in result.log.turns.values()][-1] == "reply"
 
 
+async def test_a_failure_while_keeping_the_words_heard_is_reported_and_the_call_goes_on(u):
+    engine = FakeEngine()
+
+    def new_session(settings=None, voice=None):
+        session = FakeEngine.new_session(engine, settings, voice)
+
+        def commit_reply(played_words):
+            raise MemoryError("out of memory (injected)")
+
+        session.commit_reply = commit_reply
+        return session
+
+    engine.new_session = new_session
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8),
+              Say(u["goodbye"]), WaitForReply(timeout_s=4, end_silence_s=0.8)]
+    result = await run(engine, script)
+    assert len(result.errors) == 2 and all("keeping the words heard failed" in e for e in result.errors)
+    for record in result.log.turns.values():
+        assert record.decision == "reply" and record.kept_words == record.total_words == record.played_words > 0
+
+
 async def test_stages_run_concurrently_and_first_audio_comes_before_the_reply_is_done(u):
     engine = FakeEngine(word_delay=0.15, decode_delay=0.03, vocode_delay=0.01)
     script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=5, end_silence_s=0.8)]

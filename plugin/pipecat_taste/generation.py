@@ -317,7 +317,14 @@ class TasteGenerator(FrameProcessor):
         elif stop.is_set():  # with no playout to say what was heard: the words sent on, not those after the stop
             played = 0 if call.has_playout else total_words
         self._reports.pop(turn_id, None)
-        kept = await call.run("think", call.session.commit_reply, played)
+        try:
+            kept = await call.run("think", call.session.commit_reply, played)
+        except Exception as e:  # the cut is all or nothing: the history holds the words heard all the same
+            kept = total_words if played is None else min(played, total_words)
+            record.errors.append(f"keeping the words heard failed: {e}")
+            logger.exception(f"{self}: committing the reply of turn {turn_id} failed")
+            await self.push_error(f"turn {turn_id}: keeping the words heard failed: {e}", e,
+                                  category=ErrorCategory.UNKNOWN)
         record.kept_words = kept
         call.log.event("reply_committed", turn_id, kept_words=kept, total_words=total_words)
 

@@ -359,20 +359,28 @@ class Conversation:
         start_ids = st.committed_ids - st.turn_ids[index]
         carry_before = st.turn_carry[index]
         del st.turns[index], st.turn_rows[index], st.turn_ids[index], st.turn_carry[index]
-        if kept is None:
-            self._cut(start_rows, start_ids)
-            st.carry = carry_before
-            self._mark_committed()
-            return None
-        # The kept turn's rows are a prefix of the old ones up to its content; its closing rows
-        # (if any) differ and are fed again.
-        rows, ids, carry = self.format.segment_rows(kept, carry_before)
-        closing_rows, closing_ids, _ = self.format.reply_closing(kept)
-        n_close = 0 if closing_rows is None else closing_rows.shape[1]
-        self._cut(start_rows + rows.shape[1] - n_close, start_ids + len(ids) - len(closing_ids))
-        if closing_rows is not None:
-            self._feed(st.decode, closing_rows)
-            st.decode.input_ids.extend(closing_ids)
+        try:
+            if kept is None:
+                self._cut(start_rows, start_ids)
+                st.carry = carry_before
+                self._mark_committed()
+                return None
+            # The kept turn's rows are a prefix of the old ones up to its content; its closing rows
+            # (if any) differ and are fed again.
+            rows, ids, carry = self.format.segment_rows(kept, carry_before)
+            closing_rows, closing_ids, _ = self.format.reply_closing(kept)
+            n_close = 0 if closing_rows is None else closing_rows.shape[1]
+            self._cut(start_rows + rows.shape[1] - n_close, start_ids + len(ids) - len(closing_ids))
+            if closing_rows is not None:
+                self._feed(st.decode, closing_rows)
+                st.decode.input_ids.extend(closing_ids)
+        except BaseException:
+            # All or nothing: the history holds the words heard all the same, and the cache, cut
+            # part way, is prefilled again at its next use.
+            if kept is not None:
+                st.turns.append(kept)
+            self._drop_cache()
+            raise
         st.turns.append(kept)
         st.turn_rows.append(rows.shape[1])
         st.turn_ids.append(len(ids))
