@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipecat_taste.asr import WhisperTranscriber
+from pipecat_taste.asr import STATIC_FAILURES_TO_GIVE_UP, WhisperTranscriber
 from pipecat_taste.whisper_decode import StaticWhisperDecoder, greedy_plan
 from taste_agents.caller import load_utterances
 
@@ -188,8 +188,32 @@ def test_a_failing_static_loop_falls_back_to_generate(tiny_asr, audios, monkeypa
 
     monkeypatch.setattr(StaticWhisperDecoder, "decode", broken)
     expected = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=10)
-    result = asr.transcribe(audios[0])
-    assert result.ids == expected and asr.decode == "dynamic" and "injected" in asr.generate_reason
+    for attempt in range(1, STATIC_FAILURES_TO_GIVE_UP + 1):
+        result = asr.transcribe(audios[0])
+        assert result.ids == expected
+        gave_up = attempt == STATIC_FAILURES_TO_GIVE_UP
+        assert (asr.decode == "dynamic") == gave_up and (asr.new_turn() is None) == gave_up
+    assert "3 times in a row" in asr.generate_reason and "injected" in asr.generate_reason
+
+
+def test_one_failure_of_the_static_loop_does_not_give_it_up(tiny_asr, audios, monkeypatch):
+    """One transient failure (an out-of-memory in one call) sends that utterance to generate; the
+    engine's other calls keep the fast path and their incremental transcripts."""
+    model = varied_model(tiny_asr)
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10)
+    working = StaticWhisperDecoder.decode
+    failures = iter([True, True, False, True, False])
+
+    def sometimes(self, feats, draft=()):
+        if next(failures):
+            raise RuntimeError("injected")
+        return working(self, feats, draft)
+
+    monkeypatch.setattr(StaticWhisperDecoder, "decode", sometimes)
+    expected = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=10)
+    for _ in range(5):  # two failures, a success (the count starts again), a failure, a success
+        assert asr.transcribe(audios[0]).ids == expected
+    assert asr.decode == "static" and asr.new_turn() is not None
 
 
 def test_timestamp_tokens_in_a_row_go_to_generate(tiny_asr, audios):

@@ -35,6 +35,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 DECODE_KINDS = ("auto", "static", "dynamic")
+STATIC_FAILURES_TO_GIVE_UP = 3  # static-loop failures in a row before every utterance goes to generate
 
 
 @dataclass
@@ -77,6 +78,7 @@ class WhisperTranscriber:
         # calls share this transcriber and transcribe on their own threads at the same time.
         self._workspaces: list = []
         self._lock = threading.Lock()
+        self._static_failures = 0  # in a row: the fast path is given up only when it keeps failing
 
     @property
     def decode(self) -> str:
@@ -148,10 +150,20 @@ class WhisperTranscriber:
             try:
                 ids, kept = workspace.decode(features, draft)
             except Exception as error:  # a broken fast path must not cost the call its transcripts
-                self.plan = None
-                self.generate_reason = f"the static loop failed ({type(error).__name__}: {error})"
-                logger.warning("Whisper static decoding failed, using generate from now on: %s", error, exc_info=True)
+                # This utterance goes to generate (its workspace is dropped). One failure (a
+                # transient out-of-memory in one call) must not slow every call of the engine down
+                # for good: the fast path is given up after STATIC_FAILURES_TO_GIVE_UP in a row.
+                with self._lock:
+                    self._static_failures += 1
+                    give_up = self._static_failures >= STATIC_FAILURES_TO_GIVE_UP
+                    if give_up:
+                        self.plan = None
+                        self.generate_reason = f"the static loop failed {self._static_failures} times in a row " \
+                                               f"({type(error).__name__}: {error})"
+                logger.warning("Whisper static decoding failed (%s): %s", "using generate from now on" if give_up
+                               else "this utterance goes to generate", error, exc_info=True)
             else:
+                self._static_failures = 0
                 self._give_back(workspace)
                 if not plan.splits_into_segments(ids):
                     return Transcription(self._text(ids), ids, kept)
