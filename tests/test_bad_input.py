@@ -548,6 +548,8 @@ def test_a_conversation_takes_the_model_then_the_processor(model, processor):
     (dict(words_per_segment=1.5), r"words_per_segment must be an integer >= 1"),
     (dict(history_max_turns=-1), r"history_max_turns must be an integer >= 1"),
     (dict(seed=1.5), r"seed must be an integer"),
+    (dict(seed=2 ** 64 - 2), r"seed must be in \[-2\*\*63, 2\*\*64 - 3\]"),  # seed + 2 would overflow
+    (dict(seed=-2 ** 63 - 1), r"seed must be in"),
     (dict(prompt_format="chat"), r"prompt_format must be one of"),
     (dict(text_temperature=0), r"GenerationSettings: text_temperature must be > 0"),
     (dict(text_top_p=2), r"GenerationSettings: text_top_p must be in \[0, 1\]"),
@@ -558,6 +560,13 @@ def test_generation_settings_are_checked_when_made(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         GenerationSettings(**kwargs)
+
+
+def test_the_extreme_seeds_make_a_session(engine):
+    from pipecat_taste.engine import GenerationSettings
+
+    for seed in (-2 ** 63, 2 ** 64 - 3):
+        engine.new_session(GenerationSettings(seed=seed)).close()
 
 
 def test_engine_options_are_checked_before_anything_loads(engine):

@@ -98,6 +98,9 @@ class GenerationSettings:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (least is not None and value < least):
                 need = "an integer" if least is None else f"an integer >= {least}"
                 raise ValueError(f"GenerationSettings.{name} must be {need}, got {value!r}")
+        if not -2 ** 63 <= self.seed <= 2 ** 64 - 3:  # it seeds three torch generators: seed, seed + 1, seed + 2
+            raise ValueError(f"GenerationSettings.seed must be in [-2**63, 2**64 - 3] (torch seeds are 64-bit), "
+                             f"got {self.seed!r}")
         try:
             SamplingParams(text_top_p=self.text_top_p, taste_top_p=self.taste_top_p,
                            text_temperature=self.text_temperature, repetition_penalty=self.repetition_penalty)
