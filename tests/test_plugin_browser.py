@@ -197,3 +197,35 @@ async def test_the_page_lets_go_of_the_microphone_however_the_call_ends(tmp_path
                 assert ready_again(state), state
             finally:
                 await peer.close()
+
+
+async def test_the_page_shows_the_status_of_an_error_that_is_not_ours(tmp_path):
+    """A proxy in front (the README suggests one for TLS) answers the offer with an HTML 502 page:
+    the page says '502 Bad Gateway' (it said it could not parse JSON) and lets go of the microphone."""
+    from aiohttp import web
+
+    from taste_agents.server import STATIC
+
+    app = web.Application()
+    app.router.add_get("/", lambda request: web.FileResponse(STATIC / "index.html"))
+    app.router.add_get("/api/ice-servers", lambda request: web.json_response({"iceServers": []}))
+    app.router.add_post("/api/offer", lambda request: web.Response(
+        status=502, content_type="text/html", text="<html><head><title>502 Bad Gateway</title></head></html>"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    mic = tmp_path / "mic.wav"
+    write_wav(mic, np.zeros((16000 * 5, 1), np.int16), 16000)
+    state = None
+    try:
+        async with browser_page(tmp_path, mic, f"http://127.0.0.1:{port}/?autostart") as page:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (state and state.get("error")):
+                raw = await page.evaluate("JSON.stringify(window.tasteStats || null)")
+                state = json.loads(raw) if raw else None
+                await asyncio.sleep(0.3)
+    finally:
+        await runner.cleanup()
+    assert state and state["state"] == "error: 502 Bad Gateway", state

@@ -533,3 +533,53 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+async def test_a_call_whose_session_cannot_be_made_ends_at_once_and_says_why():
+    """The TASTE processors cannot work (the engine could not make the call's session: out of GPU
+    memory): the call ends at once and frees its slot (it held it, silent, until the idle timeout,
+    logging an error per audio frame)."""
+    import websockets
+
+    class NoSessions(FakeEngine):
+        def new_session(self, settings=None, voice=None):
+            raise RuntimeError("CUDA out of memory (injected)")
+
+    async with running_server(NoSessions(), config(max_calls=1, idle_seconds=60.0)) as (server, url):
+        async with websockets.connect(url.replace("http", "ws") + "/ws/phone", open_timeout=10) as ws:
+            await ws.send(json.dumps({"event": "connected"}))
+            await ws.send(json.dumps({"event": "start", "streamSid": "MZ", "start": {"streamSid": "MZ"}}))
+            frame = json.dumps({"event": "media", "media": {"payload": base64.b64encode(b"\xff" * 160).decode()}})
+            started = time.monotonic()
+            try:
+                while server.calls_in_use or time.monotonic() - started < 0.5:
+                    assert time.monotonic() - started < 10, "the call still holds its slot"
+                    await ws.send(frame)
+                    await asyncio.sleep(0.02)
+            except websockets.ConnectionClosed:
+                pass
+        deadline = time.monotonic() + 5
+        while server.calls_in_use and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert server.calls_in_use == 0
+        assert "could not go on" in server.finished[-1]["ended_because"] and "out of memory" in \
+            server.finished[-1]["ended_because"], server.finished[-1]
+
+
+async def test_an_oversized_phone_message_is_dropped_unread():
+    """Twilio's media messages are ~400 bytes; one of megabytes (524 s of audio) stalled every call
+    on the server for seconds while the VAD chewed through it."""
+    from pipecat.frames.frames import InputAudioRawFrame, StartFrame
+
+    from taste_agents.server import MAX_PHONE_MESSAGE_BYTES, SafeTwilioSerializer
+
+    serializer = SafeTwilioSerializer("MZ", params=SafeTwilioSerializer.InputParams(auto_hang_up=False))
+    await serializer.setup(StartFrame(audio_in_sample_rate=16000, audio_out_sample_rate=16000))
+
+    def media(n):
+        return json.dumps({"event": "media", "media": {"payload": base64.b64encode(b"\x10" * n).decode()}})
+
+    frames = [await serializer.deserialize(media(160)) for _ in range(10)]  # (the resampler holds some back)
+    assert any(isinstance(f, InputAudioRawFrame) for f in frames)
+    huge = media(4 << 20)
+    assert len(huge) > MAX_PHONE_MESSAGE_BYTES and await serializer.deserialize(huge) is None

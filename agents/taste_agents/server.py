@@ -43,7 +43,7 @@ from pipecat.frames.frames import (
     TTSTextFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
-from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker, ProcessorUnusablePolicy
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.serializers.twilio import TwilioFrameSerializer
 from pipecat.transports.base_transport import TransportParams
@@ -115,15 +115,25 @@ class ClientEvents(FrameProcessor):
             await self.push_frame(OutputTransportMessageUrgentFrame(message=message))
 
 
+# Twilio's media messages are ~400 bytes (20 ms of 8 kHz mu-law in base64): a larger one is no
+# phone audio, and a huge one (524 s of audio in one message) stalled every call for seconds.
+MAX_PHONE_MESSAGE_BYTES = 16 * 1024
+MAX_WEBSOCKET_MESSAGE_BYTES = 64 * 1024  # the server's limit for any websocket message (uvicorn's: 16 MiB)
+
+
 class SafeTwilioSerializer(TwilioFrameSerializer):
-    """Twilio's serializer, made safe for a public endpoint: malformed messages are logged and
-    dropped (the stock one raises, which ends the call), and ``stop`` ends the call."""
+    """Twilio's serializer, made safe for a public endpoint: malformed or oversized messages are
+    logged and dropped (the stock one raises, which ends the call), and ``stop`` ends the call."""
 
     def __init__(self, *args, on_stop=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._on_stop = on_stop
 
     async def deserialize(self, data):
+        if len(data) > MAX_PHONE_MESSAGE_BYTES:
+            logger.warning(f"phone stream: dropping a {len(data)}-byte message (a phone's are under "
+                           f"{MAX_PHONE_MESSAGE_BYTES} bytes)")
+            return None
         try:
             message = json.loads(data)
         except (TypeError, ValueError):
@@ -455,10 +465,12 @@ class TasteServer:
 
     # -- calls ------------------------------------------------------------------------------------
     def _worker(self, pipeline, in_rate: int, out_rate: int) -> PipelineWorker:
+        # A processor that can no longer do its job (its session could not be made: out of GPU
+        # memory) ends the call at once: the caller would hear nothing while it held its slot.
         return PipelineWorker(pipeline, params=PipelineParams(audio_in_sample_rate=in_rate, audio_out_sample_rate=out_rate,
                                                                enable_metrics=True),
                               idle_timeout_secs=self.config.idle_seconds, cancel_on_idle_timeout=True,
-                              enable_rtvi=False)
+                              processor_unusable_policy=ProcessorUnusablePolicy.CANCEL, enable_rtvi=False)
 
     async def _start_webrtc_call(self, connection) -> None:
         from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
@@ -505,6 +517,12 @@ class TasteServer:
         @active.worker.event_handler("on_idle_timeout")
         async def _idle(_worker):
             active.end_reason = active.end_reason or f"nobody spoke for {self.config.idle_seconds:g} s"
+
+        @active.worker.event_handler("on_pipeline_error")
+        async def _error(_worker, frame):
+            processor = getattr(frame, "processor", None)
+            if processor is not None and not getattr(processor, "is_usable", True):
+                active.end_reason = active.end_reason or f"the call could not go on: {frame.error}"
 
         try:
             await runner.add_workers(active.worker)
@@ -677,6 +695,6 @@ def serve(args) -> int:
         print(f"taste-agent: bound to {config.host}, the server takes any Host header: to expose it, put it behind "
               "your own proxy", flush=True)
     uvicorn.run(server.app, host=config.host, port=config.port, log_level="warning",
-                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
+                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ws_max_size=MAX_WEBSOCKET_MESSAGE_BYTES)
     return 0
 

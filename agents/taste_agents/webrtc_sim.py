@@ -23,7 +23,7 @@ import numpy as np
 
 from taste_agents.caller import CallerEvent
 from taste_agents.report import build_report, plot_timeline
-from taste_agents.server import ServerConfig, TasteServer
+from taste_agents.server import MAX_WEBSOCKET_MESSAGE_BYTES, ServerConfig, TasteServer
 
 SR = 16000
 
@@ -39,7 +39,8 @@ async def running_server(engine, config: ServerConfig | None = None, loopback: b
         aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
     config = config or ServerConfig()
     server = TasteServer(engine, config)
-    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                       ws_max_size=MAX_WEBSOCKET_MESSAGE_BYTES))
     task = asyncio.create_task(uv.serve())
     try:
         for _ in range(200):
