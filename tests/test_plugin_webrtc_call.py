@@ -3,7 +3,9 @@ as a separate aiortc peer process, loopback only. Measured where the caller is, 
 the same call in process (the latency WebRTC adds)."""
 
 import asyncio
+import time
 
+import numpy as np
 import pytest
 
 from pipecat_taste.testing import FakeEngine
@@ -84,3 +86,21 @@ async def test_a_peer_that_never_connects_is_a_lost_call_not_a_crash(tmp_path):
         await runner.cleanup()
     assert result["connection_lost"] and result["connect_s"] is None and not result["timed_out"]
     assert (tmp_path / "caller" / "caller.json").is_file()
+
+
+async def test_the_webrtc_caller_sends_each_frame_once_it_is_spoken():
+    """As the in-process line does: the frame holding the end of an utterance leaves when the caller's
+    recording says the utterance ended (it left a frame, 20 ms, earlier: WebRTC latencies read short)."""
+    from taste_agents.caller import Say, ScriptedCaller, Utterance
+    from taste_agents.webrtc_caller import FRAME, SR, CallerLine, _caller_track
+
+    caller = ScriptedCaller([Say(Utterance("u", "", np.full(3 * FRAME, 0.3, np.float32)))])
+    line = CallerLine(caller, 2.0)
+    track = _caller_track(line, lambda event: None)
+    sent_at = []
+    for _ in range(5):
+        await track.recv()
+        sent_at.append(time.monotonic() - line.t0)
+    stop = next(e.sample for e in caller.events if e.kind == "utterance_end")
+    last = stop // FRAME - 1  # the frame holding the last samples of the utterance
+    assert sent_at[last] >= stop / SR - 0.002, (sent_at, stop)

@@ -25,14 +25,14 @@ class Line:
         return None if t is None else int(round((t - self.t0) * SR))
 
 
-def report(line, utterances, records, barge_ins=()):
+def report(line, utterances, records, barge_ins=(), log=None):
     """``utterances``: (name, start s, end s); ``records``: TurnRecords of the agent."""
     events = [SimpleNamespace(sample=int(a * SR), kind="utterance_start", name=name, text="") for name, a, _ in utterances]
     events += [SimpleNamespace(sample=int(a * SR), kind="barge_in", name=name, text="")
                for name, a, _ in utterances if name in barge_ins]
     caller = SimpleNamespace(clock=line.agent.size, events=events,
                              speech_intervals=[(int(a * SR), int(b * SR), name) for name, a, b in utterances])
-    log = CallLog()
+    log = log or CallLog()
     for record in records:
         log.turns[record.turn_id] = record
     result = SimpleNamespace(line=line, caller=caller, log=log, duration_s=line.agent.size / SR, timed_out=False,
@@ -83,4 +83,30 @@ def test_a_barge_in_stopped_in_time_passes():
                              barge_in_at=2.0),
                   TurnRecord(2, speech_start=2.0, decision="reply", first_audio_at=3.2)], barge_ins={"b1"})
     assert out["summary"]["barge_in_stop_ms"] == [50.0] and out["checks"]["barge_in_within_100ms"]
+    assert out["checks"]["barge_in_detected_within_700ms"]
     assert out["turns"][1]["first_audio_latency_ms"] == 600.0
+
+
+def test_a_barge_in_the_agent_noticed_late_fails_the_check():
+    """The caller cuts in at 2.0 s (for 1.6 s); the agent notices only at 3.5 s and stops 50 ms later: the stop
+    after its own detection is quick, the detection is not (it passed on the agent's word)."""
+    line = Line(8, [(1.2, 3.55), (5.0, 6.0)])
+    out = report(line, [("u1", 0, 1), ("b1", 2.0, 3.6)],
+                 [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.2, interrupted=True,
+                             barge_in_at=3.5),
+                  TurnRecord(2, speech_start=2.0, decision="reply", first_audio_at=5.0)], barge_ins={"b1"})
+    assert out["summary"]["barge_in_stop_ms"] == [50.0] and out["checks"]["barge_in_within_100ms"]
+    assert out["turns"][1]["barge_in_detected_after_onset_ms"] == 1500.0
+    assert not out["checks"]["barge_in_detected_within_700ms"]
+
+
+def test_a_reply_synthesized_but_never_released_fails_the_audio_check():
+    """The whole reply was synthesized and none of it reached the caller (held in the playout): the
+    check looked only at replies with released audio, so it passed."""
+    line = Line(4, [])
+    line.writes = []
+    log = CallLog(keep_audio=True)
+    log.synthesized_audio[1] = [(np.ones(SR, "<i2") * 1000).tobytes()]
+    out = report(line, [("u1", 0, 1)], [TurnRecord(1, speech_start=0.0, decision="reply")], log=log)
+    assert out["checks"]["released_equals_synthesized"] is False
+    assert out["checks"]["per_reply"][0]["released_samples"] == 0

@@ -148,3 +148,10 @@ def test_replies_begin_before_the_vads_end_and_are_heard_after_it(call):
             assert record.early_end_at < record.vad_stop_at <= record.first_audio_at
     assert report["summary"]["early_replies"] == len(call.log.turns)
     assert len(report["retracted_agent_turns"]) == report["summary"]["early_turns_retracted"]
+
+
+def test_an_utterance_knows_its_length_at_any_rate():
+    from taste_agents.caller import load_utterances
+
+    at_16k, at_8k = load_utterances()["hello"], load_utterances(sample_rate=8000)["hello"]
+    assert at_8k.sample_rate == 8000 and abs(at_8k.seconds - at_16k.seconds) < 0.001  # (8 kHz read half as long)

@@ -30,10 +30,11 @@ class Utterance:
     name: str
     text: str
     audio: np.ndarray  # float32 mono at the caller's rate
+    sample_rate: int = 16000
 
     @property
     def seconds(self) -> float:
-        return self.audio.size / 16000
+        return self.audio.size / self.sample_rate
 
 
 def read_audio(path: str | Path) -> tuple[np.ndarray, int]:
@@ -57,7 +58,7 @@ def load_utterances(directory: str | Path = CALLER_AUDIO, sample_rate: int = 160
     out = {}
     for name, text in manifest["utterances"].items():
         audio, rate = read_audio(directory / f"{name}.wav")
-        out[name] = Utterance(name, text, resample(audio, rate, sample_rate))
+        out[name] = Utterance(name, text, resample(audio, rate, sample_rate), sample_rate)
     return out
 
 

@@ -263,6 +263,8 @@ def run_webrtc_comparison(args) -> int:
 
 
 def _summary(report: dict, paths: dict) -> str:
+    from taste_agents.report import BARGE_IN_DETECT_BOUND_MS
+
     lines = ["", f"call {report.get('call_id')}: {report['duration_s']} s, {report['summary']['replies']} replies"]
     for turn in report["turns"]:
         line = f"  {turn['utterance']:8s} decision={turn['decision']}"
@@ -286,7 +288,8 @@ def _summary(report: dict, paths: dict) -> str:
     lines.append(f"  checks: every turn decided={c['every_turn_decided']}, talk-over outside barge-in="
                  f"{c['talk_over_ms_outside_barge_in']:.0f} ms, audio synthesized==released=="
                  f"{c.get('released_equals_synthesized', 'n/a')}, released==written=={c.get('written_equals_released', 'n/a')}"
-                 f", barge-in<=100ms={c['barge_in_within_100ms']}")
+                 f", barge-in<=100ms={c['barge_in_within_100ms']}"
+                 f" (detected<={BARGE_IN_DETECT_BOUND_MS}ms={c[f'barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms']})")
     s = report["summary"]
     lines.append(f"  underruns: {s['underruns']}, errors: {s['errors']}, early replies: {s.get('early_replies', 0)}, "
                  f"early turns taken back (the caller went on): {s.get('early_turns_retracted', 0)}")

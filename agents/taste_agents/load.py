@@ -26,7 +26,7 @@ import numpy as np
 
 from taste_agents.caller import default_script
 from taste_agents.memory import release_free_memory
-from taste_agents.report import reply_audio_intact
+from taste_agents.report import replies_with_audio, reply_audio_intact
 from taste_agents.webrtc_caller import EXIT_CONNECTION_LOST, EXIT_TIMED_OUT
 
 
@@ -317,17 +317,17 @@ async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: f
                        "turns_not_measured": sum(1 for t in turns if t["agent_busy_at_end"])}}
 
 
-def server_call_audio_problems(log, frame_ms: float = 20.0, fade_ms: float = 20.0) -> list[str]:
+def server_call_audio_problems(log) -> list[str]:
     """On the server: every reply's released audio is its synthesized audio, by the rule of
-    ``report.reply_audio_intact`` (``frame_ms``: the playout's frames, ``fade_ms``: the longest
-    fade-out after a barge-in). Returns what is wrong, per reply (empty: intact)."""
+    ``report.reply_audio_intact``, with the playout's frame and fade lengths (``CallLog``). Returns
+    what is wrong, per reply (empty: intact)."""
     problems = []
-    rate = getattr(log, "sample_rate", None) or 48000
-    for turn_id, released_chunks in log.released_audio.items():
+    if log.frame_samples is None:  # no playout ran: nothing was released
+        return [f"turn {t}: synthesized, but no playout ran" for t in log.synthesized_audio if t in log.turns]
+    for turn_id, record in replies_with_audio(log):
         synth = np.frombuffer(b"".join(log.synthesized_audio.get(turn_id, [])), dtype="<i2")
-        released = np.frombuffer(b"".join(released_chunks), dtype="<i2")
-        record = log.turns[turn_id]
-        ok, common = reply_audio_intact(synth, released, record, int(frame_ms * rate / 1000), int(fade_ms * rate / 1000))
+        released = np.frombuffer(b"".join(log.released_audio.get(turn_id, [])), dtype="<i2")
+        ok, common = reply_audio_intact(synth, released, record, log.frame_samples, log.fade_samples)
         if not ok:
             problems.append(f"turn {turn_id}: synthesized {synth.size}, released {released.size}, identical prefix "
                             f"{common}, interrupted {record.interrupted}, hang-up {record.ended_by_hangup}")

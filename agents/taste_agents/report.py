@@ -7,7 +7,8 @@ sample clock for both sides), not taken from the agent's own bookkeeping:
 * first-audio latency: end of the caller's utterance -> first agent sample after it;
 * reply duration: first to last agent sample of the reply;
 * barge-in stop: barge-in detected (the agent's VAD) -> last agent sample of the cut-off reply, and
-  the same from the onset of the caller's speech;
+  the same from the onset of the caller's speech; the detection itself must come within
+  ``BARGE_IN_DETECT_BOUND_MS`` of that onset;
 * talk-over: time both sides are audible, outside the scripted barge-in windows.
 
 ``checks`` also verifies the audio path end to end: per reply, the audio the playout released is
@@ -24,6 +25,10 @@ from pathlib import Path
 import numpy as np
 
 ACTIVE_LEVEL = 100  # int16 peak above which a 10 ms frame counts as audible (about -50 dBFS)
+# The agent hears a barge-in once the caller has spoken min_speech_secs (0.25 s, counted from the
+# VAD's onset estimate) and the VAD has confirmed it (start_secs 0.2 s): about 0.35-0.45 s after the
+# onset with the default capture. A detection later than this is a slow agent, whatever it then does.
+BARGE_IN_DETECT_BOUND_MS = 700
 
 
 def _pcm(chunks: list[bytes]) -> np.ndarray:
@@ -106,14 +111,21 @@ def reply_audio_intact(synth: np.ndarray, released: np.ndarray, record, chunk_sa
     return bool(good), common
 
 
+def replies_with_audio(log) -> list[tuple[int, object]]:
+    """(turn id, record) of every reply with audio synthesized or released, in order: a reply the
+    playout never released is checked too (it was left out). Early replies taken back (their turn
+    retracted) are dropped unheard by design."""
+    turn_ids = sorted(set(log.synthesized_audio) | set(log.released_audio))
+    return [(t, log.turns[t]) for t in turn_ids if t in log.turns]
+
+
 def audio_path_checks(result, chunk_samples: int, fade_samples: int) -> dict:
     """Synthesized -> released -> written, per reply (see the module docstring)."""
     log, line = result.log, result.line
     per_turn, expected_writes, ok = [], [], True
-    for turn_id in sorted(log.released_audio):
+    for turn_id, record in replies_with_audio(log):
         synth = _pcm(log.synthesized_audio.get(turn_id, []))
-        released = _pcm(log.released_audio[turn_id])
-        record = log.turns[turn_id]
+        released = _pcm(log.released_audio.get(turn_id, []))
         good, common = reply_audio_intact(synth, released, record, chunk_samples, fade_samples)
         padded = np.concatenate([released, np.zeros((-released.size) % chunk_samples, dtype="<i2")])
         expected_writes.append(padded)
@@ -199,6 +211,7 @@ def build_report(result, meta: dict) -> dict:
                 entry.update({
                     "cut_off_turn": cut.turn_id,
                     "barge_in_detected_s": sec(detect),
+                    "barge_in_detected_after_onset_ms": round(1000 * (detect - start) / sr, 1),
                     "barge_in_stop_ms": round(1000 * max(0, last - detect) / sr, 1),
                     "barge_in_stop_from_speech_onset_ms": round(1000 * max(0, last - start) / sr, 1),
                     # the agent's own figure: barge-in detected -> last sample handed to its transport
@@ -220,7 +233,8 @@ def build_report(result, meta: dict) -> dict:
     for start, stop in allowed_overlap:
         allowed[start // frame: -(-stop // frame) + 1] = True
     talk_over_ms = 10.0 * float(np.sum(both & ~allowed))
-    path = audio_path_checks(result, line.frame_samples, int(0.02 * sr)) if getattr(line, "writes", None) is not None else {}
+    fade = log.fade_samples if log.fade_samples is not None else int(0.01 * sr)  # (the playout's fade_out_ms)
+    path = audio_path_checks(result, line.frame_samples, fade) if getattr(line, "writes", None) is not None else {}
     every_decided = all(u["decision"] is not None for u in utterances) and all(r.decision is not None for r in records)
     stops = [u["barge_in_stop_ms"] for u in utterances if "barge_in_stop_ms" in u]
     latencies = [u["first_audio_latency_ms"] for u in utterances if u.get("first_audio_latency_ms") is not None]
@@ -252,6 +266,11 @@ def build_report(result, meta: dict) -> dict:
             "talk_over_ms_outside_barge_in": talk_over_ms,
             "talk_over_ms_in_barge_in": 10.0 * float(np.sum(both & allowed)),
             "barge_in_within_100ms": bool(stops) and all(s is not None and s <= 100.0 for s in stops),
+            # the 100 ms above count from the agent's own detection: it must come in time too
+            f"barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms": bool(stops) and all(
+                u.get("barge_in_detected_after_onset_ms") is not None
+                and u["barge_in_detected_after_onset_ms"] <= BARGE_IN_DETECT_BOUND_MS
+                for u in utterances if "barge_in_stop_ms" in u),
             **path,
         },
         "agent_turns": log_dict["turns"],

@@ -78,7 +78,7 @@ def _caller_track(line: CallerLine, on_event):
         async def recv(self):
             if line.t0 is None:
                 line.t0 = time.monotonic()
-            due = line.t0 + self.k * FRAME / SR
+            due = line.t0 + (self.k + 1) * FRAME / SR  # sent once spoken, as the in-process line does
             delay = due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)

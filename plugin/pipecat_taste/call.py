@@ -96,6 +96,11 @@ class CallLog:
         self.keep_audio = keep_audio
         self.synthesized_audio: dict[int, list[bytes]] = {}
         self.released_audio: dict[int, list[bytes]] = {}
+        # The playout's output rate and its frame and fade lengths in samples (set when it starts),
+        # for checks of the audio it released.
+        self.audio_rate: int | None = None
+        self.frame_samples: int | None = None
+        self.fade_samples: int | None = None
 
     def turn(self, turn_id: int) -> TurnRecord:
         if turn_id in self.retracted:

@@ -178,6 +178,9 @@ class TastePlayout(FrameProcessor):
     async def setup(self, setup: FrameProcessorSetup):
         await super().setup(setup)
         self._rate = setup.audio_out_sample_rate
+        log = self._call.log
+        log.audio_rate, log.frame_samples = self._rate, self._frame_samples
+        log.fade_samples = samples_for_ms(self._params.fade_out_ms, self._rate)
 
     async def cleanup(self):
         await super().cleanup()
