@@ -83,8 +83,10 @@ BATCHED = DecodePath("graphed", batch_slots=16)  # the concurrency table only
 
 
 def sync(device) -> None:
+    """Wait for this thread's GPU work: its stream, not the device (a device-wide wait fails while
+    another call's thread captures a CUDA graph)."""
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.current_stream(device).synchronize()
 
 
 class Clock:
@@ -359,18 +361,27 @@ def lm_decode_logits(lm, rvq, path: DecodePath, rows: torch.Tensor, ids: list[in
     return chosen, logits
 
 
+def float32_copy(config, lm):
+    """The spoken LM again, in float32, from the same weights (a deep copy cannot be made of one
+    whose captured steps hold thread-local state)."""
+    from taste_speech.modeling_spoken_lm import TasteSpokenLM
+
+    copy = TasteSpokenLM(config)
+    copy.load_state_dict({name: value.float() for name, value in lm.state_dict().items()})
+    copy.tie_lm_head()
+    return copy.to(lm.embed_tokens.weight.device).eval()
+
+
 def lm_parity(engine, steps: int = 32) -> dict:
     """Both paths teacher-forced with the greedy ids of a float32 copy of the LM, from one 64-row
     prefill: for each, the steps whose own greedy choice agrees with float32 and the largest
     text-logit difference from float32. The graphed path passes when it is as close to float32 as
     the eager path (random weights have near-flat logits, so a bf16 near-tie can flip an argmax
     on either path)."""
-    import copy
-
     lm, rvq = engine.model.spoken_lm, engine.model.rvq
     rows = torch.randn(1, 64, lm.causal_lm.config.hidden_size, generator=torch.Generator().manual_seed(1))
     rows = rows.to(engine.device)
-    reference_lm = lm if lm.lm_dtype == torch.float32 else copy.deepcopy(lm).float()
+    reference_lm = lm if lm.lm_dtype == torch.float32 else float32_copy(engine.model.config, lm)
     ids, reference = lm_decode_logits(reference_lm, rvq, EAGER, rows, None, steps)
     del reference_lm
     out = {"steps": steps, "dtype": str(lm.lm_dtype).replace("torch.", "")}

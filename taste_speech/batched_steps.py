@@ -96,7 +96,7 @@ class BatchedSteps:
             for n in self.sizes:
                 self._graph(n).run()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()  # (not the device: see lm_batch)
 
     # -- slots -------------------------------------------------------------------------------------
     @property

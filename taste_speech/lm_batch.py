@@ -173,7 +173,9 @@ class LMStepBatch(BatchedSteps):
         hidden = self._graph(n).run()
         out = {slot: hidden[slot:slot + 1].clone() for slot in batch}
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step's time is what the next one gathers by
+            # the step's time is what the next one gathers by; this stream only: a device-wide wait
+            # fails while another call's thread captures a CUDA graph (a Whisper workspace, a new call)
+            torch.cuda.current_stream(self.device).synchronize()
         return out
 
 

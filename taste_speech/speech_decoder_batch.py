@@ -118,7 +118,7 @@ class SpeechStepBatch(BatchedSteps):
         logp = self._graph(n).run()
         out = {slot: logp[slot].clone() for slot in batch}
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()  # (not the device: see lm_batch)
         return out
 
 

@@ -194,7 +194,7 @@ def _step(vg: VoiceGenerator, state: SynthesisState, target: int, last: bool) ->
     mel_start = state.mel_done
     mel = _flow_step(vg, state, target, right, last)
     if state.time_stages and mel.is_cuda:
-        torch.cuda.synchronize(mel.device)  # the flow's kernels run asynchronously: wait to time it
+        torch.cuda.current_stream(mel.device).synchronize()  # the flow's kernels run asynchronously: wait to time it
     flow_s = time.perf_counter() - started
     first_sample = state.voc_done * SAMPLES_PER_FRAME
     # whether the next chunk's tokens are already here (its flow window follows at once)
