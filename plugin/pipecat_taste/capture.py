@@ -49,9 +49,9 @@ or playing), the capture broadcasts an ``InterruptionFrame``; the generator, syn
 playout stop at once. Earlier turns whose reply has not begun yet get none from then on
 (``TasteCall.mutes``): it would talk over the caller. Such a mute stands once the new turn is
 handed on with words; one that proves to be no turn (the transcript has no words) or fails lifts
-it, and the earlier turn is answered after all. A shorter sound (a cough, an 'mm') is ignored as a turn, so it
-must neither interrupt nor mute. With an upstream VAD, whose
-state the capture does not see, that is ``min_speech_secs`` plus the VAD's ``stop_secs``.
+it, and the earlier turn is answered after all. A shorter sound (a cough, an 'mm') is ignored as a
+turn, so it must neither interrupt nor mute. With an upstream VAD, whose state the capture does
+not see, that is ``min_speech_secs`` plus the VAD's ``stop_secs``.
 
 ``EndFrame``: the turns already ended are finished (transcribed with the words that came before
 it, tokenized, handed on; a turn handed on early is confirmed) and the EndFrame follows them; the
