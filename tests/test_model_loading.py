@@ -116,6 +116,46 @@ def test_merged_lora_checkpoint_loads_identically(reference, taste_lm_tiny_a, tm
     assert torch.allclose(_logits(dst, io), logits, atol=1e-4)
 
 
+def test_merge_lora_for_inference(taste_lm_tiny_a, reference, tmp_path):
+    """Merged: the same logits, one matmul per projection, a state dict that is the model (saved and
+    loaded elsewhere it computes the same), and the CUDA-graph-shaped static path agrees."""
+    _, io, logits = reference
+    model = TasteForCausalLM.from_pretrained(taste_lm_tiny_a, torch_dtype=torch.float32)
+    lm = model.spoken_lm
+    layers = lm.lora_layers()
+    assert len(layers) == 7 * model.config.text_config.num_hidden_layers and not lm.lora_merged
+    linears = []
+    hooks = [m.register_forward_hook(lambda *_: linears.append(1)) for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        lm(io["b.inputs_embeds"], model.rvq)
+        on_the_side = len(linears)
+        assert lm.merge_lora() and lm.lora_merged
+        linears.clear()
+        merged_logits = lm(io["b.inputs_embeds"], model.rvq)[1]
+    for hook in hooks:
+        hook.remove()
+    assert on_the_side - len(linears) == 2 * len(layers)  # lora_A and lora_B no longer run
+    torch.testing.assert_close(merged_logits, logits, atol=1e-4, rtol=0)
+    assert all(float(layer.lora_B["default"].weight.abs().max()) == 0 for _, layer in layers)
+    assert lm.merge_lora()  # merging again changes nothing
+    torch.testing.assert_close(lm(io["b.inputs_embeds"], model.rvq)[1], merged_logits, atol=0, rtol=0)
+    model.save_pretrained(tmp_path / "saved")
+    assert set(load_file(tmp_path / "saved" / "model.safetensors")) == set(load_file(
+        os.path.join(taste_lm_tiny_a, "model.safetensors")))  # the published layout
+    torch.testing.assert_close(_logits(tmp_path / "saved", io), merged_logits, atol=1e-6, rtol=0)
+    # the static cache (the CUDA graphs' shapes, run eagerly here) decodes like the growing one
+    rows = io["b.inputs_embeds"][:, :6]
+    with torch.no_grad():
+        hidden = []
+        for kind in ("dynamic", "static"):
+            state = lm.new_decode_state(cache=lm.new_cache(kind))
+            lm.feed(state, rows[:, :4])
+            lm.feed(state, rows[:, 4:5])
+            lm.feed(state, rows[:, 5:6])
+            hidden.append(state.last_hidden)
+    torch.testing.assert_close(hidden[0], hidden[1], atol=1e-5, rtol=0)
+
+
 def test_missing_and_misshaped_tensors_are_named(taste_lm_tiny_a, tmp_path):
     dst = tmp_path / "broken"
     shutil.copytree(taste_lm_tiny_a, dst)

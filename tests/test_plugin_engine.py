@@ -217,6 +217,24 @@ def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engi
         TasteEngine(engine.model, engine.processor, engine.voice_generator, decoding="fast")
 
 
+def test_engine_merges_lora_unless_told_not_to(engine, hello):
+    """An engine runs the spoken LM with its LoRA adapters merged (fewer kernels per token); a
+    model handed over with merge_lora=False keeps them on the side, and both give the same reply."""
+    from taste_speech.modeling_taste import TasteForCausalLM
+
+    assert engine.model.spoken_lm.lora_merged
+    side = TasteForCausalLM.from_pretrained(engine.checkpoint_dir).eval()
+    kept = TasteEngine(side, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
+                       merge_lora=False)
+    assert not kept.model.spoken_lm.lora_merged
+    settings = GenerationSettings(max_reply_tokens=6)
+    replies = []
+    for eng in (engine, kept):
+        session = eng.new_session(settings)
+        replies.append(speak_reply(session, session.user_turn(hello.audio, hello.text))[:2])
+    assert replies[0] == replies[1]  # the same words and speech tokens
+
+
 def test_batched_steps_give_each_call_its_own_reply(engine, hello):
     """batch_slots: two calls' spoken-LM and speech-decoder steps run in batches (from their own
     threads, as the processors run them), their flow and vocoder windows share the engine's

@@ -45,6 +45,7 @@ def test_regimes():
     assert low.first_chunk_tokens <= 15 and quality.first_chunk_tokens <= 15
     assert low.lookahead_tokens == 0 < quality.lookahead_tokens
     assert EmissionPolicy.quality(chunk_tokens=30).chunk_tokens == 30
+    assert EmissionPolicy.low_latency(chunk_tokens=160).max_chunk_tokens == 0  # above the limit: no growth
     with pytest.raises(ValueError, match="unknown emission policy"):
         EmissionPolicy.resolve("fast")
     with pytest.raises(ValueError, match="first_chunk_tokens"):
@@ -57,6 +58,39 @@ def test_regimes():
     with pytest.raises(ValueError, match="fade_out_ms needs held-back audio"):
         EmissionPolicy(mel_crossfade_frames=0, vocoder_lookahead_frames=0, wave_crossfade_samples=0)
     EmissionPolicy(mel_crossfade_frames=0, vocoder_lookahead_frames=0, wave_crossfade_samples=0, fade_out_ms=0)
+
+
+def test_steady_chunks_grow_to_their_limit(vg, monkeypatch):
+    """Each steady chunk covers half the tokens already emitted (at least chunk_tokens, at most
+    max_chunk_tokens); 0 keeps them all chunk_tokens; the last chunk never joins past the limit;
+    the named regimes' largest windows fit the largest synthesis buckets (graphed on a GPU)."""
+    from taste_speech.streaming.synthesis_graphs import FLOW_BUCKETS, VOCODER_BUCKETS
+
+    low = EmissionPolicy.low_latency()
+    assert [low.steady_chunk(done) for done in (10, 35, 60, 90, 135, 202, 302)] == [25, 25, 30, 45, 67, 100, 100]
+    assert EmissionPolicy.low_latency(max_chunk_tokens=0).steady_chunk(500) == 25
+    with pytest.raises(ValueError, match="max_chunk_tokens"):
+        EmissionPolicy(chunk_tokens=25, max_chunk_tokens=20)
+    for regime in REGIMES:
+        policy = EmissionPolicy.resolve(regime)
+        speaker = torch.randn(1, 192, generator=torch.Generator().manual_seed(0))
+        for total in (420, 431):  # the last chunk would join a short remainder
+            tokens = torch.randint(0, 4096, (1, total), generator=torch.Generator().manual_seed(total))
+            flow_frames, hift_frames = [], []
+            state = start_speaking(vg, speaker, policy, out_sampling_rate=22050)
+            hift = vg.hift.decode
+            monkeypatch.setattr(vg.hift, "decode", lambda m, *a: hift_frames.append(m.shape[-1]) or hift(m, *a))
+            hook = vg.flow.decoder.register_forward_pre_hook(lambda _, args: flow_frames.append(args[0].shape[-1]))
+            try:
+                chunks = speak(vg, state, tokens) + speak(vg, state, final=True)
+            finally:
+                hook.remove()
+                monkeypatch.undo()
+            committed = [0] + [c.tokens_committed for c in chunks]
+            sizes = [b - a for a, b in zip(committed, committed[1:]) if b > a]
+            assert sizes[0] == policy.first_chunk_tokens and max(sizes) == policy.max_chunk_tokens
+            assert sizes[1:-1] == [policy.steady_chunk(done) for done in committed[1:len(sizes) - 1]]
+            assert max(flow_frames) <= FLOW_BUCKETS[-1] and max(hift_frames) <= VOCODER_BUCKETS[-1]
 
 
 def test_noise_tape_is_independent_of_request_chunking():
@@ -120,20 +154,23 @@ def test_first_chunk_comes_early(vg, utterance):
         assert len(chunks) == 1 and chunks[0].audio.shape[-1] > 0
 
 
-def test_per_chunk_work_is_bounded(vg, monkeypatch):
-    """The flow and HiFT windows stay the same size however long the utterance gets."""
-    policy = EmissionPolicy.low_latency(chunk_tokens=10, context_tokens=8)
+@pytest.mark.parametrize("grow_to", [0, 30])
+def test_per_chunk_work_is_bounded(vg, monkeypatch, grow_to):
+    """The flow and HiFT windows stay the same size however long the utterance gets (growing
+    chunks: once they reached their limit)."""
+    policy = EmissionPolicy.low_latency(chunk_tokens=10, max_chunk_tokens=grow_to, context_tokens=8)
+    largest = grow_to or policy.chunk_tokens
     flow_windows, hift_windows = [], []
     encode, decode = vg.flow.encode_tokens, vg.hift.decode
     monkeypatch.setattr(vg.flow, "encode_tokens", lambda t, *a: flow_windows.append(t.shape[1]) or encode(t, *a))
     monkeypatch.setattr(vg.hift, "decode", lambda m, s, *a: hift_windows.append(m.shape[-1]) or decode(m, s, *a))
     tokens = torch.randint(0, 4096, (1, 250), generator=torch.Generator().manual_seed(0))
     state, chunks = stream(vg, tokens, torch.randn(1, 192), policy, sizes=[7] * 36)
-    assert len(chunks) >= 23
+    assert len(chunks) >= (250 - 60) // largest
     # left context + chunk + the held-back cross-fade frames (2 tokens) + rounding
-    assert max(flow_windows) <= policy.context_tokens + policy.chunk_tokens + 4
-    assert max(hift_windows) <= policy.vocoder_context_frames + frames_for_tokens(policy.chunk_tokens) + 8
-    assert state.tokens.shape[1] <= policy.context_tokens + policy.chunk_tokens + 4  # old tokens released
+    assert max(flow_windows) <= policy.context_tokens + largest + 4
+    assert max(hift_windows) <= policy.vocoder_context_frames + frames_for_tokens(largest) + 8
+    assert state.tokens.shape[1] <= policy.context_tokens + largest + 4  # old tokens released
     assert len(state.flow_noise._blocks) <= 2 and len(state.source_noise._blocks) <= 2
 
 

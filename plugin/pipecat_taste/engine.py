@@ -163,7 +163,7 @@ class TasteEngine:
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
                  asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                 batch_slots: int | str | None = "auto"):
+                 batch_slots: int | str | None = "auto", merge_lora: bool = True):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
         own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
         running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
@@ -172,8 +172,13 @@ class TasteEngine:
         step (``taste_speech.lm_batch``, ``speech_decoder_batch``), and whose flow and vocoder
         windows share batched steps on the static synthesis path (``synthesis_graphs``, rows):
         a number, None (each call steps alone) or 'auto' (16 on the CUDA fast path, where a step
-        costs its launches, not its batch size; None elsewhere)."""
+        costs its launches, not its batch size; None elsewhere). ``merge_lora``: fold the spoken
+        LM's LoRA adapters into its weights before any step runs (``TasteSpokenLM.merge_lora``:
+        the same function, fewer kernels per token); False keeps them on the side (a model you go
+        on training)."""
         _check_options(asr, decoding, parallel_jobs, batch_slots)
+        if merge_lora:
+            model.spoken_lm.merge_lora()
         device_name = str(next(model.parameters()).device)
         self.compute_gate = _compute_gate(parallel_jobs, device_name)  # 'auto' resolved
         slots = _batch_slots(batch_slots, device_name, decoding)
@@ -192,7 +197,7 @@ class TasteEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
                         asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                        batch_slots: int | str | None = "auto") -> "TasteEngine":
+                        batch_slots: int | str | None = "auto", merge_lora: bool = True) -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (``default_asr``: the checkpoint's own Whisper)."""
@@ -233,7 +238,7 @@ class TasteEngine:
                     "pass a local Whisper folder or hub id, or asr=None when an upstream Pipecat STT sends "
                     "TranscriptionFrames") from exc
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
-                   decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots)
+                   decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots, merge_lora=merge_lora)
 
     @property
     def max_turn_seconds(self) -> float:

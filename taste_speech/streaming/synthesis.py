@@ -178,13 +178,15 @@ def _next_boundary(state: SynthesisState, final: bool) -> Optional[int]:
     policy, done, total = state.policy, state.committed_tokens, state.n_tokens
     if total == 0 or state.finished:
         return None
-    step = policy.first_chunk_tokens if done == 0 else policy.chunk_tokens
+    step = policy.first_chunk_tokens if done == 0 else policy.steady_chunk(done)
     target = done + step
     if final:
         if done == total:
             return total  # only the held-back audio is left: flush it
-        # a short remainder joins this chunk rather than making a tiny last one (at most 1.5 chunks)
-        return total if total - target < max(1, step // 2) else target
+        # a short remainder joins this chunk rather than making a tiny last one (at most 1.5 chunks,
+        # and never past a growing chunk's limit: its window is sized to fit a synthesis bucket)
+        joins = total - target < max(1, step // 2) and total - done <= (policy.max_chunk_tokens or total)
+        return total if joins else target
     return target if total >= target + policy.lookahead_tokens else None
 
 
@@ -198,7 +200,7 @@ def _step(vg: VoiceGenerator, state: SynthesisState, target: int, last: bool) ->
     flow_s = time.perf_counter() - started
     first_sample = state.voc_done * SAMPLES_PER_FRAME
     # whether the next chunk's tokens are already here (its flow window follows at once)
-    more = not last and state.n_tokens >= target + state.policy.chunk_tokens + state.policy.lookahead_tokens
+    more = not last and state.n_tokens >= target + state.policy.steady_chunk(target) + state.policy.lookahead_tokens
     wav, source = _vocoder_step(vg, state, mel, last, more)
     if state.skip_until_sample > first_sample:  # context re-synthesised only to continue from it
         cut = min(wav.shape[-1], state.skip_until_sample - first_sample)

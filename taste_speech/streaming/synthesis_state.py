@@ -49,7 +49,13 @@ class EmissionPolicy:
     mel frames (256 samples, 11.6 ms) or 22.05 kHz samples).
 
     first_chunk_tokens: tokens that complete the first chunk (plus ``lookahead_tokens`` before it is emitted).
-    chunk_tokens: tokens per steady chunk.
+    chunk_tokens: tokens per steady chunk (the least, when chunks grow).
+    max_chunk_tokens: 0, or the most a steady chunk grows to: each covers half the tokens already
+        emitted (at least ``chunk_tokens``). The audio queued by then pays for waiting for the bigger
+        chunk (it needs production only 1.5x faster than real time), and a step's fixed cost - its
+        kernel launches on a GPU, the re-encoded left context everywhere - is paid less often per
+        second of audio. Keep context + chunk + lookahead within the largest synthesis bucket
+        (``synthesis_graphs.FLOW_BUCKETS``: 256 frames, 148 tokens) or big chunks run eagerly on a GPU.
     lookahead_tokens: right context the flow waits for before finalising a chunk's frames.
     context_tokens: left context re-encoded with every chunk; bounds the per-chunk cost.
     mel_crossfade_frames: frames of provisional mel cross-faded into the next chunk.
@@ -68,6 +74,7 @@ class EmissionPolicy:
     name: str = "custom"
     first_chunk_tokens: int = 10
     chunk_tokens: int = 25
+    max_chunk_tokens: int = 0
     lookahead_tokens: int = 0
     context_tokens: int = 20
     mel_crossfade_frames: int = 4
@@ -85,9 +92,12 @@ class EmissionPolicy:
             if getattr(self, name) < 1:
                 raise ValueError(f"EmissionPolicy.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("lookahead_tokens", "context_tokens", "mel_crossfade_frames", "vocoder_context_frames",
-                     "vocoder_lookahead_frames", "wave_crossfade_samples"):
+                     "vocoder_lookahead_frames", "wave_crossfade_samples", "max_chunk_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EmissionPolicy.{name} must be >= 0, got {getattr(self, name)}")
+        if 0 < self.max_chunk_tokens < self.chunk_tokens:
+            raise ValueError(f"EmissionPolicy.max_chunk_tokens ({self.max_chunk_tokens}) is below chunk_tokens "
+                             f"({self.chunk_tokens}): raise it, or 0 for chunks that do not grow")
         if self.fade_in_ms < 0 or self.fade_out_ms < 0:
             raise ValueError("EmissionPolicy fades must be >= 0 ms")
         if self.fade_out_ms > 0 and self.mel_crossfade_frames + self.vocoder_lookahead_frames == 0:
@@ -105,21 +115,28 @@ class EmissionPolicy:
                 f"{self.mel_crossfade_frames}+{self.vocoder_lookahead_frames} frames; use more tokens or less holdback"
             )
 
+    def steady_chunk(self, emitted_tokens: int) -> int:
+        """Tokens of the chunk after ``emitted_tokens`` tokens were emitted (not the first chunk)."""
+        if not self.max_chunk_tokens:
+            return self.chunk_tokens
+        return min(self.max_chunk_tokens, max(self.chunk_tokens, emitted_tokens // 2))
+
     @classmethod
     def low_latency(cls, **overrides) -> "EmissionPolicy":
         """Emit as soon as 10 tokens (200 ms of speech) exist; no right context beyond the held-back
-        cross-fade frames; fade-in at the start."""
-        return replace(cls(name="low_latency"), **overrides)
+        cross-fade frames; fade-in at the start; steady chunks of 25 tokens growing to 100 (2 s)."""
+        return _named(cls(name="low_latency", max_chunk_tokens=100), overrides)
 
     @classmethod
     def quality(cls, **overrides) -> "EmissionPolicy":
         """Wait for 10 tokens of lookahead before finalising frames; longer context and cross-fades."""
         base = cls(
-            name="quality", first_chunk_tokens=12, chunk_tokens=40, lookahead_tokens=10, context_tokens=30,
+            name="quality", first_chunk_tokens=12, chunk_tokens=40, max_chunk_tokens=100, lookahead_tokens=10,
+            context_tokens=30,
             mel_crossfade_frames=6, vocoder_context_frames=16, vocoder_lookahead_frames=4,
             wave_crossfade_samples=512, fade_in_ms=2.0, fade_out_ms=20.0,
         )
-        return replace(base, **overrides)
+        return _named(base, overrides)
 
     @classmethod
     def resolve(cls, policy: "EmissionPolicy | str") -> "EmissionPolicy":
@@ -130,6 +147,13 @@ class EmissionPolicy:
         if policy == "quality":
             return cls.quality()
         raise ValueError(f"unknown emission policy {policy!r}: use 'low_latency', 'quality' or an EmissionPolicy")
+
+
+def _named(base: EmissionPolicy, overrides: dict) -> EmissionPolicy:
+    """A named regime with overrides; steady chunks set above its growth limit simply do not grow."""
+    if "max_chunk_tokens" not in overrides and overrides.get("chunk_tokens", 0) > base.max_chunk_tokens:
+        overrides = {**overrides, "max_chunk_tokens": 0}
+    return replace(base, **overrides)
 
 
 class NoiseTape:
