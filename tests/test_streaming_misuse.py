@@ -24,6 +24,7 @@ from taste_speech.streaming import (
     taste_tokenize,
 )
 from taste_speech.streaming.detokenize import PREV_AUDIO_TOLERANCE_MS
+from taste_speech.streaming.synthesis_state import EmissionPolicy
 from taste_speech.voice_generator import VoiceGenerator
 from audio_helpers import voiced
 
@@ -214,10 +215,11 @@ def test_a_state_continues_with_the_summed_chunk_durations(model, processor, spe
     cuts = [0, starts[len(starts) // 2]] if split == "two_segments" else starts
     cuts = cuts + [ids.shape[1]]
     speaker = processor.default_speaker_embedding()
+    policy = EmissionPolicy.low_latency(max_chunk_tokens=0)  # 25-token chunks: the resampler holds back most
     state, prev, played_ms, samples, behind = None, (None, None, None), 0.0, 0, []
     for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
         out = taste_detokenize(model, processor, speaker, *prev, played_ms, ids[:, a:b], taste[:, a:b], rate,
-                               voice_generator=vg, state=state, final=b == ids.shape[1],
+                               voice_generator=vg, state=state, final=b == ids.shape[1], policy=policy,
                                generator=torch.Generator().manual_seed(i))
         state, prev = out["state"], (ids[:, a:b], taste[:, a:b], out["speech_ids"])
         played_ms += out["chunk_duration_ms"]

@@ -22,7 +22,13 @@ import pytest
 import torch
 
 from taste_speech.streaming.synthesis import speak, start_speaking
-from taste_speech.streaming.synthesis_graphs import FLOW_BUCKETS, SynthesisGraphs, _Window, shared_graphs
+from taste_speech.streaming.synthesis_graphs import (
+    FIRST_WINDOW_FRAMES,
+    FLOW_BUCKETS,
+    SynthesisGraphs,
+    _Window,
+    shared_graphs,
+)
 from taste_speech.streaming.synthesis_state import EmissionPolicy, frames_for_tokens
 from taste_speech.voice_generator import VoiceGenerator
 from concurrency_helpers import run_in_threads
@@ -330,7 +336,10 @@ def test_warm_up_prepares_every_row_count_without_counting_windows(vg):
         graphs.warm_up(flow_frames=[20], vocoder_frames=[14, 30])
     assert graphs.prepared() == {"flow": [24], "vocoder": [16, 60]}
     for bucket in (graphs._flow[24], graphs._vocoder[16], graphs._vocoder[60]):
-        assert sorted(bucket.steps) == [1, 2, 3]
+        assert sorted(bucket.steps) == [(1, False), (2, False), (3, False)]  # padded steps
+    with torch.inference_mode():
+        graphs.warm_up(flow_frames=[17], vocoder_frames=[])  # a first chunk's window: its bucket's full step too
+    assert sorted(graphs._flow[17].steps) == [(n, full) for n in (1, 2, 3) for full in (False, True)]
     assert not graphs.counts and graphs.stats()["flow"] == {"windows": 0, "steps": 0, "mean_batch": None}
     with pytest.raises(ValueError, match="rows must be an integer >= 1"):
         SynthesisGraphs(vg, rows=0)
@@ -377,9 +386,25 @@ def test_graphs_are_rebuilt_when_the_weights_move(vg, utterance):
 
 
 def test_first_window_sizes_fit_their_buckets(vg, utterance, rehearsed):
-    """The documented first-chunk windows (17-18 flow frames for low_latency) use the smallest bucket."""
-    policy = EmissionPolicy.low_latency()
-    first = frames_for_tokens(policy.first_chunk_tokens)
-    assert rehearsed.bucket_for("flow", first) == 24 and rehearsed.bucket_for("flow", first + 1) == 24
+    """The named policies' first-chunk flow windows fill a bucket of their own exactly."""
+    firsts = [frames_for_tokens(p.first_chunk_tokens + p.lookahead_tokens)
+              for p in (EmissionPolicy.low_latency(), EmissionPolicy.quality())]
+    assert firsts == list(FIRST_WINDOW_FRAMES)
+    assert all(rehearsed.bucket_for("flow", first) == first for first in firsts)
+    assert rehearsed.bucket_for("flow", 18) == 24
     assert rehearsed.bucket_for("flow", 83) == 88 and rehearsed.bucket_for("vocoder", 58) == 60
     assert rehearsed.bucket_for("flow", 10_000) is None
+
+
+@pytest.mark.parametrize("policy", ["low_latency", "quality"])
+def test_a_first_chunk_filling_its_bucket_runs_the_unpadded_step(vg, utterance, policy):
+    """The first chunk's flow window fills its bucket: the full step (no masks, the published
+    computation) runs it, and gives the dynamic path's chunk; later windows take padded steps."""
+    tokens, speaker = utterance
+    graphs = SynthesisGraphs(vg, "rehearse")
+    _, reference = stream(vg, tokens, speaker, policy, UNEVEN, kind="dynamic")
+    _, chunks = stream(vg, tokens, speaker, policy, UNEVEN, graphs=graphs)
+    assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
+    full_steps = {(size, key) for size, bucket in graphs._flow.items() for key in bucket.steps if key[1]}
+    assert full_steps == {(FIRST_WINDOW_FRAMES[policy == "quality"], (1, True))}, full_steps
+    assert any(not full for bucket in graphs._flow.values() for _, full in bucket.steps)  # and padded ones

@@ -64,7 +64,11 @@ from taste_speech.batched_steps import step_sizes
 from taste_speech.step_graph import StepGraph, resolve_mode
 
 # Window sizes in mel frames (ascending). See the module docstring for the measured windows.
-FLOW_BUCKETS = (24, 48, 88, 144, 256)
+# 17 and 37 are the first chunks' flow windows of 'low_latency' (10 tokens) and 'quality' (12 +
+# 10 lookahead tokens): they fill their bucket, so the first chunk - the one the caller waits
+# for - runs the unpadded ODE (no masked statistics: a third fewer kernels).
+FIRST_WINDOW_FRAMES = (17, 37)
+FLOW_BUCKETS = (17, 24, 37, 48, 88, 144, 256)
 VOCODER_BUCKETS = (16, 24, 60, 92, 128, 256)
 # The least a vocoder step waits for the windows of its flow step's utterances: on CUDA a step's
 # host time is its launches only (the GPU still works through it), the eager work between the
@@ -95,25 +99,29 @@ def _valid_mask(mask: torch.Tensor, n: int) -> None:
 
 
 class _Bucket:
-    """Static inputs of up to ``rows`` windows of ``frames`` frames, and a step per row count."""
+    """Static inputs of up to ``rows`` windows of ``frames`` frames, and a step per row count and
+    fill: ``padded`` (masks keep each window's valid frames exact) or ``full`` (every window fills
+    the bucket: the unpadded computation, a third fewer kernels in the flow - no masked statistics)."""
 
     def __init__(self, name: str, frames: int, device, mode: str, pool):
         self.name, self.frames = name, frames
         self._device, self._mode, self._pool = device, mode, pool
-        self.steps: dict[int, StepGraph] = {}
+        self.steps: dict[tuple[int, bool], StepGraph] = {}
 
-    def step(self, n: int) -> StepGraph:
-        if n not in self.steps:
-            self.steps[n] = StepGraph(lambda: self._compute(n), self._device, self._mode, pool=self._pool,
-                                      name=f"{self.name} ({self.frames} frames x{n})")
-        return self.steps[n]
+    def step(self, n: int, full: bool = False) -> StepGraph:
+        if (n, full) not in self.steps:
+            fill = "full" if full else "padded"
+            self.steps[n, full] = StepGraph(lambda: self._compute(n, full), self._device, self._mode, pool=self._pool,
+                                            name=f"{self.name} ({self.frames} frames x{n}, {fill})")
+        return self.steps[n, full]
 
     def run(self, windows: list[tuple], n: int) -> list[torch.Tensor]:
         """The step over the first ``n`` rows (n >= len(windows)) for these windows, one output each."""
         for row, window in enumerate(windows):
             self._put_row(row, *window)
         self.mask[len(windows):n].fill_(1)  # idle rows: any finite window (an empty mask would divide by 0)
-        out = self.step(n).run()
+        full = all(self._valid(window) == self.frames for window in windows)  # idle rows are full windows
+        out = self.step(n, full).run()
         # the outputs are overwritten by the next step: clone each window's valid part
         return [out[row:row + 1, ..., :self._valid(window)].clone() for row, window in enumerate(windows)]
 
@@ -123,7 +131,7 @@ class _Bucket:
     def _valid(self, window: tuple) -> int:
         raise NotImplementedError
 
-    def _compute(self, n: int) -> torch.Tensor:
+    def _compute(self, n: int, full: bool) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -140,9 +148,9 @@ class _FlowBucket(_Bucket):
         self.mask = torch.zeros(rows, 1, frames, device=device, dtype=dtype)
         self.spks = torch.zeros(rows, c, device=device, dtype=dtype)
 
-    def _compute(self, n: int) -> torch.Tensor:
+    def _compute(self, n: int, full: bool) -> torch.Tensor:
         return self.flow.decoder(self.mu[:n], self.mask[:n], self.spks[:n], self.cond[:n], self.noise[:n],
-                                 padded=True)
+                                 padded=not full)
 
     def _put_row(self, row: int, mu, spks, cond, noise) -> None:
         r = slice(row, row + 1)
@@ -166,8 +174,8 @@ class _VocoderBucket(_Bucket):
         self.source = torch.zeros(rows, 1, frames * hift.samples_per_frame, device=device, dtype=dtype)
         self.mask = torch.zeros(rows, 1, frames, device=device, dtype=dtype)
 
-    def _compute(self, n: int) -> torch.Tensor:
-        return self.hift.decode(self.mel[:n], self.source[:n], frame_mask=self.mask[:n])
+    def _compute(self, n: int, full: bool) -> torch.Tensor:
+        return self.hift.decode(self.mel[:n], self.source[:n], frame_mask=None if full else self.mask[:n])
 
     def _put_row(self, row: int, mel, source) -> None:
         r = slice(row, row + 1)
@@ -276,23 +284,35 @@ class SynthesisGraphs:
 
     @torch.inference_mode()
     def warm_up(self, flow_frames: Optional[Iterable[int]] = None,
-                vocoder_frames: Optional[Iterable[int]] = None) -> None:
+                vocoder_frames: Optional[Iterable[int]] = None,
+                full_flow_frames: Iterable[int] = FIRST_WINDOW_FRAMES) -> None:
         """Capture the steps of the buckets holding these window sizes now (default: every bucket),
-        each row count, so that no live step pays for a capture. Not counted in ``counts``."""
+        each row count, so that no live step pays for a capture: the padded step of each, and the
+        full-bucket flow step of the buckets that ``full_flow_frames`` windows fill exactly. Not
+        counted in ``counts``."""
         flow_frames = self.flow_buckets if flow_frames is None else flow_frames
         vocoder_frames = self.vocoder_buckets if vocoder_frames is None else vocoder_frames
+        full_flow = {f for f in full_flow_frames if self.bucket_for("flow", f) == f}
         with self._exclusive():
             zeros = lambda *shape: torch.zeros(*shape, device=self._device, dtype=self._dtype)  # noqa: E731
             c = self.vg.flow.output_size
             n_mel = self.vg.hift.conv_pre.in_channels
             spf = self.vg.hift.samples_per_frame
+
+            def flow_window(frames: int) -> tuple:
+                return zeros(1, c, frames), zeros(1, c), zeros(1, c, frames), zeros(1, c, frames)
+
             # largest first: later captures reuse the shared pool's memory instead of growing it
             for n in reversed(self.row_counts):
                 for size in sorted({self.bucket_for("flow", f) for f in flow_frames} - {None}, reverse=True):
-                    window = (zeros(1, c, size), zeros(1, c), zeros(1, c, size), zeros(1, c, size))
-                    self._flow_bucket(size).run([window] * n, n)
+                    bucket = self._flow_bucket(size)
+                    if size > 1:  # a window one frame short: the padded step
+                        bucket.run([flow_window(size - 1)] * n, n)
+                    if size in full_flow or size == 1:
+                        bucket.run([flow_window(size)] * n, n)
                 for size in sorted({self.bucket_for("vocoder", f) for f in vocoder_frames} - {None}, reverse=True):
-                    self._vocoder_bucket(size).run([(zeros(1, n_mel, size), zeros(1, 1, size * spf))] * n, n)
+                    short = max(1, size - 1)
+                    self._vocoder_bucket(size).run([(zeros(1, n_mel, short), zeros(1, 1, short * spf))] * n, n)
 
     def __deepcopy__(self, memo):
         return self  # scratch buffers and graphs, no per-utterance state: a copied state shares them

@@ -1,0 +1,71 @@
+"""The first chunk's flow step: its window padded into a larger bucket vs filling a bucket of its own.
+
+The first chunk is the one the caller waits for. Its flow window is fixed by the emission policy
+(17 frames for 'low_latency', 37 for 'quality'); in a bucket of exactly that size the step runs
+the unpadded ODE, without the masked GroupNorm statistics and attention masks that keep padded
+windows exact. On a GPU a step costs its kernels (GPU_NOTES.md), so the figure that transfers is
+the operators dispatched per step (each at least one CUDA kernel; views not counted); the CPU ms
+are this machine's. Both steps run through ``SynthesisGraphs`` buckets, eagerly on a CPU.
+
+    python benchmarks/bench_first_chunk_flow.py --size full
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_chunk_growth import load  # noqa: E402
+from benchmarks.bench_lora_merge import OperatorCount  # noqa: E402
+from taste_speech.streaming.synthesis_graphs import FIRST_WINDOW_FRAMES, SynthesisGraphs  # noqa: E402
+
+
+@torch.inference_mode()
+def measure(graphs: SynthesisGraphs, bucket: int, window: tuple, repeats: int) -> dict:
+    step = graphs._flow_bucket(bucket)
+    out = step.run([window], 1)[0]  # warm-up
+    with OperatorCount() as count:
+        step.run([window], 1)
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step.run([window], 1)
+        seconds.append(time.perf_counter() - t0)
+    return {"ops": count.total, "ms": 1000 * statistics.median(seconds), "mel": out}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=("tiny", "full"), default="full")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    vg = load(args.size)
+    graphs = SynthesisGraphs(vg, "eager", flow_buckets=(17, 24, 37, 48))
+    g = torch.Generator().manual_seed(0)
+    c = vg.flow.output_size
+    print(f"the first chunk's flow step (10 Euler steps, CFG batch 2), {args.size} voice generator, "
+          f"CPU ({torch.get_num_threads()} threads), median of {args.repeats}")
+    print("| window frames (policy) | bucket | padded step: operators / CPU ms | full step: operators / CPU ms "
+          "| full / padded operators | largest mel difference |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for frames, policy, padded_bucket in ((FIRST_WINDOW_FRAMES[0], "low_latency", 24),
+                                          (FIRST_WINDOW_FRAMES[1], "quality", 48)):
+        window = (torch.randn(1, c, frames, generator=g), torch.randn(1, c, generator=g),
+                  torch.zeros(1, c, frames), torch.randn(1, c, frames, generator=g))
+        padded = measure(graphs, padded_bucket, window, args.repeats)
+        full = measure(graphs, frames, window, args.repeats)
+        diff = float((padded["mel"] - full["mel"]).abs().max())
+        print(f"| {frames} ({policy}) | {padded_bucket} -> {frames} | {padded['ops']} / {padded['ms']:.1f} | "
+              f"{full['ops']} / {full['ms']:.1f} | {full['ops'] / padded['ops']:.2f} | {diff:.2g} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
