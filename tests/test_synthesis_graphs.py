@@ -408,3 +408,18 @@ def test_a_first_chunk_filling_its_bucket_runs_the_unpadded_step(vg, utterance, 
     full_steps = {(size, key) for size, bucket in graphs._flow.items() for key in bucket.steps if key[1]}
     assert full_steps == {(FIRST_WINDOW_FRAMES[policy == "quality"], (1, True))}, full_steps
     assert any(not full for bucket in graphs._flow.values() for _, full in bucket.steps)  # and padded ones
+
+
+def test_only_the_chosen_buckets_take_full_steps(vg):
+    """A window that happens to fill another bucket takes its padded step (a full one would be a
+    capture no warm-up made: a stall in the middle of a reply on a GPU)."""
+    graphs = SynthesisGraphs(vg, "rehearse", full_flow_frames=(17,))
+    c = vg.flow.output_size
+    with torch.inference_mode():
+        graphs.warm_up(flow_frames=[17, 24], vocoder_frames=[])
+        warmed = {size: sorted(bucket.steps) for size, bucket in graphs._flow.items()}
+        for frames in (17, 24):
+            graphs.flow(torch.randn(1, c, frames), torch.randn(1, c), torch.zeros(1, c, frames),
+                        torch.randn(1, c, frames))
+    assert warmed == {17: [(1, False), (1, True)], 24: [(1, False)]}
+    assert {size: sorted(bucket.steps) for size, bucket in graphs._flow.items()} == warmed  # no new step

@@ -100,11 +100,13 @@ def _valid_mask(mask: torch.Tensor, n: int) -> None:
 
 class _Bucket:
     """Static inputs of up to ``rows`` windows of ``frames`` frames, and a step per row count and
-    fill: ``padded`` (masks keep each window's valid frames exact) or ``full`` (every window fills
-    the bucket: the unpadded computation, a third fewer kernels in the flow - no masked statistics)."""
+    fill: ``padded`` (masks keep each window's valid frames exact) or, where ``full_steps``,
+    ``full`` (every window fills the bucket: the unpadded computation, a third fewer kernels in the
+    flow - no masked statistics). Only buckets warmed up for it take full steps: a window that
+    happens to fill another bucket must not stall a reply with a capture."""
 
-    def __init__(self, name: str, frames: int, device, mode: str, pool):
-        self.name, self.frames = name, frames
+    def __init__(self, name: str, frames: int, device, mode: str, pool, full_steps: bool = False):
+        self.name, self.frames, self.full_steps = name, frames, full_steps
         self._device, self._mode, self._pool = device, mode, pool
         self.steps: dict[tuple[int, bool], StepGraph] = {}
 
@@ -120,7 +122,7 @@ class _Bucket:
         for row, window in enumerate(windows):
             self._put_row(row, *window)
         self.mask[len(windows):n].fill_(1)  # idle rows: any finite window (an empty mask would divide by 0)
-        full = all(self._valid(window) == self.frames for window in windows)  # idle rows are full windows
+        full = self.full_steps and all(self._valid(window) == self.frames for window in windows)  # idle rows: full
         out = self.step(n, full).run()
         # the outputs are overwritten by the next step: clone each window's valid part
         return [out[row:row + 1, ..., :self._valid(window)].clone() for row, window in enumerate(windows)]
@@ -138,8 +140,8 @@ class _Bucket:
 class _FlowBucket(_Bucket):
     """The flow's ODE on ``frames``-frame windows: mu, cond, noise (rows, 80, frames), spks (rows, 80)."""
 
-    def __init__(self, flow, frames: int, rows: int, device, dtype, mode: str, pool=None):
-        super().__init__("flow ODE", frames, device, mode, pool)
+    def __init__(self, flow, frames: int, rows: int, device, dtype, mode: str, pool=None, full_steps: bool = False):
+        super().__init__("flow ODE", frames, device, mode, pool, full_steps)
         self.flow = flow
         c = flow.output_size
         self.mu = torch.zeros(rows, c, frames, device=device, dtype=dtype)
@@ -201,14 +203,16 @@ class _Window:
 
 class SynthesisGraphs:
     def __init__(self, vg, graph_mode: str = "auto", flow_buckets: Iterable[int] = FLOW_BUCKETS,
-                 vocoder_buckets: Iterable[int] = VOCODER_BUCKETS, rows: int = 1, gather: float = 0.5):
+                 vocoder_buckets: Iterable[int] = VOCODER_BUCKETS, rows: int = 1, gather: float = 0.5,
+                 full_flow_frames: Iterable[int] = FIRST_WINDOW_FRAMES):
         """Bucketed steps for ``vg`` on its current device. ``graph_mode`` (see ``step_graph``):
         'auto' captures CUDA graphs on CUDA and runs the padded steps eagerly elsewhere; 'eager' and
         'rehearse' (the capture protocol without a graph) work on any device. ``rows``: the most
         windows (of concurrent calls) one step runs. ``gather``: how long a vocoder step waits for
         the windows of the last flow step's other utterances, as a fraction of that step's time
         (at least ``MIN_GATHER_S``; 0: no waiting), and a flow step for the next windows of the
-        last vocoder step's utterances that have more to say."""
+        last vocoder step's utterances that have more to say. ``full_flow_frames``: the flow
+        buckets whose filling windows run the unpadded step (default: the first chunks')."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
         if not 0 <= gather <= 1:
@@ -219,6 +223,7 @@ class SynthesisGraphs:
         self.rows = rows
         self.row_counts = step_sizes(rows)  # a step runs the first n rows of a bucket, n one of these
         self.flow_buckets = tuple(sorted(int(b) for b in flow_buckets))
+        self.full_flow_frames = frozenset(int(f) for f in full_flow_frames) & set(self.flow_buckets)
         self.vocoder_buckets = tuple(sorted(int(b) for b in vocoder_buckets))
         if not self.flow_buckets or not self.vocoder_buckets or min(self.flow_buckets + self.vocoder_buckets) < 1:
             raise ValueError("bucket sizes must be positive frame counts, at least one per stage")
@@ -284,15 +289,12 @@ class SynthesisGraphs:
 
     @torch.inference_mode()
     def warm_up(self, flow_frames: Optional[Iterable[int]] = None,
-                vocoder_frames: Optional[Iterable[int]] = None,
-                full_flow_frames: Iterable[int] = FIRST_WINDOW_FRAMES) -> None:
+                vocoder_frames: Optional[Iterable[int]] = None) -> None:
         """Capture the steps of the buckets holding these window sizes now (default: every bucket),
         each row count, so that no live step pays for a capture: the padded step of each, and the
-        full-bucket flow step of the buckets that ``full_flow_frames`` windows fill exactly. Not
-        counted in ``counts``."""
+        full step of the flow buckets that take one (``full_flow_frames``). Not counted in ``counts``."""
         flow_frames = self.flow_buckets if flow_frames is None else flow_frames
         vocoder_frames = self.vocoder_buckets if vocoder_frames is None else vocoder_frames
-        full_flow = {f for f in full_flow_frames if self.bucket_for("flow", f) == f}
         with self._exclusive():
             zeros = lambda *shape: torch.zeros(*shape, device=self._device, dtype=self._dtype)  # noqa: E731
             c = self.vg.flow.output_size
@@ -308,7 +310,7 @@ class SynthesisGraphs:
                     bucket = self._flow_bucket(size)
                     if size > 1:  # a window one frame short: the padded step
                         bucket.run([flow_window(size - 1)] * n, n)
-                    if size in full_flow or size == 1:
+                    if bucket.full_steps or size == 1:
                         bucket.run([flow_window(size)] * n, n)
                 for size in sorted({self.bucket_for("vocoder", f) for f in vocoder_frames} - {None}, reverse=True):
                     short = max(1, size - 1)
@@ -438,7 +440,7 @@ class SynthesisGraphs:
     def _flow_bucket(self, size: int) -> _FlowBucket:
         if size not in self._flow:
             self._flow[size] = _FlowBucket(self.vg.flow, size, self.rows, self._device, self._dtype, self._mode,
-                                           self._pool)
+                                           self._pool, full_steps=size in self.full_flow_frames)
         return self._flow[size]
 
     def _vocoder_bucket(self, size: int) -> _VocoderBucket:
