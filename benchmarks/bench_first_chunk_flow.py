@@ -27,18 +27,50 @@ from benchmarks.bench_lora_merge import OperatorCount  # noqa: E402
 from taste_speech.streaming.synthesis_graphs import FIRST_WINDOW_FRAMES, SynthesisGraphs  # noqa: E402
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 @torch.inference_mode()
 def measure(graphs: SynthesisGraphs, bucket: int, window: tuple, repeats: int) -> dict:
+    """One window's step in ``bucket``: operators dispatched (eager steps only; a replayed graph
+    dispatches none), median ms, and its mel."""
     step = graphs._flow_bucket(bucket)
-    out = step.run([window], 1)[0]  # warm-up
-    with OperatorCount() as count:
-        step.run([window], 1)
+    out = step.run([window], 1)[0]  # warm-up (and capture)
+    ops = None
+    if graphs.mode == "eager":
+        with OperatorCount() as count:
+            step.run([window], 1)
+        ops = count.total
     seconds = []
     for _ in range(repeats):
+        _sync(graphs.device)
         t0 = time.perf_counter()
         step.run([window], 1)
+        _sync(graphs.device)
         seconds.append(time.perf_counter() - t0)
-    return {"ops": count.total, "ms": 1000 * statistics.median(seconds), "mel": out}
+    return {"ops": ops, "ms": 1000 * statistics.median(seconds), "mel": out}
+
+
+def first_chunk_steps(vg, graph_mode: str = "eager", repeats: int = 5) -> list[dict]:
+    """Per named policy: its first chunk's flow window padded into the next bucket vs filling its own."""
+    graphs = SynthesisGraphs(vg, graph_mode, flow_buckets=(17, 24, 37, 48))
+    device, dtype = graphs.device, next(vg.parameters()).dtype
+    g = torch.Generator().manual_seed(0)
+    c = vg.flow.output_size
+    rows = []
+    for frames, policy, padded_bucket in ((FIRST_WINDOW_FRAMES[0], "low_latency", 24),
+                                          (FIRST_WINDOW_FRAMES[1], "quality", 48)):
+        window = tuple(t.to(device, dtype) for t in (
+            torch.randn(1, c, frames, generator=g), torch.randn(1, c, generator=g), torch.zeros(1, c, frames),
+            torch.randn(1, c, frames, generator=g)))
+        padded = measure(graphs, padded_bucket, window, repeats)
+        full = measure(graphs, frames, window, repeats)
+        rows.append({"frames": frames, "policy": policy, "padded_bucket": padded_bucket,
+                     "padded_ops": padded["ops"], "padded_ms": padded["ms"], "full_ops": full["ops"],
+                     "full_ms": full["ms"], "max_mel_diff": float((padded["mel"] - full["mel"]).abs().max())})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -46,24 +78,15 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=("tiny", "full"), default="full")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    vg = load(args.size)
-    graphs = SynthesisGraphs(vg, "eager", flow_buckets=(17, 24, 37, 48))
-    g = torch.Generator().manual_seed(0)
-    c = vg.flow.output_size
     print(f"the first chunk's flow step (10 Euler steps, CFG batch 2), {args.size} voice generator, "
           f"CPU ({torch.get_num_threads()} threads), median of {args.repeats}")
     print("| window frames (policy) | bucket | padded step: operators / CPU ms | full step: operators / CPU ms "
           "| full / padded operators | largest mel difference |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for frames, policy, padded_bucket in ((FIRST_WINDOW_FRAMES[0], "low_latency", 24),
-                                          (FIRST_WINDOW_FRAMES[1], "quality", 48)):
-        window = (torch.randn(1, c, frames, generator=g), torch.randn(1, c, generator=g),
-                  torch.zeros(1, c, frames), torch.randn(1, c, frames, generator=g))
-        padded = measure(graphs, padded_bucket, window, args.repeats)
-        full = measure(graphs, frames, window, args.repeats)
-        diff = float((padded["mel"] - full["mel"]).abs().max())
-        print(f"| {frames} ({policy}) | {padded_bucket} -> {frames} | {padded['ops']} / {padded['ms']:.1f} | "
-              f"{full['ops']} / {full['ms']:.1f} | {full['ops'] / padded['ops']:.2f} | {diff:.2g} |")
+    for row in first_chunk_steps(load(args.size), "eager", args.repeats):
+        print(f"| {row['frames']} ({row['policy']}) | {row['padded_bucket']} -> {row['frames']} | "
+              f"{row['padded_ops']} / {row['padded_ms']:.1f} | {row['full_ops']} / {row['full_ms']:.1f} | "
+              f"{row['full_ops'] / row['padded_ops']:.2f} | {row['max_mel_diff']:.2g} |")
     return 0
 
 

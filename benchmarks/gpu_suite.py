@@ -22,8 +22,13 @@ Tables (one run each, all figures from the same process):
    flow and vocoder windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``,
    ``SynthesisGraphs(rows=16)``: the engine's default on CUDA).
 
-The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``, then
-the calls tables ``batched_calls``, ``graphed_calls``, ``eager_calls``. Each part's figures are written
+4. the levers on the graphed path, each against its baseline in the same run: the spoken LM with
+   its LoRA merged (the engine's default) vs the adapters' kernels run on the side (same weights),
+   the first chunk's flow step in a bucket it fills (unpadded) vs padded into the next one, and a
+   reply's synthesis with growing chunks (the default) vs fixed 25-token chunks.
+
+The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
+``levers``, then the calls tables ``batched_calls``, ``graphed_calls``, ``eager_calls``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
 (``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
@@ -35,6 +40,7 @@ CPU), so its figures there only show the harness works - the CPU default stays t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -346,6 +352,61 @@ def synthesis_ms_per_chunk(engine, path: DecodePath, seconds: float = 4.0) -> di
             "chunks": len(chunks)}
 
 
+# -- the levers, each against its baseline --------------------------------------------------------------
+@contextlib.contextmanager
+def adapters_on_the_side(lm):
+    """The merged spoken LM with its adapters' kernels run again in every projection: the same
+    weights and function (merged adapters are zero), the cost of unmerged LoRA."""
+    layers = [layer for _, layer in lm.lora_layers()]
+    kept = [list(layer.merged_adapters) for layer in layers]
+    for layer in layers:
+        layer.merged_adapters.clear()
+    try:
+        yield
+    finally:
+        for layer, names in zip(layers, kept):
+            layer.merged_adapters[:] = names
+
+
+def synthesis_rtf(engine, path: DecodePath, policy, seconds: float = 8.0) -> dict:
+    """A reply's synthesis alone, its speech tokens all at hand (fed 5 at a time): compute s per audio s."""
+    from taste_speech.streaming.synthesis import speak, start_speaking
+
+    vg = engine.voice_generator
+    n = int(seconds * 50)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    voice = torch.as_tensor(engine.speaker_embedding()).float().reshape(1, -1)
+    for timed in (False, True):  # the first pass captures the buckets it needs
+        state = start_speaking(vg, voice, policy, OUT_RATE, torch.Generator().manual_seed(0), kind=path.cache_kind)
+        chunks = []
+        sync(engine.device)
+        t0 = time.perf_counter()
+        for i in range(0, n, 5):
+            chunks += speak(vg, state, tokens[:, i:i + 5])
+        chunks += speak(vg, state, None, final=True)
+        sync(engine.device)
+        seconds_taken = time.perf_counter() - t0
+    audio_s = sum(c.audio.shape[-1] for c in chunks) / OUT_RATE
+    return {"rtf": seconds_taken / audio_s, "chunks": len(chunks)}
+
+
+def levers(engine, steps: int, context: int = 1024) -> dict:
+    from benchmarks.bench_first_chunk_flow import first_chunk_steps
+    from taste_speech.streaming.synthesis_state import EmissionPolicy
+
+    lm, out = engine.model.spoken_lm, {}
+    if lm.lora_merged:
+        merged = lm_ms_per_token(engine, GRAPHED, context, steps)
+        with adapters_on_the_side(lm):
+            side = lm_ms_per_token(engine, GRAPHED, context, steps)
+        out["lm_ms_per_token"] = {"context": context, "side": side, "merged": merged}
+    out["first_chunk_flow"] = first_chunk_steps(engine.voice_generator, "auto", repeats=steps // 5 or 1)
+    grown = EmissionPolicy.low_latency()
+    out["synthesis"] = {"fixed": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(max_chunk_tokens=0)),
+                        "growing": synthesis_rtf(engine, GRAPHED, grown), "max_chunk_tokens": grown.max_chunk_tokens}
+    return out
+
+
 # -- parity of the two paths at this size and dtype ------------------------------------------------------
 def lm_decode_logits(lm, rvq, path: DecodePath, rows: torch.Tensor, ids: list[int] | None, steps: int):
     """Text logits of ``steps`` decode steps after prefilling ``rows``: greedy when ``ids`` is None,
@@ -433,7 +494,7 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "batched_calls", "graphed_calls", "eager_calls")
+PARTS = ("parity", "first_audio", "per_token", "levers", "batched_calls", "graphed_calls", "eager_calls")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "eager_calls": EAGER}
 
 
@@ -525,6 +586,10 @@ class Suite:
             progress(f"{path.name}: LM ms/token {rounded(entry['lm_ms_per_token'])}, speech decoder "
                      f"{rounded(entry['speech_decoder_ms_per_token'])}, synthesis {rounded(entry['synthesis'])}")
 
+    def part_levers(self, _name) -> None:
+        self.data["levers"] = levers(self.engine_for(GRAPHED), self.args.steps)
+        progress(f"levers: {rounded(self.data['levers'])}")
+
     def part_calls(self, name: str) -> None:
         """First audio with 1, 2, 4 ... calls at once on one path; a row is skipped when twice the
         previous row's time (the calls double) would run past the budget."""
@@ -574,9 +639,29 @@ def markdown(data: dict, command: str) -> list[str]:
         lines += table_lines(["path", "same argmax as float32", "largest text-logit difference"],
                              [[name, f"{par[name]['same_argmax']}/{par['steps']}", f"{par[name]['max_logit_diff']:.3g}"]
                               for name in ("eager", "graphed")]) + [""]
+    if "levers" in data:
+        lines += lever_lines(data["levers"])
     if any(key in entry for entry in (eager, graphed) for key in ("concurrency", "concurrency_batched")):
         lines += concurrency_lines(eager, graphed)
     return lines
+
+
+def lever_lines(lever: dict) -> list[str]:
+    rows = []
+    if "lm_ms_per_token" in lever:
+        lm = lever["lm_ms_per_token"]
+        rows.append([f"spoken LM ms per token, context {lm['context']}", "LoRA adapters on the side", fmt(lm["side"]),
+                     "merged", fmt(lm["merged"]), f"{lm['merged'] / lm['side']:.2f}"])
+    for row in lever["first_chunk_flow"]:
+        rows.append([f"first chunk's flow step ms ({row['frames']} frames, {row['policy']})",
+                     f"padded into {row['padded_bucket']}", fmt(row["padded_ms"]), f"full bucket {row['frames']}",
+                     fmt(row["full_ms"]), f"{row['full_ms'] / row['padded_ms']:.2f}"])
+    syn = lever["synthesis"]
+    rows.append(["a reply's synthesis, compute s per audio s (low_latency)", f"fixed 25-token chunks ({syn['fixed']['chunks']})",
+                 f"{syn['fixed']['rtf']:.3f}", f"growing to {syn['max_chunk_tokens']} ({syn['growing']['chunks']} chunks)",
+                 f"{syn['growing']['rtf']:.3f}", f"{syn['growing']['rtf'] / syn['fixed']['rtf']:.2f}"])
+    return (["Levers on the graphed path, each against its baseline in this run:", ""]
+            + table_lines(["figure", "baseline", "ms / RTF", "lever", "ms / RTF", "lever / baseline"], rows) + [""])
 
 
 def first_audio_lines(data: dict) -> list[str]:

@@ -1,7 +1,7 @@
 """The real-time suite's harness (benchmarks/gpu_suite.py) at tiny size on CPU: every stage is
 timed, the first audio is the sum of its stages, the reply is forced to its 12 words, both paths
-agree with float32, concurrent calls run on every path (with the LM steps batched across calls
-too), and the markdown holds the tables. (Its figures matter on a GPU only.)"""
+agree with float32, the levers run against their baselines, concurrent calls run on every path
+(with the LM steps batched across calls too), and the markdown holds the tables. (Its figures matter on a GPU only.)"""
 
 import json
 import sys
@@ -39,8 +39,14 @@ def test_quick_tiny_run_on_cpu(tmp_path):
         assert stats["steps"] > 0 and stats["rows_stepped"] >= stats["steps"] and stats["slots_in_use"] == 0
     synthesis = graphed["synthesis_batch"]
     assert synthesis["rows"] == 16 and all(synthesis[s]["windows"] >= synthesis[s]["steps"] > 0 for s in ("flow", "vocoder"))
+    levers = data["levers"]
+    assert 0 < levers["lm_ms_per_token"]["merged"] and 0 < levers["lm_ms_per_token"]["side"]
+    assert [row["frames"] for row in levers["first_chunk_flow"]] == [17, 37]
+    assert all(row["max_mel_diff"] < 1e-4 and row["full_ops"] < row["padded_ops"] for row in levers["first_chunk_flow"])
+    assert levers["synthesis"]["growing"]["chunks"] < levers["synthesis"]["fixed"]["chunks"]
     text = out.read_text()
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
+    assert "| spoken LM ms per token, context 1024 | LoRA adapters on the side |" in text
     assert "| graphed | 32/32 |" in text
     assert "batched median" in text and "Batched speech-decoder steps over the whole table" in text
     assert "Batched synthesis over the whole table: flow " in text
