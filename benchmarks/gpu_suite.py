@@ -24,7 +24,7 @@ Tables (one run each, all figures from the same process):
 
 4. the levers on the graphed path, each against its baseline in the same run: the spoken LM with
    its LoRA merged (the engine's default) vs the adapters' kernels run on the side (same weights),
-   the first chunk's flow step in a bucket it fills (unpadded) vs padded into the next one, and a
+   the audio tower's Whisper encoder captured as one step vs eager, the first chunk's flow step in a bucket it fills (unpadded) vs padded into the next one, and a
    reply's synthesis with growing chunks (the default) vs fixed 25-token chunks.
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
@@ -390,6 +390,29 @@ def synthesis_rtf(engine, path: DecodePath, policy, seconds: float = 8.0) -> dic
     return {"rtf": seconds_taken / audio_s, "chunks": len(chunks)}
 
 
+@torch.inference_mode()
+def tower_encoder_ms(engine, repeats: int) -> dict:
+    """The audio tower's Whisper encoder on a 3 s turn: eager vs the engine's captured step."""
+    from taste_speech.encoder_graph import EncoderGraph
+
+    tower = engine.model.audio_tower
+    features = engine.processor.audio_features(user_audio(), 16000).to(tower.encoder.conv1.weight.device)
+    graph = engine.tower_encoder or EncoderGraph(tower)  # (on a CPU: eager, the harness only)
+
+    def median_ms(encoder) -> float:
+        tower.encode_audio(features, encoder)  # warm-up (and capture)
+        times = []
+        for _ in range(repeats):
+            sync(engine.device)
+            t0 = time.perf_counter()
+            tower.encode_audio(features, encoder)
+            sync(engine.device)
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    return {"eager": median_ms(None), "graph": median_ms(graph), "mode": graph.mode}
+
+
 def levers(engine, steps: int, context: int = 1024) -> dict:
     from benchmarks.bench_first_chunk_flow import first_chunk_steps
     from taste_speech.streaming.synthesis_state import EmissionPolicy
@@ -400,6 +423,7 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
         with adapters_on_the_side(lm):
             side = lm_ms_per_token(engine, GRAPHED, context, steps)
         out["lm_ms_per_token"] = {"context": context, "side": side, "merged": merged}
+    out["tower_encoder_ms"] = tower_encoder_ms(engine, repeats=steps // 5 or 1)
     out["first_chunk_flow"] = first_chunk_steps(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     grown = EmissionPolicy.low_latency()
     out["synthesis"] = {"fixed": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(max_chunk_tokens=0)),
@@ -652,6 +676,9 @@ def lever_lines(lever: dict) -> list[str]:
         lm = lever["lm_ms_per_token"]
         rows.append([f"spoken LM ms per token, context {lm['context']}", "LoRA adapters on the side", fmt(lm["side"]),
                      "merged", fmt(lm["merged"]), f"{lm['merged'] / lm['side']:.2f}"])
+    tower = lever["tower_encoder_ms"]
+    rows.append(["audio tower's Whisper encoder ms (3 s turn, padded window)", "eager", fmt(tower["eager"]),
+                 f"one captured step ({tower['mode']})", fmt(tower["graph"]), f"{tower['graph'] / tower['eager']:.2f}"])
     for row in lever["first_chunk_flow"]:
         rows.append([f"first chunk's flow step ms ({row['frames']} frames, {row['policy']})",
                      f"padded into {row['padded_bucket']}", fmt(row["padded_ms"]), f"full bucket {row['frames']}",

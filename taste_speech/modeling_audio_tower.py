@@ -154,11 +154,17 @@ class TasteAudioTower(nn.Module):
         return self.whisper_config.max_target_positions - len(WHISPER_PROMPT_IDS) - 1
 
     # -- encoder ------------------------------------------------------------------------------
-    def encode_audio(self, audio_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_audio(self, audio_features: torch.Tensor, encoder=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, frames, n_mels) log-mel -> (target_hidden, last_hidden), each (1, S, d).
 
         Shorter inputs are right-padded with 0.0 to the full window, as the original does; nothing
-        is masked (the encoder and the cross-attention see the padding)."""
+        is masked (the encoder and the cross-attention see the padding). ``encoder``: an
+        ``EncoderGraph`` of this tower to run the fixed-shape stack with (None: eagerly)."""
+        window = self.encoder_window(audio_features)
+        return self.encoder_stack(window) if encoder is None else encoder(window)
+
+    def encoder_window(self, audio_features: torch.Tensor) -> torch.Tensor:
+        """(1, frames, n_mels) log-mel -> (1, n_mels, num_frames): checked, right-padded, in the encoder's dtype."""
         n_mels = self.whisper_config.num_mel_bins
         if audio_features.dim() != 3 or audio_features.shape[0] != 1 or audio_features.shape[-1] != n_mels:
             raise ValueError(
@@ -171,10 +177,14 @@ class TasteAudioTower(nn.Module):
                 f"audio_features has {frames} frames but the audio tower takes at most {self.num_frames} "
                 f"({self.num_frames / 100:g} s); split the audio into shorter turns"
             )
+        weight = self.encoder.conv1.weight
+        x = audio_features.to(device=weight.device, dtype=weight.dtype)
+        return F.pad(x, (0, 0, 0, self.num_frames - frames)).transpose(1, 2)  # (1, n_mels, frames)
+
+    def encoder_stack(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Whisper encoder on a padded window (1, n_mels, num_frames): one shape for every turn."""
         enc = self.encoder
-        x = audio_features.to(device=enc.conv1.weight.device, dtype=enc.conv1.weight.dtype)
-        x = F.pad(x, (0, 0, 0, self.num_frames - frames)).transpose(1, 2)  # (1, n_mels, frames)
-        x = F.gelu(enc.conv1(x))
+        x = F.gelu(enc.conv1(window))
         x = F.gelu(enc.conv2(x)).transpose(1, 2)  # stride 2 -> (1, S, d)
         h = x + enc.embed_positions.weight[: x.shape[1]]
         target = None
@@ -215,12 +225,13 @@ class TasteAudioTower(nn.Module):
         return dec.layer_norm(g), tuple(probs)
 
     # -- full pass ------------------------------------------------------------------------------
-    def forward(self, audio_features, asr_token_ids, asr_word_ids) -> AudioTowerOutput:
+    def forward(self, audio_features, asr_token_ids, asr_word_ids, encoder=None) -> AudioTowerOutput:
         """audio_features (1, frames<=num_frames, n_mels), asr_token_ids / asr_word_ids (1, L)
-        (transcript Whisper tokens without specials and their 0-based word ids)."""
+        (transcript Whisper tokens without specials and their 0-based word ids); ``encoder``: see
+        :meth:`encode_audio`."""
         self._check_text(asr_token_ids, asr_word_ids)
         n_tokens = asr_token_ids.shape[1]
-        target, last = self.encode_audio(audio_features)
+        target, last = self.encode_audio(audio_features, encoder)
         decoder_input_ids = self.decoder_input_ids(asr_token_ids)
         decoder_states, probs = self.attention_pool(decoder_input_ids, keys_from=last, values_from=target)
         # Drop the 4 prompt rows: L transcript rows + the <|endoftext|> row remain. fp32 from here
@@ -240,13 +251,13 @@ class TasteAudioTower(nn.Module):
             cross_attn_probs=probs,
         )
 
-    def extract_vq(self, audio_features, asr_token_ids, asr_word_ids, llm_word_ids):
+    def extract_vq(self, audio_features, asr_token_ids, asr_word_ids, llm_word_ids, encoder=None):
         """TASTE codes of a turn in both token spaces (the original's ``extract_vq``, batch 1):
         returns (asr_indices (1, L, K), llm_indices (1, N, K)); llm_indices holds the word's codes
-        on the first Llama token of each word and -1 elsewhere."""
+        on the first Llama token of each word and -1 elsewhere. ``encoder``: see :meth:`encode_audio`."""
         if llm_word_ids.dim() != 2 or llm_word_ids.shape[0] != 1:
             raise ValueError(f"llm_word_ids must be (1, N), got {tuple(llm_word_ids.shape)}")
-        asr_indices = self(audio_features, asr_token_ids, asr_word_ids).asr_indices
+        asr_indices = self(audio_features, asr_token_ids, asr_word_ids, encoder).asr_indices
         llm_indices = llm_indices_from_asr(asr_indices, asr_word_ids.to(asr_indices.device),
                                            llm_word_ids.to(asr_indices.device))
         return asr_indices, llm_indices

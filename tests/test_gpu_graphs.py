@@ -245,6 +245,28 @@ def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks
     print("synthesis batches (stage, windows per step): steps", dict(graphs.batches))
 
 
+def test_the_audio_tower_encoder_is_captured_and_equals_eager(model, processor):
+    """The Whisper encoder of the audio tower as one CUDA graph (the padded window, one shape):
+    two turns in a row, each its eager encoding."""
+    import copy
+
+    from taste_speech.encoder_graph import EncoderGraph
+
+    model = copy.deepcopy(model).to("cuda")
+    tower = model.audio_tower
+    graph = EncoderGraph(tower)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for seconds in (1.5, 2.5):
+            wav = 0.1 * torch.randn(int(16000 * seconds), generator=g)
+            features = processor.audio_features(wav.numpy(), 16000).to("cuda")
+            eager = tower.encode_audio(features)
+            graphed = tower.encode_audio(features, graph)
+            for a, b in zip(eager, graphed):
+                torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+    assert graph.step.captured, graph.step.fallback_reason
+
+
 @pytest.mark.parametrize("decoding", ["auto", "eager"])
 def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding):
     """A whole reply on CUDA with the agent's default sampling (text top-p, top-k speech tokens,
@@ -257,6 +279,8 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
 
     engine = TasteEngine.from_pretrained(None, device="cuda", decoding=decoding)
     engine.warm_up()
+    assert (engine.tower_encoder is None) == (decoding == "eager")  # the fast path's encoder graph
+    assert engine.tower_encoder is None or engine.tower_encoder.step.captured
     hello = load_utterances()["hello"]
     session = engine.new_session(GenerationSettings(max_reply_tokens=6))
     session.warm_up()

@@ -188,6 +188,7 @@ class TasteEngine:
         self.device = device
         self.decoding, self.cache_kind = decoding, DECODING[decoding]
         self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind)
+        self.tower_encoder = _tower_encoder(model, decoding)  # the audio tower's encoder as a CUDA graph, or None
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
         self.start_needs = StartNeeds()  # how late recent replies' second chunks came (the playout's start hold)
         # Calls in one process share the weights; every per-call state (KV caches, synthesis
@@ -265,7 +266,8 @@ class TasteEngine:
 
     def warm_up(self) -> None:
         """Capture the shared synthesis graphs (flow and vocoder, one per window-size bucket and
-        batch size) and the batched decode steps before the first call, on the fast path; a no-op
+        batch size), the audio tower's encoder and the batched decode steps before the first call,
+        on the fast path; a no-op
         on the eager path. Per-call steps are captured by ``TasteSession.warm_up``."""
         from taste_speech.streaming.synthesis_graphs import resolve_kind, shared_graphs
 
@@ -274,6 +276,8 @@ class TasteEngine:
             graphs = shared_graphs(self.voice_generator)
         if graphs is not None and graphs.mode != "eager":  # (eager steps have nothing to capture)
             graphs.warm_up()  # every bucket at every batch size
+        if self.tower_encoder is not None:
+            self.tower_encoder.warm_up()
         for batch in (self.lm_batch, self.speech_batch):
             if batch is not None:
                 batch.warm_up()  # one captured step per batch size
@@ -320,6 +324,16 @@ def _step_batches(model, slots: int | None, decoding: str):
     graph_mode = "eager" if decoding == "eager" else "auto"
     return (LMStepBatch(model.spoken_lm, slots=slots, capacity=capacity, graph_mode=graph_mode),
             SpeechStepBatch(model.speech_decoder, slots=slots, graph_mode=graph_mode))
+
+
+def _tower_encoder(model, decoding: str):
+    """The audio tower's Whisper encoder as one captured step, shared by the calls (CUDA fast path only:
+    elsewhere there is nothing to capture)."""
+    from taste_speech.encoder_graph import EncoderGraph
+
+    if decoding == "eager" or model.audio_tower.encoder.conv1.weight.device.type != "cuda":
+        return None
+    return EncoderGraph(model.audio_tower)
 
 
 def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
@@ -433,7 +447,7 @@ class TasteSession:
         text_ids = self.processor.encode_words(words).llm_token_ids
         wav = to_mono_float(audio)  # (channels, samples) or (samples, channels) are mixed down
         taste_ids = taste_tokenize(self.model, self.processor, torch.from_numpy(wav).view(1, -1),
-                                   text_ids, sampling_rate=self.input_sample_rate)
+                                   text_ids, sampling_rate=self.input_sample_rate, encoder=self.engine.tower_encoder)
         segment = TASTESegment("user", "audio", text_ids, taste_ids)
         return UserTurn(transcript, segment, int(text_ids.shape[1]), wav.size / self.input_sample_rate)
 
