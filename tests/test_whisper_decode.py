@@ -81,6 +81,10 @@ def test_loop_matches_generate_on_the_pipeline_tiny_asr(checkpoint, tiny_asr, au
         expected = generate(tiny_asr.model, feats)
         assert decoder.decode(feats)[0] == expected
         assert static(audio) == tiny_asr(audio)  # the transcriber's text, static loop vs generate
+    # the encoder (one shape: the padded window) went through its own step, warmed up like a capture
+    assert decoder.encode_step.mode == mode and decoder.encode_step._prepared
+    with pytest.raises(ValueError, match="padded 30 s window"):
+        decoder.decode(feats[..., :100])
 
 
 @pytest.mark.parametrize("mode", MODES)

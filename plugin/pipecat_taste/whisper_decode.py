@@ -8,7 +8,9 @@ kernels (GPU_NOTES.md). This loop keeps every tensor at a fixed address instead:
   a row is written at its position and every query sees only the keys at or before its own
   position, so stale rows from an earlier utterance or a rejected draft are never read;
 - the cross-attention keys/values are computed once per utterance from the encoder output and
-  copied into fixed buffers;
+  copied into fixed buffers; the encoder always sees one shape (the 30 s window), so the encoder
+  with those projections is a captured step too (eager, Whisper-large-v3's encoder is ~16 ms of
+  launches on a GPU, the same for 3 s or 30 s of audio);
 - the one-token step (embedding, all layers, logits, suppression, argmax) is a
   :class:`~taste_speech.step_graph.StepGraph`: replayed as a CUDA graph on CUDA, eager on CPU,
   'rehearse' for CPU tests of the capture protocol.
@@ -207,6 +209,10 @@ class StaticWhisperDecoder:
         # Its only side effect is writing the keys/values of row ``position``, which the real
         # run writes again: the warm-up runs need no rewind.
         self.step = StepGraph(self._one_token, self.device, self.graph_mode, name="Whisper decoder step")
+        # The utterance's encoding: the log-mel window in, the cross keys/values written (again
+        # the same values on a re-run: no rewind either).
+        self.features = torch.zeros(1, config.num_mel_bins, 2 * sources, device=self.device, dtype=self.dtype)
+        self.encode_step = StepGraph(self._encode_window, self.device, self.graph_mode, name="Whisper encoder")
 
     def _bias(self, tokens: Sequence[int]) -> torch.Tensor:
         vocab = self.model.proj_out.out_features
@@ -218,11 +224,11 @@ class StaticWhisperDecoder:
 
     @property
     def captured(self) -> bool:
-        return self.step.captured
+        return self.step.captured and self.encode_step.captured
 
     @property
     def fallback_reason(self) -> str | None:
-        return self.step.fallback_reason
+        return self.step.fallback_reason or self.encode_step.fallback_reason
 
     # -- the transformer --------------------------------------------------------------------------
     def _rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -261,11 +267,20 @@ class StaticWhisperDecoder:
         return self._scores(self._rows(self.token, self.position)).argmax(-1)
 
     def _encode(self, features: torch.Tensor) -> None:
-        states = self.model.model.encoder(features).last_hidden_state
+        if features.shape != self.features.shape:
+            raise ValueError(f"Whisper features must be {tuple(self.features.shape)} (the padded 30 s window), "
+                             f"got {tuple(features.shape)}: use the model's feature extractor")
+        self.features.copy_(features)
+        self.encode_step.run()
+
+    def _encode_window(self) -> torch.Tensor:
+        """The captured encoding: ``self.features`` -> every layer's cross-attention keys/values."""
+        states = self.model.model.encoder(self.features).last_hidden_state
         for i, layer in enumerate(self.decoder.layers):
             cross = layer.encoder_attn
             self.cross_k[i].copy_(self._heads(cross.k_proj(states), states.shape[1]))
             self.cross_v[i].copy_(self._heads(cross.v_proj(states), states.shape[1]))
+        return self.cross_v[-1]
 
     # -- decoding ---------------------------------------------------------------------------------
     def decode(self, features: torch.Tensor, draft: Sequence[int] = ()) -> tuple[list[int], int]:
