@@ -13,8 +13,13 @@ Both hold the keys/values of every row fed so far and share one interface, used 
 length counters are device tensors that every forward advances in place). A stale row beyond the
 current length is never seen: every query is masked to the keys at or before its own position, so
 ``crop`` only moves the counters back. Feeding past the capacity grows the cache (a copy, and the
-graph is captured again). A multi-row feed (prefill, a new turn) runs eagerly; a one-row feed (a
-decode step) copies the row into a static buffer and replays the captured step.
+graph is captured again). A one-row feed (a decode step) copies the row into a static buffer and
+replays the captured step. A multi-row feed (prefill: a new turn, a reply's prompt) of up to
+``PREFILL_BUCKETS[-1]`` rows is padded to the smallest bucket that holds it and replays that
+bucket's captured step: the padding rows are written after the real ones, where no query looks
+(the counters are then set to the real length), so the real rows are computed exactly as
+unpadded. Longer feeds, and feeds that would reach past the capacity padded, run eagerly. All of
+a cache's steps share one graph memory pool (they never run at the same time).
 
 Copies (``copy.deepcopy``, e.g. ``Conversation.snapshot``) copy the keys/values but never the graph:
 a copy captures its own at its first step.
@@ -32,6 +37,7 @@ from taste_speech.step_graph import StepGraph, resolve_mode
 
 CACHE_KINDS = ("auto", "static", "dynamic")
 DEFAULT_CAPACITY = 1024
+PREFILL_BUCKETS = (32, 64, 128, 256)  # rows of a captured multi-row feed (a user turn is ~20-100)
 _GROW_QUANTUM = 256  # capacities are multiples of this (fewer distinct shapes to capture)
 
 
@@ -93,7 +99,10 @@ class StaticLMCache:
                                          dtype=self.dtype, device=self.device)
             self.key_positions = torch.arange(capacity, device=self.device)
             self._row = torch.zeros(1, 1, config.hidden_size, device=self.device, dtype=self.dtype)
+            self._rows: dict[int, torch.Tensor] = {}  # a static input per prefill bucket, made on first use
         self._step: StepGraph | None = None
+        self._prefill_steps: dict[int, StepGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
 
     # -- the interface ------------------------------------------------------------------------------
     @property
@@ -107,7 +116,25 @@ class StaticLMCache:
 
     @property
     def fallback_reason(self) -> str | None:
-        return None if self._step is None else self._step.fallback_reason
+        steps = [self._step, *self._prefill_steps.values()]
+        return next((step.fallback_reason for step in steps if step is not None and step.fallback_reason), None)
+
+    def prefill_bucket(self, rows: int) -> int | None:
+        """The captured prefill step a feed of ``rows`` rows would take now (None: eager)."""
+        if self.graph_mode == "eager" or rows < 2:
+            return None
+        bucket = next((b for b in PREFILL_BUCKETS if b >= rows), None)
+        return bucket if bucket is not None and self._length + bucket <= self.capacity else None
+
+    def warm_up_prefill(self, backbone) -> None:
+        """Run (and so capture) every prefill bucket that fits after the current rows, then forget
+        what they wrote: the cache is left as it was."""
+        length = self._length
+        for bucket in PREFILL_BUCKETS:
+            if self.prefill_bucket(bucket) == bucket:
+                rows = torch.zeros(1, bucket, self.config.hidden_size, device=self.device, dtype=self.dtype)
+                self.feed(backbone, rows)
+                self._set_length(length)
 
     def feed(self, backbone, rows: torch.Tensor) -> torch.Tensor:
         t = rows.shape[1]
@@ -119,6 +146,8 @@ class StaticLMCache:
                                        rewind=lambda: self._set_length(self._length), name="spoken LM step")
             self._row.copy_(rows)
             hidden = self._step.run().clone()  # the graph's output buffer is overwritten next step
+        elif (bucket := self.prefill_bucket(t)) is not None:
+            hidden = self._prefill(backbone, rows, bucket)
         else:
             positions = torch.arange(self._length, self._length + t, device=self.device)
             out = run_backbone(backbone, rows, self.kv, attention_mask=self._mask(positions),
@@ -148,6 +177,30 @@ class StaticLMCache:
         blocked = torch.finfo(self.dtype).min
         return torch.where(visible, 0.0, blocked).to(self.dtype)[None, None]
 
+    def _prefill(self, backbone, rows: torch.Tensor, bucket: int) -> torch.Tensor:
+        """``rows`` (1, t, H) through the bucket's captured step: the hidden state of the last real row."""
+        t = rows.shape[1]
+        if bucket not in self._prefill_steps:
+            self._rows[bucket] = torch.zeros(1, bucket, self.config.hidden_size, device=self.device, dtype=self.dtype)
+            self._prefill_steps[bucket] = StepGraph(
+                lambda: self._prefill_step(backbone, bucket), self.device, self.graph_mode, pool=self._pool,
+                rewind=lambda: self._set_length(self._length), name=f"spoken LM prefill ({bucket} rows)")
+        buffer = self._rows[bucket]
+        buffer[:, :t].copy_(rows)
+        buffer[:, t:].zero_()
+        hidden = self._prefill_steps[bucket].run()[:, t - 1].clone()
+        for layer in self.kv.layers:  # the step moved the write position past its padding: back to the real end
+            layer.cumulative_length.fill_(self._length + t)
+        return hidden
+
+    def _prefill_step(self, backbone, bucket: int) -> torch.Tensor:
+        """``bucket`` rows from the bucket's static buffer at the device-side position (graph-safe)."""
+        first = self.kv.layers[0].cumulative_length.view(1).clone()
+        positions = first + self.key_positions[:bucket]
+        out = run_backbone(backbone, self._rows[bucket], self.kv, attention_mask=self._mask(positions),
+                           position_ids=positions.view(1, bucket))
+        return out.last_hidden_state
+
     def _decode_step(self, backbone) -> torch.Tensor:
         """One row from the static buffer at the current device-side position (graph-safe)."""
         position = self.kv.layers[0].cumulative_length.view(1).clone()
@@ -167,7 +220,10 @@ class StaticLMCache:
         twin = copy.copy(self)
         twin.kv = copy.deepcopy(self.kv, memo)
         twin._row = torch.zeros_like(self._row)
+        twin._rows = {}
         twin._step = None  # a graph is bound to this cache's tensors: the copy captures its own
+        twin._prefill_steps = {}
+        twin._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
         return twin
 
 

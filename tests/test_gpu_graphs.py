@@ -58,11 +58,13 @@ def test_spoken_lm_step_is_really_captured(loaded):
     state = lm.new_decode_state(cache=lm.new_cache("static", capacity=64))
     reference = lm.new_decode_state(cache=lm.new_cache("dynamic"))
     with torch.no_grad():
-        lm.feed(state, rows[:, :20]), lm.feed(reference, rows[:, :20])
+        a, b = lm.feed(state, rows[:, :20]), lm.feed(reference, rows[:, :20])  # the 32-row prefill graph
+        assert (a - b).abs().max() < 1e-3
         for i in range(20, 40):
             a, b = lm.feed(state, rows[:, i:i + 1]), lm.feed(reference, rows[:, i:i + 1])
             assert (a - b).abs().max() < 1e-3
     assert state.cache.captured, state.cache.fallback_reason
+    assert state.cache._prefill_steps[32].captured, state.cache.fallback_reason
 
 
 def test_calls_capturing_their_steps_at_once_all_get_graphs_and_the_right_outputs(loaded):

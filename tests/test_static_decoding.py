@@ -70,6 +70,32 @@ def test_static_steps_crops_and_growth_equal_the_growing_cache(lm, graph_mode):
         assert torch.allclose(ks, kd, atol=1e-5) and torch.allclose(vs, vd, atol=1e-5)
 
 
+def test_prefill_buckets_pad_where_no_query_looks(lm):
+    """Under the capture protocol a multi-row feed takes the smallest bucket that holds it and fits
+    (its padding rows are written after the real ones, then the write position goes back); one
+    that would reach past the capacity padded runs eagerly; a warm-up of every bucket leaves the
+    cache as it was. Every hidden state equals the growing cache's."""
+    rows = random_rows(lm, 120, seed=3)
+    static = lm.new_decode_state(cache=lm.new_cache("static", capacity=256, graph_mode="rehearse"))
+    dynamic = lm.new_decode_state(cache=lm.new_cache("dynamic"))
+    cache = static.cache
+    with torch.no_grad():
+        assert cache.prefill_bucket(1) is None and cache.prefill_bucket(20) == 32 and cache.prefill_bucket(65) == 128
+        cache.warm_up_prefill(lm.backbone)  # every bucket fits after 0 rows: all captured, nothing kept
+        assert sorted(cache._prefill_steps) == [32, 64, 128, 256] and cache.length == 0
+        assert all(int(layer.cumulative_length) == 0 for layer in cache.kv.layers)
+        for start, stop, bucket in ((0, 20, 32), (20, 21, None), (21, 60, 64), (60, 61, None), (61, 100, 64)):
+            block = slice(start, stop)
+            assert cache.prefill_bucket(stop - start) == bucket
+            a, b = lm.feed(static, rows[:, block]), lm.feed(dynamic, rows[:, block])
+            assert static.length == dynamic.length == block.stop
+            assert all(int(layer.cumulative_length) == block.stop for layer in cache.kv.layers)
+            assert (a - b).abs().max() < 1e-5, block
+    assert cache.prefill_bucket(200) is None  # 100 + 256 rows would pass the 256-row capacity: eager
+    eager = lm.new_cache("static", capacity=256, graph_mode="eager")
+    assert eager.prefill_bucket(20) is None  # the eager mode (a CPU's 'auto') never pads
+
+
 def test_a_copied_static_state_decodes_on_its_own(lm):
     rows = random_rows(lm, 30, seed=1)
     state = lm.new_decode_state(cache=lm.new_cache("static", capacity=64, graph_mode="rehearse"))

@@ -559,9 +559,9 @@ class TasteSession:
         return self._speech_cache
 
     def warm_up(self) -> None:
-        """Capture this call's decode steps before the caller's first turn (on the fast path the
-        first step of each static cache captures its CUDA graph: tens of ms that would otherwise
-        delay the first reply). Leaves the conversation exactly as it was; a no-op on growing caches."""
+        """Capture this call's decode and prefill steps before the caller's first turn (on the fast
+        path the first step of each static cache captures its CUDA graph: tens of ms that would
+        otherwise delay the first reply). Leaves the conversation exactly as it was; a no-op on growing caches."""
         import torch
 
         from taste_speech.lm_cache import StaticLMCache
@@ -574,6 +574,7 @@ class TasteSession:
                 self.model.spoken_lm.feed(decode, decode.inputs_embeds()[:, -1:])  # one step: captures
                 decode.crop(length)
                 decode.last_hidden = hidden
+                decode.cache.warm_up_prefill(self.model.spoken_lm.backbone)  # a turn's prefill steps
             cache = self.speech_cache()
             if isinstance(cache, StaticSpeechCache):
                 decoder = self.model.speech_decoder
