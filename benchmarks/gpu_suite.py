@@ -20,7 +20,7 @@ Tables (one run each, all figures from the same process):
    each, own states; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
    steps, and graphed with the spoken-LM and speech-decoder steps of all calls batched, and their
    flow and vocoder windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``,
-   ``SynthesisGraphs(rows=16)``: the engine's default on CUDA).
+   ``SynthesisGraphs(rows=16)``: ``TasteEngine(batch_slots=16)``, opt-in).
 
 4. the levers on the graphed path, each against its baseline in the same run: the spoken LM with
    its LoRA merged (the engine's default) vs the adapters' kernels run on the side (same weights),

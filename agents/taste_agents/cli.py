@@ -39,8 +39,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-slots", default="auto", type=auto_none_or_count,
                         help="calls whose spoken-LM and speech-decoder steps (and, on the static synthesis "
                              "path, flow and vocoder windows) run as batched steps: a number, "
-                             "'none' (each call steps alone) or auto (16 on the CUDA fast path, none on a CPU) - "
-                             "docs/GPU.md")
+                             "'none' (each call steps alone) or auto (none: on a GPU batching paid nothing "
+                             "at 2-8 calls) - docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")

@@ -171,8 +171,8 @@ class TasteEngine:
         ``batch_slots``: calls whose decode steps (spoken LM, speech decoder) run as one batched
         step (``taste_speech.lm_batch``, ``speech_decoder_batch``), and whose flow and vocoder
         windows share batched steps on the static synthesis path (``synthesis_graphs``, rows):
-        a number, None (each call steps alone) or 'auto' (16 on the CUDA fast path, where a step
-        costs its launches, not its batch size; None elsewhere). ``merge_lora``: fold the spoken
+        a number, None (each call steps alone) or 'auto' (None: measured on a GPU, batching paid
+        nothing at 2-8 calls - BENCHMARKS.md section 5; try a number where many calls speak at once). ``merge_lora``: fold the spoken
         LM's LoRA adapters into its weights before any step runs (``TasteSpokenLM.merge_lora``:
         the same function, fewer kernels per token); False keeps them on the side (a model you go
         on training)."""
@@ -307,9 +307,10 @@ def _compute_gate(parallel_jobs: int | str | None, device: str):
 
 
 def _batch_slots(slots: int | str | None, device: str, decoding: str) -> int | None:
-    if slots == "auto":
-        return 16 if str(device).startswith("cuda") and decoding != "eager" else None
-    return slots
+    # 'auto' is None everywhere: on the H200 (BENCHMARKS.md section 5) the batched path gave the
+    # same first audio as per-call graphs at 2-8 calls (calls rarely step together) and set aside
+    # 3.7 GB, and its slots prefill eagerly where a private cache replays a prefill graph.
+    return None if slots == "auto" else slots
 
 
 def _step_batches(model, slots: int | None, decoding: str):
