@@ -24,7 +24,8 @@ Tables (one run each, all figures from the same process):
 
 4. the levers on the graphed path, each against its baseline in the same run: the spoken LM with
    its LoRA merged (the engine's default) vs the adapters' kernels run on the side (same weights),
-   the audio tower's Whisper encoder captured as one step vs eager, the first chunk's flow step in a bucket it fills (unpadded) vs padded into the next one, and a
+   the audio tower's Whisper encoder captured as one step vs eager, a turn's prefill through a
+   captured bucket vs eager, the first chunk's flow step in a bucket it fills (unpadded) vs padded into the next one, and a
    reply's synthesis with growing chunks (the default) vs fixed 25-token chunks.
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
@@ -413,6 +414,28 @@ def tower_encoder_ms(engine, repeats: int) -> dict:
     return {"eager": median_ms(None), "graph": median_ms(graph), "mode": graph.mode}
 
 
+@torch.inference_mode()
+def prefill_ms(engine, repeats: int, rows: int = 48) -> dict:
+    """A turn's prefill (``rows`` rows into an empty static cache): eager vs the 64-row bucket's graph."""
+    lm = engine.model.spoken_lm
+    block = torch.randn(1, rows, lm.causal_lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    block = block.to(engine.device, lm.lm_dtype)
+    out = {}
+    for name, mode in (("eager", "eager"), ("graph", "auto")):
+        state = lm.new_decode_state(cache=lm.new_cache("static", capacity=1024, graph_mode=mode))
+        times = []
+        for i in range(repeats + 1):  # the first run captures
+            state.crop(0)
+            sync(engine.device)
+            t0 = time.perf_counter()
+            lm.feed(state, block)
+            sync(engine.device)
+            times.append(1000 * (time.perf_counter() - t0))
+        out[name] = statistics.median(times[1:])
+        out[name + "_mode"] = state.cache.graph_mode
+    return out
+
+
 def levers(engine, steps: int, context: int = 1024) -> dict:
     from benchmarks.bench_first_chunk_flow import first_chunk_steps
     from taste_speech.streaming.synthesis_state import EmissionPolicy
@@ -424,6 +447,7 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
             side = lm_ms_per_token(engine, GRAPHED, context, steps)
         out["lm_ms_per_token"] = {"context": context, "side": side, "merged": merged}
     out["tower_encoder_ms"] = tower_encoder_ms(engine, repeats=steps // 5 or 1)
+    out["prefill_ms"] = prefill_ms(engine, repeats=steps // 5 or 1)
     out["first_chunk_flow"] = first_chunk_steps(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     grown = EmissionPolicy.low_latency()
     out["synthesis"] = {"fixed": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(max_chunk_tokens=0)),
@@ -679,6 +703,10 @@ def lever_lines(lever: dict) -> list[str]:
     tower = lever["tower_encoder_ms"]
     rows.append(["audio tower's Whisper encoder ms (3 s turn, padded window)", "eager", fmt(tower["eager"]),
                  f"one captured step ({tower['mode']})", fmt(tower["graph"]), f"{tower['graph'] / tower['eager']:.2f}"])
+    prefill = lever["prefill_ms"]
+    rows.append(["spoken LM prefill ms (a 48-row turn)", "eager", fmt(prefill["eager"]),
+                 f"64-row bucket step ({prefill['graph_mode']})", fmt(prefill["graph"]),
+                 f"{prefill['graph'] / prefill['eager']:.2f}"])
     for row in lever["first_chunk_flow"]:
         rows.append([f"first chunk's flow step ms ({row['frames']} frames, {row['policy']})",
                      f"padded into {row['padded_bucket']}", fmt(row["padded_ms"]), f"full bucket {row['frames']}",

@@ -42,6 +42,7 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     levers = data["levers"]
     assert 0 < levers["lm_ms_per_token"]["merged"] and 0 < levers["lm_ms_per_token"]["side"]
     assert levers["tower_encoder_ms"]["eager"] > 0 and levers["tower_encoder_ms"]["graph"] > 0
+    assert levers["prefill_ms"]["eager"] > 0 and levers["prefill_ms"]["graph"] > 0
     assert [row["frames"] for row in levers["first_chunk_flow"]] == [17, 37]
     assert all(row["max_mel_diff"] < 1e-4 and row["full_ops"] < row["padded_ops"] for row in levers["first_chunk_flow"])
     assert levers["synthesis"]["growing"]["chunks"] < levers["synthesis"]["fixed"]["chunks"]
