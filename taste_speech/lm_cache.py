@@ -18,8 +18,9 @@ replays the captured step. A multi-row feed (prefill: a new turn, a reply's prom
 ``PREFILL_BUCKETS[-1]`` rows is padded to the smallest bucket that holds it and replays that
 bucket's captured step: the padding rows are written after the real ones, where no query looks
 (the counters are then set to the real length), so the real rows are computed exactly as
-unpadded. Longer feeds, and feeds that would reach past the capacity padded, run eagerly. All of
-a cache's steps share one graph memory pool (they never run at the same time).
+unpadded. Longer feeds, and feeds that would reach past the capacity padded, run eagerly. A
+cache's prefill steps share one graph memory pool (they never run at the same time, and each
+output is copied out at once).
 
 Copies (``copy.deepcopy``, e.g. ``Conversation.snapshot``) copy the keys/values but never the graph:
 a copy captures its own at its first step.
