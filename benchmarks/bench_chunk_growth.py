@@ -14,6 +14,7 @@ chunk's tokens and compute time, and the seam figures against offline synthesis.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -44,33 +45,20 @@ def load(size: str) -> VoiceGenerator:
 def stream(vg, tokens, speaker, policy: EmissionPolicy, count_ops: bool) -> dict:
     state = start_speaking(vg, speaker, policy, out_sampling_rate=16000, generator=torch.Generator().manual_seed(0))
     chunks, ops = [], 0
-    for i in range(0, tokens.shape[1] + 1, 5):
-        piece, final = tokens[:, i:i + 5], i + 5 >= tokens.shape[1]
-        with OperatorCount() if count_ops else _nothing() as counter:
-            chunks += speak(vg, state, piece)
-            if final:
+    for i in range(0, tokens.shape[1], 5):
+        last = i + 5 >= tokens.shape[1]
+        with OperatorCount() if count_ops else contextlib.nullcontext() as counter:
+            chunks += speak(vg, state, tokens[:, i:i + 5])
+            if last:
                 chunks += speak(vg, state, final=True)
         ops += counter.total if count_ops else 0
-        if final:
-            break
     audio_s = state.samples_emitted / SOURCE_RATE
     compute_s = sum(c.compute_s for c in chunks)
+    committed = [0] + [c.tokens_committed for c in chunks]
     return {"chunks": len(chunks), "audio_s": audio_s, "steps_per_audio_s": len(chunks) / audio_s,
             "ops_per_audio_s": ops / audio_s if count_ops else None, "rtf": compute_s / audio_s,
             "first_tokens": chunks[0].tokens_committed, "first_ms": 1000 * chunks[0].compute_s,
-            "sizes": [b.tokens_committed - a.tokens_committed for a, b in zip([_Start()] + chunks, chunks)]}
-
-
-class _Start:
-    tokens_committed = 0
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+            "sizes": [b - a for a, b in zip(committed, committed[1:])]}
 
 
 def main(argv=None) -> int:
