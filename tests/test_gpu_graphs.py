@@ -282,6 +282,9 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     engine = TasteEngine.from_pretrained(None, device="cuda", decoding=decoding)
     engine.warm_up()
     assert (engine.tower_encoder is None) == (decoding == "eager")  # the fast path's encoder graph
+    # calls' waiting flow and vocoder windows share steps on the fast path, batch slots or not
+    assert (engine.synthesis_graphs is None) == (decoding == "eager")
+    assert engine.synthesis_graphs is None or engine.synthesis_graphs.rows == 8
     assert engine.tower_encoder is None or engine.tower_encoder.step.captured
     hello = load_utterances()["hello"]
     session = engine.new_session(GenerationSettings(max_reply_tokens=6))

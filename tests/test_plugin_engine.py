@@ -249,6 +249,7 @@ def test_batched_steps_give_each_call_its_own_reply(engine, hello):
                            checkpoint_dir=engine.checkpoint_dir, **kwargs)
 
     assert engine.lm_batch is None and engine.speech_batch is None and engine.synthesis_graphs is None  # CPU 'auto'
+    assert engine_with(decoding="graphed").synthesis_graphs is None  # a CPU's static path: one window per step
     assert engine_with(batch_slots=2).synthesis_graphs is None  # the dynamic synthesis path has no steps to share
     batched = engine_with(batch_slots=2, decoding="graphed")
     assert batched.synthesis_graphs.rows == 2

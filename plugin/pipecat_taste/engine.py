@@ -170,7 +170,8 @@ class TasteEngine:
         this process may use on a CPU; no limit on CUDA, where jobs mostly wait for the GPU).
         ``batch_slots``: calls whose decode steps (spoken LM, speech decoder) run as one batched
         step (``taste_speech.lm_batch``, ``speech_decoder_batch``), and whose flow and vocoder
-        windows share batched steps on the static synthesis path (``synthesis_graphs``, rows):
+        windows share batched steps on the static synthesis path (``synthesis_graphs``, rows;
+        without slots, ``CUDA_SYNTHESIS_ROWS`` on CUDA):
         a number, None (each call steps alone) or 'auto' (None: measured on a GPU, batching paid
         nothing at 2-8 calls - BENCHMARKS.md section 5; try a number where many calls speak at once). ``merge_lora``: fold the spoken
         LM's LoRA adapters into its weights before any step runs (``TasteSpokenLM.merge_lora``:
@@ -337,14 +338,26 @@ def _tower_encoder(model, decoding: str):
     return EncoderGraph(model.audio_tower)
 
 
+# Calls whose waiting flow or vocoder windows share one step on a GPU, without batch slots: a
+# step costs its launches, not its rows (GPU_NOTES.md: the flow estimator 1.87 ms for one window,
+# 2.22 ms for eight), so calls whose first chunks queue behind a running step go in the next one
+# together instead of one after another. A single call never waits for others.
+CUDA_SYNTHESIS_ROWS = 8
+
+
 def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
-    """The calls' shared flow and vocoder steps, batching the windows of up to ``slots`` calls, on
-    the static synthesis path; None: the voice generator's own (one window per step) or eager."""
+    """The calls' shared flow and vocoder steps on the static synthesis path, batching the windows
+    of up to ``slots`` calls (``CUDA_SYNTHESIS_ROWS`` on CUDA without slots); None: the voice
+    generator's own (one window per step: a CPU's static path, where a step costs its rows) or eager."""
     from taste_speech.streaming.synthesis_graphs import SynthesisGraphs, resolve_kind
 
     device = next(voice_generator.parameters()).device
-    if slots is None or resolve_kind(cache_kind, device) != "static":
+    if resolve_kind(cache_kind, device) != "static":
         return None
+    if slots is None:
+        if device.type != "cuda":
+            return None
+        slots = CUDA_SYNTHESIS_ROWS
     return SynthesisGraphs(voice_generator, rows=slots)
 
 
