@@ -659,6 +659,8 @@ class Suite:
             graphed = self.data["paths"]["graphed"]
             graphed["lm_batch"], graphed["speech_batch"] = engine.lm_batch.stats(), engine.speech_batch.stats()
             graphed["synthesis_batch"] = engine.synthesis_graphs.stats()
+        elif path is GRAPHED and engine.synthesis_graphs is not None:  # (on CUDA: shared synthesis steps)
+            self.data["paths"]["graphed"]["synthesis_shared"] = engine.synthesis_graphs.stats()
 
 
 def device_name(device: str) -> str:
@@ -773,6 +775,11 @@ def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
             lines += ["", f"Batched {label} steps over the whole table: {stats['steps']} steps served "
                       f"{stats['rows_stepped']} call steps (mean batch {stats['mean_batch']}); captured sizes "
                       f"{stats['graphs'] or 'none (no CUDA)'}."]
+    shared = graphed.get("synthesis_shared") or {}
+    if shared.get("flow", {}).get("steps"):
+        lines += ["", f"Graphed path, synthesis steps shared by the calls (up to {shared['rows']} windows a step): " + "; ".join(
+            f"{stage} {shared[stage]['steps']} steps served {shared[stage]['windows']} windows "
+            f"(mean batch {shared[stage]['mean_batch']})" for stage in ("flow", "vocoder")) + "."]
     synthesis = graphed.get("synthesis_batch") or {}
     if synthesis.get("flow", {}).get("steps"):
         lines += ["", "Batched synthesis over the whole table: " + "; ".join(
