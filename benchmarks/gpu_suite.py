@@ -714,9 +714,11 @@ def lever_lines(lever: dict) -> list[str]:
                      f"padded into {row['padded_bucket']}", fmt(row["padded_ms"]), f"full bucket {row['frames']}",
                      fmt(row["full_ms"]), f"{row['full_ms'] / row['padded_ms']:.2f}"])
     syn = lever["synthesis"]
-    rows.append(["a reply's synthesis, compute s per audio s (low_latency)", f"fixed 25-token chunks ({syn['fixed']['chunks']})",
-                 f"{syn['fixed']['rtf']:.3f}", f"growing to {syn['max_chunk_tokens']} ({syn['growing']['chunks']} chunks)",
-                 f"{syn['growing']['rtf']:.3f}", f"{syn['growing']['rtf'] / syn['fixed']['rtf']:.2f}"])
+    fixed, growing = syn["fixed"], syn["growing"]
+    rows.append(["a reply's synthesis, compute s per audio s (low_latency)",
+                 f"fixed 25-token chunks ({fixed['chunks']})", f"{fixed['rtf']:.3f}",
+                 f"growing to {syn['max_chunk_tokens']} ({growing['chunks']} chunks)", f"{growing['rtf']:.3f}",
+                 f"{growing['rtf'] / fixed['rtf']:.2f}"])
     return (["Levers on the graphed path, each against its baseline in this run:", ""]
             + table_lines(["figure", "baseline", "ms / RTF", "lever", "ms / RTF", "lever / baseline"], rows) + [""])
 
@@ -777,9 +779,10 @@ def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
                       f"{stats['graphs'] or 'none (no CUDA)'}."]
     shared = graphed.get("synthesis_shared") or {}
     if shared.get("flow", {}).get("steps"):
-        lines += ["", f"Graphed path, synthesis steps shared by the calls (up to {shared['rows']} windows a step): " + "; ".join(
-            f"{stage} {shared[stage]['steps']} steps served {shared[stage]['windows']} windows "
-            f"(mean batch {shared[stage]['mean_batch']})" for stage in ("flow", "vocoder")) + "."]
+        served = "; ".join(f"{stage} {shared[stage]['steps']} steps served {shared[stage]['windows']} windows "
+                           f"(mean batch {shared[stage]['mean_batch']})" for stage in ("flow", "vocoder"))
+        lines += ["", f"Graphed path, synthesis steps shared by the calls (up to {shared['rows']} windows a step): "
+                  f"{served}."]
     synthesis = graphed.get("synthesis_batch") or {}
     if synthesis.get("flow", {}).get("steps"):
         lines += ["", "Batched synthesis over the whole table: " + "; ".join(
