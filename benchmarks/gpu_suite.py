@@ -29,7 +29,7 @@ Tables (one run each, all figures from the same process):
    reply's synthesis with growing chunks (the default) vs fixed 25-token chunks.
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, then the calls tables ``batched_calls``, ``graphed_calls``, ``eager_calls``. Each part's figures are written
+``levers``, then the calls tables ``graphed_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
 (``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
@@ -542,7 +542,7 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "levers", "batched_calls", "graphed_calls", "eager_calls")
+PARTS = ("parity", "first_audio", "per_token", "levers", "graphed_calls", "batched_calls", "eager_calls")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "eager_calls": EAGER}
 
 
