@@ -182,7 +182,9 @@ class StaticLMCache:
         """``rows`` (1, t, H) through the bucket's captured step: the hidden state of the last real row."""
         t = rows.shape[1]
         if bucket not in self._prefill_steps:
-            self._rows[bucket] = torch.zeros(1, bucket, self.config.hidden_size, device=self.device, dtype=self.dtype)
+            with torch.inference_mode(False):  # (as in _allocate: writable whatever mode later feeds run in)
+                self._rows[bucket] = torch.zeros(1, bucket, self.config.hidden_size, device=self.device,
+                                                 dtype=self.dtype)
             self._prefill_steps[bucket] = StepGraph(
                 lambda: self._prefill_step(backbone, bucket), self.device, self.graph_mode, pool=self._pool,
                 rewind=lambda: self._set_length(self._length), name=f"spoken LM prefill ({bucket} rows)")

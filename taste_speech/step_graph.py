@@ -83,6 +83,11 @@ class StepGraph(Generic[Outputs]):
         if self.graph is not None:
             self.graph.replay()
             return self.outputs
+        if self.mode == "rehearse":
+            # like a replay, every run returns the same output tensors, overwritten: an owner that
+            # keeps an output past the next run without copying it fails its CPU tests too
+            self.outputs = _overwrite(self.outputs, self.step())
+            return self.outputs
         return self.step()
 
     def _warm_up(self) -> None:
@@ -121,3 +126,32 @@ class StepGraph(Generic[Outputs]):
             self.graph, self.outputs = None, None
             self.fallback_reason = f"{type(error).__name__}: {error}"
             logger.warning("CUDA graph capture of %s failed, running it eagerly: %s", self.name, self.fallback_reason)
+
+
+def _overwrite(kept, new):
+    """``new``'s values written into ``kept`` (same structure: tensors, or tuples/lists/dicts of
+    them), which is returned; a copy of ``new`` the first time (``kept`` None), made outside
+    inference mode so that later runs in any mode can write it (as a graph's replay does)."""
+    if kept is None:
+        with torch.inference_mode(False):
+            return _overwrite_first(new)
+    if isinstance(new, torch.Tensor):
+        if kept.shape != new.shape:
+            raise RuntimeError(f"a step's output changed shape ({tuple(kept.shape)} -> {tuple(new.shape)}): "
+                               "captured steps must keep fixed shapes")
+        return kept.copy_(new)
+    if isinstance(new, dict):
+        return {key: _overwrite(kept[key], value) for key, value in new.items()}
+    if isinstance(new, (tuple, list)):
+        return type(new)(_overwrite(k, v) for k, v in zip(kept, new))
+    return new
+
+
+def _overwrite_first(new):
+    if isinstance(new, torch.Tensor):
+        return new.clone()
+    if isinstance(new, dict):
+        return {key: _overwrite_first(value) for key, value in new.items()}
+    if isinstance(new, (tuple, list)):
+        return type(new)(_overwrite_first(v) for v in new)
+    return new

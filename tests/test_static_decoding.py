@@ -92,6 +92,13 @@ def test_prefill_buckets_pad_where_no_query_looks(lm):
             assert all(int(layer.cumulative_length) == block.stop for layer in cache.kv.layers)
             assert (a - b).abs().max() < 1e-5, block
     assert cache.prefill_bucket(200) is None  # 100 + 256 rows would pass the 256-row capacity: eager
+    # a bucket first used under inference_mode stays usable outside it (a graph's buffers must)
+    fresh = lm.new_decode_state(cache=lm.new_cache("static", capacity=256, graph_mode="rehearse"))
+    with torch.inference_mode():
+        lm.feed(fresh, rows[:, :20])
+    with torch.no_grad():
+        fresh.crop(0)
+        lm.feed(fresh, rows[:, :20])
     eager = lm.new_cache("static", capacity=256, graph_mode="eager")
     assert eager.prefill_bucket(20) is None  # the eager mode (a CPU's 'auto') never pads
 

@@ -310,6 +310,23 @@ def test_utterances_whose_tokens_are_at_hand_step_together(vg):
     assert flow_steps <= chunks + 2 and graphs.batches["vocoder", 3] == chunks
 
 
+def test_a_new_window_does_not_wait_for_an_utterance_that_was_dropped(vg):
+    """An utterance awaited after the last vocoder step (its next window was due) but dropped - a
+    barge-in - never comes: a window of another utterance, a new reply's first chunk, runs at once
+    instead of waiting out the gather time."""
+    graphs = SynthesisGraphs(vg, "rehearse", rows=2, gather=1.0)
+    c = vg.flow.output_size
+    ghost, newcomer = object(), object()
+    graphs._awaited["flow"].add(id(ghost))
+    graphs._flow_step_s = 5.0  # the wait would be up to 5 s
+    started = time.perf_counter()
+    with torch.inference_mode():
+        graphs.flow(torch.randn(1, c, 17), torch.randn(1, c), torch.zeros(1, c, 17), torch.randn(1, c, 17),
+                    owner=newcomer)
+    assert time.perf_counter() - started < 2.0
+    assert not graphs._awaited["flow"]  # and the dropped one is not awaited again
+
+
 def test_a_failing_step_fails_its_windows_and_the_next_steps_still_run(vg, utterance):
     tokens, speaker = utterance
     graphs = SynthesisGraphs(vg, "eager", rows=2)

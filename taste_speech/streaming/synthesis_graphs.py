@@ -354,9 +354,13 @@ class SynthesisGraphs:
         """(Lock held.) Wait until every utterance awaited by the oldest window's stage has its
         window queued, or ``gather`` x the last flow step's time has passed (at least
         ``MIN_GATHER_S``). Once per step: an utterance that did not come is not waited for again."""
-        stage = self._queue[0].stage
+        oldest = self._queue[0]
+        stage = oldest.stage
         awaited = self._awaited[stage]
-        if not awaited or not self.gather or self.rows == 1:  # one row: nothing to batch with
+        # Wait only within a round: when the oldest window is one of the awaited utterances'. A
+        # window from elsewhere (a new reply's first chunk) waits for nobody - an awaited
+        # utterance may have been dropped (a barge-in) and would never come.
+        if not awaited or not self.gather or self.rows == 1 or id(oldest.owner) not in awaited:
             awaited.clear()
             return
         deadline = time.perf_counter() + max(self.gather * self._flow_step_s, MIN_GATHER_S)
