@@ -17,7 +17,8 @@ captured graph is replayed for real.
 
 Modes: ``'graph'`` (CUDA only) captures at the first ``run()``; ``'eager'`` calls the step
 directly; ``'rehearse'`` goes through the same warm-up/rewind cycle as a capture and then runs
-eagerly - it lets CPU tests prove that a step survives the capture protocol. ``'auto'`` is
+eagerly, returning the same output tensors every run, overwritten, as a replay does - it lets CPU
+tests prove that a step and its owner survive the capture protocol. ``'auto'`` is
 ``'graph'`` on CUDA and ``'eager'`` elsewhere. If capturing fails, the step falls back to eager and
 keeps the reason in ``fallback_reason`` (a live call must not die because a graph could not be made).
 """
