@@ -176,8 +176,8 @@ class _VocoderBucket(_Bucket):
         self.source = torch.zeros(rows, 1, frames * hift.samples_per_frame, device=device, dtype=dtype)
         self.mask = torch.zeros(rows, 1, frames, device=device, dtype=dtype)
 
-    def _compute(self, n: int, full: bool) -> torch.Tensor:
-        return self.hift.decode(self.mel[:n], self.source[:n], frame_mask=None if full else self.mask[:n])
+    def _compute(self, n: int, full: bool) -> torch.Tensor:  # (vocoder buckets take padded steps only)
+        return self.hift.decode(self.mel[:n], self.source[:n], frame_mask=self.mask[:n])
 
     def _put_row(self, row: int, mel, source) -> None:
         r = slice(row, row + 1)
