@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_lora_merge import OperatorCount  # noqa: E402
+from benchmarks.engines import full_voice_generator  # noqa: E402
 from taste_speech.streaming.seams import measure_seams  # noqa: E402
 from taste_speech.streaming.synthesis import speak, start_speaking  # noqa: E402
 from taste_speech.streaming.synthesis_state import SOURCE_RATE, EmissionPolicy  # noqa: E402
@@ -34,11 +35,7 @@ TOKENS_PER_SECOND = 50
 
 
 def load(size: str) -> VoiceGenerator:
-    if size == "full":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            return VoiceGenerator().eval()
-    return make_tiny_voice_generator(0)
+    return full_voice_generator() if size == "full" else make_tiny_voice_generator(0)
 
 
 @torch.inference_mode()
