@@ -328,21 +328,32 @@ def speech_decoder_ms_per_token(engine, path: DecodePath, context: int, steps: i
 
 
 def synthesis_ms_per_chunk(engine, path: DecodePath, seconds: float = 4.0) -> dict:
+    """Flow and vocoder ms per chunk: the first chunk and the steady ones, at ``low_latency``'s fixed
+    steady size (25 tokens; growing chunks are the levers' table), on the engine's own synthesis
+    steps. A first pass captures the buckets the utterance needs (as warm-up does for a call): a
+    capture timed as a chunk would be the capture's cost, not the chunk's."""
     from taste_speech.streaming.synthesis import speak, start_speaking
+    from taste_speech.streaming.synthesis_state import EmissionPolicy
 
     vg = engine.voice_generator
-    voice = engine.speaker_embedding()
+    voice = torch.as_tensor(engine.speaker_embedding()).float().reshape(1, -1)
+    policy = EmissionPolicy.low_latency(max_chunk_tokens=0)
     n = int(seconds * 50)
     tokens = torch.randint(0, vg.flow.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-    state = start_speaking(vg, torch.as_tensor(voice).float().reshape(1, -1), "low_latency", OUT_RATE,
-                           torch.Generator().manual_seed(0), kind=path.cache_kind)
-    state.time_stages = True
-    chunks = []
-    for i in range(0, n, 5):
-        sync(engine.device)
-        for chunk in speak(vg, state, tokens[:, i:i + 5]):
-            chunks.append(chunk)
-    chunks += speak(vg, state, None, final=True)
+    graphs = engine.synthesis_graphs if path.cache_kind != "dynamic" else None
+    before_timed = {}
+    for timed in (False, True):
+        state = start_speaking(vg, voice, policy, OUT_RATE, torch.Generator().manual_seed(0),
+                               kind=path.cache_kind, graphs=graphs)
+        state.time_stages = True
+        if timed and state.graphs is not None:
+            before_timed = state.graphs.prepared()
+        chunks = []
+        for i in range(0, n, 5):
+            sync(engine.device)
+            chunks += speak(vg, state, tokens[:, i:i + 5])
+        chunks += speak(vg, state, None, final=True)
+    after = state.graphs.prepared() if state.graphs is not None else {}
     ms = [1000 * c.compute_s for c in chunks]
     flow = [1000 * c.flow_s for c in chunks]
     vocoder = [1000 * (c.compute_s - c.flow_s) for c in chunks]  # the vocoder, fades and resampling
@@ -350,7 +361,10 @@ def synthesis_ms_per_chunk(engine, path: DecodePath, seconds: float = 4.0) -> di
     return {"first_ms": ms[0], "steady_ms": statistics.median(ms[steady]),
             "flow_first_ms": flow[0], "flow_steady_ms": statistics.median(flow[steady]),
             "vocoder_first_ms": vocoder[0], "vocoder_steady_ms": statistics.median(vocoder[steady]),
-            "chunks": len(chunks)}
+            "chunks": len(chunks), "steady_tokens": policy.chunk_tokens,
+            # buckets first made during the timed pass (their capture timed as a chunk): none expected
+            "buckets_made_while_timed": {stage: sorted(set(sizes) - set(before_timed.get(stage, ())))
+                                         for stage, sizes in after.items()}}
 
 
 # -- the levers, each against its baseline --------------------------------------------------------------
@@ -745,9 +759,9 @@ def per_token_lines(eager: dict, graphed: dict) -> list[str]:
             for c in sorted(eager["lm_ms_per_token"])]
     rows += [[f"speech decoder, context {c}", fmt(eager["speech_decoder_ms_per_token"][c]),
               fmt(graphed["speech_decoder_ms_per_token"][c])] for c in sorted(eager["speech_decoder_ms_per_token"])]
-    for key, label in (("first_ms", "synthesis, first chunk"), ("steady_ms", "synthesis, steady chunk"),
-                       ("flow_first_ms", "flow, first chunk"), ("flow_steady_ms", "flow, steady chunk"),
-                       ("vocoder_first_ms", "vocoder, first chunk"), ("vocoder_steady_ms", "vocoder, steady chunk")):
+    for key, label in (("first_ms", "synthesis, first chunk"), ("steady_ms", "synthesis, steady chunk (25 tokens)"),
+                       ("flow_first_ms", "flow, first chunk"), ("flow_steady_ms", "flow, steady chunk (25 tokens)"),
+                       ("vocoder_first_ms", "vocoder, first chunk"), ("vocoder_steady_ms", "vocoder, steady chunk (25 tokens)")):
         rows.append([label, fmt(eager["synthesis"][key]), fmt(graphed["synthesis"][key])])
     if "first_audio" in eager and "first_audio" in graphed:
         rows.append(["whole reply: compute s per audio s (ASR tail, tower and prefill included)",

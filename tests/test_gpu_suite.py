@@ -28,6 +28,10 @@ def test_quick_tiny_run_on_cpu(tmp_path):
         assert all(ms > 0 for ms in path["lm_ms_per_token"].values())
         assert all(ms > 0 for ms in path["speech_decoder_ms_per_token"].values())
         assert path["synthesis"]["chunks"] > 2 and 0 < path["synthesis"]["flow_first_ms"] < path["synthesis"]["first_ms"]
+        assert path["synthesis"]["steady_tokens"] == 25
+        if name == "graphed":  # every bucket of the timed utterance was made (captured) before its timing
+            made = path["synthesis"]["buckets_made_while_timed"]
+            assert set(made) == {"flow", "vocoder"} and made == {"flow": [], "vocoder": []}
         parity = data["lm_parity"][name]
         assert parity["same_argmax"] == data["lm_parity"]["steps"] and parity["max_logit_diff"] < 1e-4
     graphed = data["paths"]["graphed"]
