@@ -310,42 +310,6 @@ def test_utterances_whose_tokens_are_at_hand_step_together(vg):
     assert flow_steps <= chunks + 2 and graphs.batches["vocoder", 3] == chunks
 
 
-def test_the_next_step_waits_for_the_last_to_run_and_the_windows_coming_meanwhile_join_it(vg):
-    """On CUDA a step returns once its kernels are queued. The next step waits until the GPU has
-    run the last one, so the windows of calls that come meanwhile share one step instead of each
-    being queued on the GPU as a step of its own. (Here the GPU takes a second over each step.)"""
-    graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=0.0)
-
-    class Running:  # a launched step that the GPU finishes a second later (a CUDA event's part)
-        def __init__(self):
-            self.until = time.monotonic() + 1.0
-
-        def query(self) -> bool:
-            return time.monotonic() >= self.until
-
-        def synchronize(self) -> None:
-            time.sleep(max(0.0, self.until - time.monotonic()))
-
-    graphs._launched = Running
-    g = torch.Generator().manual_seed(13)
-    windows = [window(vg, "flow", 17, g) for _ in range(5)]
-    results = [None] * 5
-    with torch.inference_mode():
-        results[0] = graphs.flow(*windows[0])  # a step the GPU is still running
-    start = threading.Barrier(4)
-
-    def submit(i):
-        start.wait()
-        with torch.inference_mode():
-            results[i] = graphs.flow(*windows[i])
-
-    run_in_threads(submit, [(i,) for i in range(1, 5)])
-    assert dict(graphs.batches) == {("flow", 1): 1, ("flow", 4): 1}
-    for w, out in zip(windows, results):
-        torch.testing.assert_close(out, graphs._eager(_Window("flow", None, w)), atol=MEL_ATOL, rtol=0)
-    assert not graphs._queue and not graphs._stepping
-
-
 def test_a_new_window_does_not_wait_for_an_utterance_that_was_dropped(vg):
     """An utterance awaited after the last vocoder step (its next window was due) but dropped - a
     barge-in - never comes: a window of another utterance, a new reply's first chunk, runs at once

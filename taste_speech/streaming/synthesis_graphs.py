@@ -236,7 +236,6 @@ class SynthesisGraphs:
         # id(owner) of the utterances whose next window of each stage is due at once
         self._awaited: dict[str, set[int]] = {"flow": set(), "vocoder": set()}
         self._flow_step_s = 0.0  # the last flow step's time
-        self._last_step = None  # (CUDA, rows > 1) the event of the last step launched
         self._fingerprint = None
         self._reset()
 
@@ -335,17 +334,14 @@ class SynthesisGraphs:
                 self._stepping = True
                 try:
                     self._check_weights()
-                    self._wait_for_last_step()
                     self._gather_windows()
                     batch = self._next_batch()
                     self._lock.release()
                     started = time.perf_counter()
                     try:
                         self._run(batch)
-                        launched = self._launched()
                     finally:
                         self._lock.acquire()
-                    self._last_step = launched
                     self._after_step(batch, time.perf_counter() - started)
                 finally:
                     self._stepping = False
@@ -353,30 +349,6 @@ class SynthesisGraphs:
         if isinstance(window.output, BaseException):
             raise window.output
         return window.output
-
-    def _launched(self):
-        """What tells when the step just launched has run: on CUDA an event on this stream (a
-        replay returns once its kernels are queued), None where a step returns when it is done.
-        Only shared steps (rows > 1) keep one: a lone call's steps overlap their launches."""
-        if self._mode != "graph" or self.rows == 1:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def _wait_for_last_step(self) -> None:
-        """(Lock held; released while waiting.) The next step waits until the GPU has run the last
-        one, so that the windows of other calls coming meanwhile join it. Without this every
-        window is launched alone the moment it comes and the GPU runs them one after another:
-        eight calls' first chunks cost eight flow steps instead of two."""
-        last, self._last_step = self._last_step, None
-        if last is None or last.query():
-            return
-        self._lock.release()
-        try:
-            last.synchronize()
-        finally:
-            self._lock.acquire()
 
     def _gather_windows(self) -> None:
         """(Lock held.) Wait until every utterance awaited by the oldest window's stage has its
