@@ -25,7 +25,8 @@ Tables (one run each, all figures from the same process):
 4. the levers on the graphed path, each against its baseline in the same run: the spoken LM with
    its LoRA merged (the engine's default) vs the adapters' kernels run on the side (same weights),
    the audio tower's Whisper encoder captured as one step vs eager, a turn's prefill through a
-   captured bucket vs eager, the first chunk's flow step in a bucket it fills (unpadded) vs padded into the next one, and a
+   captured bucket vs eager, the first chunk's flow step in a bucket it fills (unpadded) vs padded into the next one, the
+   flow's ODE with q/k/v as one product and no all-ones mask vs three products and the mask, and a
    reply's synthesis with growing chunks (the default) vs fixed 25-token chunks.
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
@@ -452,6 +453,7 @@ def prefill_ms(engine, repeats: int, rows: int = 48) -> dict:
 
 def levers(engine, steps: int, context: int = 1024) -> dict:
     from benchmarks.bench_first_chunk_flow import first_chunk_steps
+    from benchmarks.bench_flow_kernels import flow_kernel_figures
     from taste_speech.streaming.synthesis_state import EmissionPolicy
 
     lm, out = engine.model.spoken_lm, {}
@@ -463,6 +465,7 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
     out["tower_encoder_ms"] = tower_encoder_ms(engine, repeats=steps // 5 or 1)
     out["prefill_ms"] = prefill_ms(engine, repeats=steps // 5 or 1)
     out["first_chunk_flow"] = first_chunk_steps(engine.voice_generator, "auto", repeats=steps // 5 or 1)
+    out["flow_kernels"] = flow_kernel_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     grown = EmissionPolicy.low_latency()
     out["synthesis"] = {"fixed": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(max_chunk_tokens=0)),
                         "growing": synthesis_rtf(engine, GRAPHED, grown), "max_chunk_tokens": grown.max_chunk_tokens}
@@ -727,6 +730,11 @@ def lever_lines(lever: dict) -> list[str]:
         rows.append([f"first chunk's flow step ms ({row['frames']} frames, {row['policy']})",
                      f"padded into {row['padded_bucket']}", fmt(row["padded_ms"]), f"full bucket {row['frames']}",
                      fmt(row["full_ms"]), f"{row['full_ms'] / row['padded_ms']:.2f}"])
+    for row in lever.get("flow_kernels", ()):
+        kind = f"{row['frames']} frames in bucket {row['bucket']}, " + ("padded" if row["padded"] else "unpadded")
+        rows.append([f"flow ODE ms ({kind})", "three q/k/v products" + ("" if row["padded"] else ", ones mask"),
+                     fmt(row["baseline_ms"]), "one q/k/v product" + ("" if row["padded"] else ", no mask"),
+                     fmt(row["now_ms"]), f"{row['now_ms'] / row['baseline_ms']:.2f}"])
     syn = lever["synthesis"]
     fixed, growing = syn["fixed"], syn["growing"]
     rows.append(["a reply's synthesis, compute s per audio s (low_latency)",

@@ -107,6 +107,54 @@ def test_bad_inputs_raise_value_errors(model, golden):
 
 
 # -- weight norm -------------------------------------------------------------------------------
+# -- fewer kernels per estimator call, the same numbers ---------------------------------------------
+def test_fused_qkv_attention_keeps_the_published_weights(model):
+    """q, k and v are one matrix product, but the state dict holds the published three weights; the
+    attention is the one of three separate projections; a checkpoint lacking one is named."""
+    from torch.nn import functional as F
+
+    attention = model.flow.decoder.estimator.mid_blocks[0][1][0].attn1
+    state = attention.state_dict()
+    assert list(state) == ["to_q.weight", "to_k.weight", "to_v.weight", "to_out.0.weight", "to_out.0.bias"]
+    assert all(state[k].data_ptr() != attention.to_qkv.data_ptr() for k in state)  # saved copies, not views
+    x = torch.randn(2, 7, attention.to_qkv.shape[1], generator=torch.Generator().manual_seed(0))
+
+    def heads(y):
+        return y.view(2, 7, attention.heads, attention.head_dim).transpose(1, 2)
+
+    q, k, v = (heads(F.linear(x, state[f"to_{n}.weight"])) for n in "qkv")
+    separate = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 7, -1)
+    torch.testing.assert_close(attention(x), attention.to_out[0](separate), atol=1e-6, rtol=1e-5)
+
+    other = type(attention)(attention.to_qkv.shape[1], attention.heads, attention.head_dim)
+    other.load_state_dict(state)
+    assert torch.equal(other.to_qkv, attention.to_qkv)
+    del state["to_k.weight"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "to_k.weight"'):
+        other.load_state_dict(state)
+
+
+@torch.inference_mode()
+def test_an_estimator_call_without_a_mask_is_the_all_ones_mask_bit_for_bit_with_fewer_operators(model):
+    """mask=None (every frame valid) leaves out the multiplications by ones: the same output bit for
+    bit, fewer operators (kernels on a GPU); padded=True still needs a mask."""
+    from benchmarks.bench_lora_merge import OperatorCount
+
+    estimator = model.flow.decoder.estimator
+    g = torch.Generator().manual_seed(1)
+    c, frames = model.flow.output_size, 13
+    x, mu, cond = (torch.randn(2, c, frames, generator=g) for _ in range(3))
+    spks, t = torch.randn(2, c, generator=g), torch.tensor(0.3)
+    with OperatorCount() as ones_ops:
+        with_ones = estimator(x, torch.ones(2, 1, frames), mu, t, spks, cond)
+    with OperatorCount() as none_ops:
+        without = estimator(x, None, mu, t, spks, cond)
+    assert torch.equal(with_ones, without)
+    assert none_ops.ops["mul"] < ones_ops.ops["mul"] and none_ops.total < ones_ops.total
+    with pytest.raises(ValueError, match="padded=True needs the mask"):
+        estimator(x, None, mu, t, spks, cond, padded=True)
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_legacy_weight_norm_matches_torch(transpose):
     torch.manual_seed(0)

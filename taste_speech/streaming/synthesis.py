@@ -246,8 +246,7 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
         cond[:, :, :n_prompt] = state.mel_history[:, :, -n_prompt:]
     noise = state.flow_noise.get(first_frame, frames_right)
     if state.graphs is None:
-        mask = torch.ones(1, 1, n_frames, device=mu.device, dtype=mu.dtype)
-        mel_window = flow.decoder(mu, mask, state.spks, cond, noise)
+        mel_window = flow.decoder(mu, None, state.spks, cond, noise)  # one whole window: every frame valid
     else:
         mel_window = state.graphs.flow(mu, state.spks, cond, noise, owner=state)
 

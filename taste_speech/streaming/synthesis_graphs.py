@@ -151,8 +151,9 @@ class _FlowBucket(_Bucket):
         self.spks = torch.zeros(rows, c, device=device, dtype=dtype)
 
     def _compute(self, n: int, full: bool) -> torch.Tensor:
-        return self.flow.decoder(self.mu[:n], self.mask[:n], self.spks[:n], self.cond[:n], self.noise[:n],
-                                 padded=not full)
+        # a full step has no padding: no mask (its multiplications by ones are left out)
+        return self.flow.decoder(self.mu[:n], None if full else self.mask[:n], self.spks[:n], self.cond[:n],
+                                 self.noise[:n], padded=not full)
 
     def _put_row(self, row: int, mu, spks, cond, noise) -> None:
         r = slice(row, row + 1)
@@ -422,8 +423,7 @@ class SynthesisGraphs:
         if window.stage == "vocoder":
             return self.vg.hift.decode(*window.inputs)
         mu, spks, cond, noise = window.inputs
-        mask = torch.ones(1, 1, mu.shape[-1], device=mu.device, dtype=mu.dtype)
-        return self.vg.flow.decoder(mu, mask, spks, cond, noise)
+        return self.vg.flow.decoder(mu, None, spks, cond, noise)  # one whole window: every frame valid
 
     @contextlib.contextmanager
     def _exclusive(self):

@@ -19,6 +19,10 @@ conv input is multiplied by the mask, as at a real sequence end); in addition Gr
 statistics over the valid frames only and attention ignores padded keys, so the valid frames are
 computed as in an unpadded run (equal up to float rounding). The default (``padded=False``) is the
 published computation, unchanged.
+
+``mask=None`` says every frame is valid (a window without padding, as streaming gives at B = 1):
+the multiplications by an all-ones mask are left out - the same numbers, bit for bit, and about 75
+kernels fewer per estimator call, which is what a batch-1 ODE step costs on a GPU.
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ class TimestepMLP(nn.Module):
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
+def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """x * mask, or x itself where every frame is valid (mask None)."""
+    return x if mask is None else x * mask
+
+
 def masked_group_norm(x: torch.Tensor, norm: nn.GroupNorm, mask: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` with the statistics of each group taken over the frames where mask (B, 1, T) is 1.
 
@@ -64,11 +73,13 @@ def masked_group_norm(x: torch.Tensor, norm: nn.GroupNorm, mask: torch.Tensor) -
     """
     b, c, t = x.shape
     groups = x.view(b, norm.num_groups, c // norm.num_groups, t)
-    m = mask.view(b, 1, 1, t).to(x.dtype)
+    m = mask.view(b, 1, 1, t)
+    m = m if m.dtype == x.dtype else m.to(x.dtype)
     count = m.sum(dim=(2, 3), keepdim=True) * (c // norm.num_groups)
     mean = (groups * m).sum(dim=(2, 3), keepdim=True) / count
-    var = ((groups - mean) * m).pow(2).sum(dim=(2, 3), keepdim=True) / count
-    y = ((groups - mean) * torch.rsqrt(var + norm.eps)).view(b, c, t)
+    centered = groups - mean  # (once: every kernel counts at batch 1)
+    var = (centered * m).pow(2).sum(dim=(2, 3), keepdim=True) / count
+    y = (centered * torch.rsqrt(var + norm.eps)).view(b, c, t)
     if norm.affine:
         y = y * norm.weight.view(1, -1, 1) + norm.bias.view(1, -1, 1)
     return y
@@ -81,9 +92,9 @@ class Block1D(nn.Module):
         super().__init__()
         self.block = nn.Sequential(nn.Conv1d(dim, dim_out, 3, padding=1), nn.GroupNorm(groups, dim_out), nn.Mish())
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, padded: bool = False) -> torch.Tensor:
         if not padded:
-            return self.block(x * mask) * mask
+            return _masked(self.block(_masked(x, mask)), mask)
         conv, norm, act = self.block
         return act(masked_group_norm(conv(x * mask), norm, mask)) * mask
 
@@ -96,36 +107,59 @@ class ResnetBlock1D(nn.Module):
         self.block2 = Block1D(dim_out, dim_out, groups)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, temb: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, temb: torch.Tensor,
+                padded: bool = False) -> torch.Tensor:
         h = self.block1(x, mask, padded)
         h = h + self.mlp(temb).unsqueeze(-1)
         h = self.block2(h, mask, padded)
-        return h + self.res_conv(x * mask)
+        return h + self.res_conv(_masked(x, mask))
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention with bias-free q/k/v and a biased output projection."""
+    """Multi-head self-attention with bias-free q/k/v and a biased output projection.
+
+    The q, k and v projections are one (3 x inner, dim) matrix, ``to_qkv``: one matrix product
+    instead of three, since at batch 1 the flow's ODE costs its kernels, not its arithmetic. The
+    state dict holds the published three (``to_q.weight``, ``to_k.weight``, ``to_v.weight``)."""
+
+    PROJECTIONS = ("to_q", "to_k", "to_v")
 
     def __init__(self, dim: int, heads: int, head_dim: int):
         super().__init__()
         inner = heads * head_dim
         self.heads, self.head_dim = heads, head_dim
-        self.to_q = nn.Linear(dim, inner, bias=False)
-        self.to_k = nn.Linear(dim, inner, bias=False)
-        self.to_v = nn.Linear(dim, inner, bias=False)
+        # initialised as three nn.Linear(dim, inner) in a row would be (the same fan-in and draws)
+        self.to_qkv = nn.Parameter(torch.empty(3 * inner, dim))
+        nn.init.kaiming_uniform_(self.to_qkv, a=math.sqrt(5))
         self.to_out = nn.ModuleList([nn.Linear(inner, dim), nn.Dropout(0.0)])
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, dim); key_mask (B, 1, 1, T) bool: the keys each query may see (None: all)."""
         b, t, _ = x.shape
-
-        def split(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x)),
-                                             attn_mask=key_mask)
+        # (B, T, 3 inner) -> three (B, heads, T, head_dim) views
+        q, k, v = F.linear(x, self.to_qkv).view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.to_out[0](out)
+
+    # the published layout: three weights in the state dict, one matrix here
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        fused = destination.pop(prefix + "to_qkv")
+        for name, part in zip(self.PROJECTIONS, fused.chunk(3)):
+            destination[f"{prefix}{name}.weight"] = part if keep_vars else part.clone()  # no shared storage
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        keys = [f"{prefix}{name}.weight" for name in self.PROJECTIONS]
+        present = [k for k in keys if k in state_dict]
+        if len(present) == len(keys):
+            state_dict[prefix + "to_qkv"] = torch.cat([state_dict.pop(k) for k in keys])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + "to_qkv" in missing_keys:  # name what the checkpoint lacks in its own terms
+            missing_keys.remove(prefix + "to_qkv")
+            missing_keys.extend(k for k in keys if k not in present)  # (those present are unexpected)
 
 
 class GELUProjection(nn.Module):
@@ -188,7 +222,7 @@ def _transformer_stack(dim: int, n_blocks: int, heads: int, head_dim: int, dropo
     return nn.ModuleList(TransformerBlock(dim, heads, head_dim, dropout) for _ in range(n_blocks))
 
 
-def _run_transformers(blocks: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor, padded: bool) -> torch.Tensor:
+def _run_transformers(blocks: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor | None, padded: bool) -> torch.Tensor:
     key_mask = mask.bool().unsqueeze(1) if padded else None  # (B, 1, T) -> (B, 1, 1, T)
     x = x.transpose(1, 2)  # (B, C, T) -> (B, T, C)
     for block in blocks:
@@ -248,16 +282,19 @@ class ConditionalDecoder(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         mu: torch.Tensor,
         t: torch.Tensor,
         spks: torch.Tensor,
         cond: torch.Tensor,
         padded: bool = False,
     ) -> torch.Tensor:
-        """x, mu, cond: (B, 80, T); mask: (B, 1, T); t: scalar or (B,); spks: (B, 80) -> (B, 80, T).
+        """x, mu, cond: (B, 80, T); mask: (B, 1, T), or None (every frame valid); t: scalar or (B,);
+        spks: (B, 80) -> (B, 80, T).
 
         ``padded``: frames where mask is 0 are padding (see the module docstring)."""
+        if padded and mask is None:
+            raise ValueError("padded=True needs the mask of the valid frames; mask=None means there is no padding")
         temb = self.time_mlp(self.time_embeddings(t))
         if temb.shape[0] != x.shape[0]:
             temb = temb.expand(x.shape[0], -1)
@@ -268,8 +305,8 @@ class ConditionalDecoder(nn.Module):
             level_mask = masks[-1]
             h = _run_transformers(transformers, resnet(h, level_mask, temb, padded), level_mask, padded)
             skips.append(h)
-            h = sampler(h * level_mask)
-            masks.append(level_mask[:, :, ::2])  # stride-2 conv (k3, p1): ceil(T/2) frames
+            h = sampler(_masked(h, level_mask))
+            masks.append(None if level_mask is None else level_mask[:, :, ::2])  # stride-2 conv (k3, p1): ceil(T/2) frames
 
         mid_mask = masks[-2]  # the last down block keeps its resolution
         for resnet, transformers in self.mid_blocks:
@@ -281,6 +318,6 @@ class ConditionalDecoder(nn.Module):
             # the transposed conv yields 2*ceil(T/2) frames: cut to the skip's length (odd T)
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)
             h = _run_transformers(transformers, resnet(h, level_mask, temb, padded), level_mask, padded)
-            h = sampler(h * level_mask)
+            h = sampler(_masked(h, level_mask))
         h = self.final_block(h, level_mask, padded)
-        return self.final_proj(h * level_mask) * mask
+        return _masked(self.final_proj(_masked(h, level_mask)), mask)

@@ -99,7 +99,7 @@ class ConditionalCFM(nn.Module):
             return self.estimator(x, mask, mu, t, spks, cond, padded)
         if self.batch_cfg:
             both = self.estimator(
-                torch.cat([x, x]), torch.cat([mask, mask]), torch.cat([mu, torch.zeros_like(mu)]), t,
+                torch.cat([x, x]), None if mask is None else torch.cat([mask, mask]), torch.cat([mu, torch.zeros_like(mu)]), t,
                 torch.cat([spks, torch.zeros_like(spks)]), torch.cat([cond, torch.zeros_like(cond)]), padded,
             )
             v_cond, v_uncond = both.chunk(2)
@@ -115,7 +115,8 @@ class ConditionalCFM(nn.Module):
     @torch.inference_mode()
     def forward(self, mu, mask, spks, cond, noise: torch.Tensor, trace: Optional[dict] = None,
                 padded: bool = False) -> torch.Tensor:
-        """Integrate from ``x_0 = noise * temperature`` to t = 1. All (B, 80, T) except mask (B, 1, T).
+        """Integrate from ``x_0 = noise * temperature`` to t = 1. All (B, 80, T) except mask (B, 1, T),
+        which may be None where every frame is valid (no multiplications by ones: fewer kernels).
 
         ``padded``: the frames where mask is 0 are padding after the sequence end (a fixed-shape
         window); the valid frames come out as without it. The loop has no host synchronisation and
