@@ -180,13 +180,19 @@ def whisper_log_mel(waveform_16k, n_mels: int = N_MELS, n_samples: int | None = 
     power spectrum, Slaney mel filters, log10 floored at 1e-10 and at (max - 8), then (x + 4) / 4.
     """
     samples = torch.from_numpy(to_mono_float(waveform_16k))
+    silent_frames = 0  # trailing frames whose whole window is padding: zero power, not transformed
     if n_samples is not None:
         if n_samples <= 0:
             raise ValueError(f"n_samples must be positive or None, got {n_samples}")
         if samples.numel() >= n_samples:
             samples = samples[:n_samples]
         else:
-            samples = torch.nn.functional.pad(samples, (0, n_samples - samples.numel()))
+            # A 3 s turn in the 30 s window: transform the audio and one window of zeros after it
+            # (so that the reflection at the end mirrors zeros too), then append the frames of pure
+            # padding as zero power - the same numbers as transforming the silence, a tenth of the work.
+            computed = min(n_samples, HOP_LENGTH * -(-(samples.numel() + N_FFT) // HOP_LENGTH))
+            silent_frames = n_samples // HOP_LENGTH - computed // HOP_LENGTH
+            samples = torch.nn.functional.pad(samples, (0, computed - samples.numel()))
     if samples.numel() <= N_FFT // 2:
         raise ValueError(
             f"audio too short for the Whisper front end ({samples.numel()} samples); "
@@ -199,6 +205,8 @@ def whisper_log_mel(waveform_16k, n_mels: int = N_MELS, n_samples: int | None = 
     power = spectrum[..., :-1].abs() ** 2  # Whisper drops the last (partial) frame
     filters = torch.from_numpy(np.array(mel_filterbank(SAMPLE_RATE, N_FFT, n_mels)))
     mel = filters @ power  # (n_mels, frames)
+    if silent_frames:
+        mel = torch.cat([mel, mel.new_zeros(n_mels, silent_frames)], dim=1)
     log_mel = torch.clamp(mel, min=LOG_FLOOR).log10()
     log_mel = torch.maximum(log_mel, log_mel.max() - DYNAMIC_RANGE)
     log_mel = (log_mel + 4.0) / 4.0

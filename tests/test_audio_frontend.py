@@ -49,6 +49,19 @@ def test_log_mel_default_window_pads_and_trims():
     assert unpadded.shape == (1, 100, 128)
 
 
+@pytest.mark.parametrize("samples", [201, 16000, 47_999, 48_000, 160_000, 479_400, 479_599, 479_800, 479_999])
+def test_a_padded_window_is_the_transform_of_its_silence(samples):
+    """The window's padding is not transformed (its frames have zero power): the features are,
+    bit for bit, those of the audio with its zeros written out, at every length up to the window."""
+    wav = (0.1 * np.random.default_rng(samples).standard_normal(samples)).astype(np.float32)
+    written_out = np.pad(wav, (0, 16000 * 30 - samples))
+    assert torch.equal(whisper_log_mel(wav), whisper_log_mel(written_out, n_samples=None))
+    odd_window = 48_000 + 37  # a window that is not a whole number of hops
+    if samples < odd_window:
+        zeros = np.pad(wav, (0, odd_window - samples))
+        assert torch.equal(whisper_log_mel(wav, n_samples=odd_window), whisper_log_mel(zeros, n_samples=None))
+
+
 def test_mel_filterbank_is_slaney():
     filters = mel_filterbank(16000, 400, 128)
     assert filters.shape == (128, 201) and filters.dtype == np.float32
