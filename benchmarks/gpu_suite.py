@@ -16,8 +16,9 @@ Tables (one run each, all figures from the same process):
    and vocoder) of the first chunk;
 2. ms per token of the spoken LM and of the speech decoder at 64 and 1024 rows of context; flow
    and vocoder ms per chunk (first, steady); whole-reply real-time factor;
-3. peak GPU memory per call, and first audio with 1, 2, 4, 8, 16 concurrent calls (one thread
-   each, own states; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
+3. peak GPU memory per call, and first audio with 1, 2, 4, 8, 16 concurrent calls whose callers
+   stop speaking at the same moment (one thread each, own states; each call started and made its
+   partial transcripts before, untimed; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
    steps, and graphed with the spoken-LM and speech-decoder steps of all calls batched, and their
    flow and vocoder windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``,
    ``SynthesisGraphs(rows=16)``: ``TasteEngine(batch_slots=16)``, opt-in).
@@ -52,6 +53,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 for _path in (ROOT, ROOT / "plugin", ROOT / "agents"):
@@ -186,19 +188,24 @@ def build_asr(size: str, engine, device: str, dtype: str | None) -> dict:
             for path in (EAGER, GRAPHED)}
 
 
-def asr_after_turn(asr, audio: np.ndarray, clock: "Clock") -> None:
-    """The ASR work left after the end of the turn. Incremental (when the transcriber supports it):
-    partials while the user spoke (every 0.8 s, not timed), then the whole turn with the last
-    partial as a draft (timed). Otherwise: the whole turn, at the end (timed)."""
+def asr_while_speaking(asr, audio: np.ndarray):
+    """The ASR work done while the user spoke, not timed: partial transcripts every 0.8 s when the
+    transcriber is incremental. Returns the turn to finish (None: it transcribes at the end only)."""
     turn = asr.new_turn()
     if turn is not None:
         step = int(0.8 * 16000)
         for end in range(step, len(audio), step):
             turn.partial(audio[:end])
-        clock.restart()
+    return turn
+
+
+def asr_after_turn(asr, turn, audio: np.ndarray, clock: "Clock") -> None:
+    """The ASR work left after the end of the turn (timed): the whole turn with the last partial as
+    a draft (incremental), or the whole turn (not)."""
+    clock.restart()
+    if turn is not None:
         turn.finish(audio)
     else:
-        clock.restart()
         asr(audio)
     clock.mark("asr_after_turn")
 
@@ -237,9 +244,11 @@ def reply_script(engine) -> tuple[list[int], int]:
 
 
 def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0,
-                whole_reply: bool = False) -> dict:
+                whole_reply: bool = False, turn_ends: Callable[[], None] | None = None) -> dict:
     """One user turn -> first audio (and, with ``whole_reply``, the rest), timed per stage;
-    ``engine``: the path's engine (``path_engine``)."""
+    ``engine``: the path's engine (``path_engine``). Untimed before the end of the turn: the call's
+    start (its session's warm-up) and the partial transcripts made while the user spoke; then
+    ``turn_ends()`` (concurrent calls: a barrier, so that every caller stops speaking at once)."""
     from taste_speech.streaming import every_n_words, streaming_generate
     from taste_speech.streaming.synthesis import speak
 
@@ -247,9 +256,12 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
     session = new_session(engine, seed)
     script, stop = reply_script(engine)
     forced.script(script)
+    turn = asr_while_speaking(asr[path.name], audio) if asr is not None else None
+    if turn_ends is not None:
+        turn_ends()
     clock = Clock(device)
     if asr is not None:
-        asr_after_turn(asr[path.name], audio, clock)
+        asr_after_turn(asr[path.name], turn, audio, clock)
     turn = session.user_turn(audio, USER_TEXT)
     clock.mark("audio_tower")
     session.conversation.add_turn(turn.segment)
@@ -521,6 +533,8 @@ def lm_parity(engine, steps: int = 32) -> dict:
 
 # -- concurrency ---------------------------------------------------------------------------------------
 def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, calls: int) -> dict:
+    """``calls`` calls in progress whose callers stop speaking at the same moment (each call started
+    and transcribed its caller's partials before; one thread each): first audio of each."""
     audio = user_audio()
     results: list[dict] = [None] * calls
     errors: list[BaseException] = []
@@ -531,8 +545,7 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
 
     def one(i):
         try:
-            barrier.wait()
-            results[i] = first_audio(engine, asr, path, forced, audio, seed=i)
+            results[i] = first_audio(engine, asr, path, forced, audio, seed=i, turn_ends=barrier.wait)
         except BaseException as exc:
             errors.append(exc)
 
@@ -786,7 +799,8 @@ def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
     calls = sorted({n for rows in by_calls.values() for n in rows})
     rows = [[str(n)] + [fmt(by_calls[(id(entry), key)].get(n, {}).get(figure)) for entry, key, figure in columns]
             for n in calls]
-    lines = ["Concurrent calls (one thread each; first audio in ms; 'batched': the spoken-LM and the "
+    lines = ["Concurrent calls whose callers stop speaking at the same moment (one thread each, every call "
+             "started and its partial transcripts made before; first audio in ms; 'batched': the spoken-LM and the "
              "speech-decoder steps of all calls in batched steps, 16 slots, and their flow and vocoder "
              "windows in shared steps of up to 16 rows; peak MiB per call: the calls' peak GPU memory "
              "above the weights, with what the path set aside up front (batch slots, synthesis graphs), "

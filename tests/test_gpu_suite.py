@@ -98,3 +98,32 @@ def test_unknown_parts_are_refused():
 
     with pytest.raises(SystemExit):
         gpu_suite.main(["--parts", "first_audio,latency"])
+
+
+def test_concurrent_calls_are_timed_from_the_moment_their_callers_stop_speaking():
+    """A call's start (its session's warm-up) and the partial transcripts made while its caller
+    spoke happen before ``turn_ends`` and are not timed; the ASR work left, and the rest, are."""
+    import time
+
+    from pipecat_taste.asr import TurnTranscript
+
+    engine = gpu_suite.build_engine("tiny", "cpu", None)
+    asr = gpu_suite.build_asr("tiny", engine, "cpu", None)
+    graphed = gpu_suite.path_engine(engine, gpu_suite.GRAPHED)
+    partials, at_turn_end = [], []
+    partial = TurnTranscript.partial
+
+    def counted(self, audio16k):
+        partials.append(len(audio16k))
+        return partial(self, audio16k)
+
+    TurnTranscript.partial = counted
+    try:
+        with gpu_suite.ForcedReply(engine.model.spoken_lm) as forced:
+            result = gpu_suite.first_audio(graphed, asr, gpu_suite.GRAPHED, forced, gpu_suite.user_audio(),
+                                           turn_ends=lambda: (at_turn_end.append(len(partials)), time.sleep(2.0)))
+    finally:
+        TurnTranscript.partial = partial
+    assert at_turn_end == [3] and len(partials) == 3  # 0.8, 1.6, 2.4 s of the 3 s turn, all before its end
+    assert result["stages"]["asr_after_turn"] > 0
+    assert result["first_audio_ms"] < 2000.0  # the two seconds spent in turn_ends is not in it
