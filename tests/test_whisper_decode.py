@@ -168,6 +168,24 @@ def test_turn_transcript_partials_then_the_whole_turn(tiny_asr, audios):
     assert len(static._workspaces) == 1
 
 
+def test_warm_up_prepares_a_workspace_per_call_that_may_transcribe_at_once(tiny_asr, audios):
+    """warm_up(workspaces=n) leaves n prepared workspaces (each with its steps made): n calls
+    transcribing at the same moment find one each, and none is made while a caller speaks."""
+    static = WhisperTranscriber(varied_model(tiny_asr), tiny_asr.feature_extractor, tiny_asr.tokenizer,
+                                language="en", max_new_tokens=12, decode="static", graph_mode="rehearse")
+    static.warm_up(workspaces=3)
+    prepared = list(static._workspaces)
+    assert len(prepared) == 3 and len({id(w) for w in prepared}) == 3
+    assert all(w.step._prepared and w.encode_step._prepared for w in prepared)  # rehearsed = captured on CUDA
+    borrowed = [static._borrow(static.plan) for _ in range(3)]  # three calls at once
+    assert {id(w) for w in borrowed} == {id(w) for w in prepared}
+    for workspace in borrowed:
+        static._give_back(workspace)
+    assert static.transcribe(audios[0]).text == static.transcribe(audios[0]).text
+    with pytest.raises(ValueError, match="workspaces must be an integer >= 1"):
+        static.warm_up(workspaces=0)
+
+
 def test_settings_the_loop_does_not_support_use_generate(tiny_asr, audios):
     model = varied_model(tiny_asr)
     assert "detect" in greedy_plan(model, None, None, 10)  # no language: generate detects it

@@ -181,7 +181,9 @@ def load_engine(args, say):
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),
                                          batch_slots=getattr(args, "batch_slots", "auto"))
-    engine.warm_up()  # the fast path captures its shared synthesis graphs here, not in the first call
+    # the fast path captures its shared synthesis graphs here, not in the first call, and an ASR
+    # workspace for each call a server may hold at once
+    engine.warm_up(calls=getattr(args, "max_calls", 1))
     say(f"model ready in {time.monotonic() - started:.1f} s")
     return engine, path
 

@@ -170,10 +170,30 @@ class WhisperTranscriber:
         ids = self._generate(features)
         return Transcription(self._text(ids), ids, 0)
 
-    def warm_up(self) -> None:
-        """Transcribe a second of silence: allocates a decoding workspace and, on CUDA, captures
-        its step graph now rather than in the first caller's turn."""
-        self.transcribe(np.zeros(16000, np.float32))
+    def warm_up(self, workspaces: int = 1) -> None:
+        """Transcribe a second of silence in ``workspaces`` decoding workspaces at once, one per
+        call that may transcribe at the same moment: each allocates its buffers and, on CUDA,
+        captures its steps now, not while a caller speaks (a capture then delays every call's reply)."""
+        if isinstance(workspaces, bool) or not isinstance(workspaces, int) or workspaces < 1:
+            raise ValueError(f"workspaces must be an integer >= 1 (calls that may transcribe at once), got {workspaces!r}")
+        silence = np.zeros(16000, np.float32)
+        plan = self.plan
+        if plan is None or workspaces == 1:  # (generate keeps no workspace)
+            self.transcribe(silence)
+            return
+        features = self._features(silence)
+        ready = []
+        try:
+            for _ in range(workspaces):
+                workspace = self._borrow(plan)  # none given back yet: a new one each time
+                workspace.decode(features)
+                ready.append(workspace)
+        except Exception as error:  # the calls still transcribe: transcribe() falls back by itself
+            logger.warning("warming up Whisper decoding workspace %d of %d failed: %s", len(ready) + 1,
+                           workspaces, error, exc_info=True)
+        finally:
+            for workspace in ready:
+                self._give_back(workspace)
 
     def new_turn(self) -> "TurnTranscript | None":
         """Incremental ASR state for one user turn, or None where partials would not help

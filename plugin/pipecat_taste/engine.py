@@ -265,11 +265,13 @@ class TasteEngine:
                              "(e.g. GenerationSettings(max_reply_tokens=96))")
         return TasteSession(self, settings or GenerationSettings(), voice)
 
-    def warm_up(self) -> None:
+    def warm_up(self, calls: int = 1) -> None:
         """Capture the shared synthesis graphs (flow and vocoder, one per window-size bucket and
         batch size), the audio tower's encoder and the batched decode steps before the first call,
         on the fast path; a no-op
-        on the eager path. Per-call steps are captured by ``TasteSession.warm_up``."""
+        on the eager path. Per-call steps are captured by ``TasteSession.warm_up``. ``calls``: how
+        many calls may be served at once; on CUDA the built-in ASR prepares a decoding workspace
+        for each (elsewhere one: a workspace there is only buffers, made in a moment when needed)."""
         from taste_speech.streaming.synthesis_graphs import resolve_kind, shared_graphs
 
         graphs = self.synthesis_graphs
@@ -283,7 +285,15 @@ class TasteEngine:
             if batch is not None:
                 batch.warm_up()  # one captured step per batch size
         if hasattr(self.asr, "warm_up"):
-            self.asr.warm_up()  # the built-in ASR's decode step (captured on CUDA)
+            import torch
+
+            from pipecat_taste.asr import WhisperTranscriber
+
+            cuda = torch.device(self.device).type == "cuda"
+            if isinstance(self.asr, WhisperTranscriber):  # the built-in ASR's decode steps (captured on CUDA)
+                self.asr.warm_up(workspaces=calls if cuda else 1)
+            else:
+                self.asr.warm_up()
 
 
 def _check_options(asr, decoding: str, parallel_jobs, batch_slots) -> None:
