@@ -73,8 +73,7 @@ def masked_group_norm(x: torch.Tensor, norm: nn.GroupNorm, mask: torch.Tensor) -
     """
     b, c, t = x.shape
     groups = x.view(b, norm.num_groups, c // norm.num_groups, t)
-    m = mask.view(b, 1, 1, t)
-    m = m if m.dtype == x.dtype else m.to(x.dtype)
+    m = mask.view(b, 1, 1, t).to(x.dtype)
     count = m.sum(dim=(2, 3), keepdim=True) * (c // norm.num_groups)
     mean = (groups * m).sum(dim=(2, 3), keepdim=True) / count
     centered = groups - mean  # (once: every kernel counts at batch 1)
