@@ -32,6 +32,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def median_ms(run, device: torch.device, repeats: int) -> float:
+    """Median wall ms of ``run()`` over ``repeats`` runs, waiting for this thread's GPU work."""
+    seconds = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        seconds.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(seconds)
+
+
 @torch.inference_mode()
 def measure(graphs: SynthesisGraphs, bucket: int, window: tuple, repeats: int) -> dict:
     """One window's step in ``bucket``: operators dispatched (eager steps only; a replayed graph
@@ -43,14 +55,8 @@ def measure(graphs: SynthesisGraphs, bucket: int, window: tuple, repeats: int) -
         with OperatorCount() as count:
             step.run([window], 1)
         ops = count.total
-    seconds = []
-    for _ in range(repeats):
-        _sync(graphs.device)
-        t0 = time.perf_counter()
-        step.run([window], 1)
-        _sync(graphs.device)
-        seconds.append(time.perf_counter() - t0)
-    return {"ops": ops, "ms": 1000 * statistics.median(seconds), "mel": out}
+    ms = median_ms(lambda: step.run([window], 1), graphs.device, repeats)
+    return {"ops": ops, "ms": ms, "mel": out}
 
 
 def first_chunk_steps(vg, graph_mode: str = "eager", repeats: int = 5) -> list[dict]:

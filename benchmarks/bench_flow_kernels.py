@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_chunk_growth import load  # noqa: E402
+from benchmarks.bench_first_chunk_flow import median_ms  # noqa: E402
 from benchmarks.bench_lora_merge import OperatorCount  # noqa: E402
 from taste_speech.step_graph import StepGraph  # noqa: E402
 from taste_speech.voice_generator.estimator import SelfAttention  # noqa: E402
@@ -65,11 +64,6 @@ def three_projections():
         SelfAttention.forward = fused
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 @torch.inference_mode()
 def flow_kernel_figures(vg, graph_mode: str = "auto", repeats: int = 5) -> list[dict]:
     """Per window of ``WINDOWS``: operators and median ms of its ODE, baseline vs now, and the
@@ -96,14 +90,8 @@ def flow_kernel_figures(vg, graph_mode: str = "auto", repeats: int = 5) -> list[
                     ode()
                 step = StepGraph(ode, device, graph_mode, name=f"flow ODE ({name})")
                 mels[name] = step.run().clone()  # warm-up (and capture)
-                seconds = []
-                for _ in range(repeats):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    step.run()
-                    _sync(device)
-                    seconds.append(time.perf_counter() - t0)
-            row[name + "_ops"], row[name + "_ms"] = count.total, 1000 * statistics.median(seconds)
+                ms = median_ms(step.run, device, repeats)
+            row[name + "_ops"], row[name + "_ms"] = count.total, ms
         row["max_mel_diff"] = float((mels["baseline"] - mels["now"])[..., :frames].abs().max())
         rows.append(row)
     return rows
