@@ -406,6 +406,7 @@ def synthesis_rtf(engine, path: DecodePath, policy, seconds: float = 8.0) -> dic
     voice = torch.as_tensor(engine.speaker_embedding()).float().reshape(1, -1)
     for timed in (False, True):  # the first pass captures the buckets it needs
         state = start_speaking(vg, voice, policy, OUT_RATE, torch.Generator().manual_seed(0), kind=path.cache_kind)
+        padded_before = state.graphs.padded_windows["flow"] if state.graphs is not None else 0
         chunks = []
         sync(engine.device)
         t0 = time.perf_counter()
@@ -415,7 +416,8 @@ def synthesis_rtf(engine, path: DecodePath, policy, seconds: float = 8.0) -> dic
         sync(engine.device)
         seconds_taken = time.perf_counter() - t0
     audio_s = sum(c.audio.shape[-1] for c in chunks) / OUT_RATE
-    return {"rtf": seconds_taken / audio_s, "chunks": len(chunks)}
+    padded = state.graphs.padded_windows["flow"] - padded_before if state.graphs is not None else None
+    return {"rtf": seconds_taken / audio_s, "chunks": len(chunks), "padded_flow_windows": padded}
 
 
 @torch.inference_mode()
@@ -480,7 +482,9 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
     out["flow_kernels"] = flow_kernel_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     grown = EmissionPolicy.low_latency()
     out["synthesis"] = {"fixed": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(max_chunk_tokens=0)),
-                        "growing": synthesis_rtf(engine, GRAPHED, grown), "max_chunk_tokens": grown.max_chunk_tokens}
+                        "growing": synthesis_rtf(engine, GRAPHED, grown), "max_chunk_tokens": grown.max_chunk_tokens,
+                        # growing chunks, each window at its context's size (padded steps)
+                        "narrow": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(window_frames=()))}
     return out
 
 
@@ -754,6 +758,13 @@ def lever_lines(lever: dict) -> list[str]:
                  f"fixed 25-token chunks ({fixed['chunks']})", f"{fixed['rtf']:.3f}",
                  f"growing to {syn['max_chunk_tokens']} ({growing['chunks']} chunks)", f"{growing['rtf']:.3f}",
                  f"{growing['rtf'] / fixed['rtf']:.2f}"])
+    if "narrow" in syn:
+        narrow = syn["narrow"]
+        rows.append(["a reply's synthesis, compute s per audio s (low_latency, growing chunks)",
+                     f"windows as their context makes them ({narrow['padded_flow_windows']} of {narrow['chunks']} "
+                     "padded)", f"{narrow['rtf']:.3f}",
+                     f"widened to unpadded sizes ({growing['padded_flow_windows']} of {growing['chunks']} padded)",
+                     f"{growing['rtf']:.3f}", f"{growing['rtf'] / narrow['rtf']:.2f}"])
     return (["Levers on the graphed path, each against its baseline in this run:", ""]
             + table_lines(["figure", "baseline", "ms / RTF", "lever", "ms / RTF", "lever / baseline"], rows) + [""])
 

@@ -300,11 +300,29 @@ def section_concurrency(plan: Plan, args, results: Path) -> tuple[list[str], dic
 
 
 # -- the document -----------------------------------------------------------------------------------------
-def gpu_markdown(args) -> list[str]:
+def gpu_markdown(args, kept: dict[str, list[str]]) -> list[str]:
+    """Section 5: this run's device on CUDA; on a CPU the document's own section 5 when it holds
+    measurements from a GPU machine (written by hand from ``benchmarks/results``), else how to measure."""
     md = ["## 5. GPU", ""]
     if args.device.startswith("cuda"):
         return md + [f"These figures were measured on {torch.cuda.get_device_name(0)} in {args.dtype}."]
+    if "5" in kept and kept["5"][2:] != GPU_HOWTO:
+        return kept["5"]
     return md + GPU_HOWTO
+
+
+def existing_sections(path: Path) -> dict[str, list[str]]:
+    """The sections ("## <number>. title" and their lines) of the document at ``path``, by number."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in (path.read_text().split("\n") if path.exists() else []):
+        if line.startswith("## "):
+            current = line[3:].split(".", 1)[0].strip()
+            sections[current] = []
+        if current is not None:
+            sections[current].append(line)
+    return {number: lines[:len(lines) - next(i for i, x in enumerate(reversed(lines)) if x.strip())]
+            for number, lines in sections.items()}
 
 
 GPU_HOWTO = [
@@ -341,13 +359,30 @@ def write_document(path: Path, command: str, facts: dict, parts: list[list[str]]
            "`tiny` = the embedded tiny checkpoint (`taste_speech.tiny.default_tiny_checkpoint()`); `full` = the "
            "published dimensions (`tests/data/taste_lm_config_full.json`, full-size flow + HiFT) with random "
            "weights, the tiny checkpoint's tokenizers, float32.", ""]
+    # Sections this run did not measure stay as the document has them (the sections written by
+    # hand from other commands' results, 8 onwards, and those of the --sections left out).
+    sections = existing_sections(path)
     for part in parts:
-        md += part + [""]
-    md += bench_batched_steps.benchmarks_section() + [""]  # measured by its own command; kept across regenerations
-    md += gpu_markdown(args)
-    md += [""] + soak.benchmarks_section()  # measured by its own command; kept across regenerations
-    md += [""] + bench_early_reply.benchmarks_section()  # likewise
+        sections[section_number(part)] = part
+    written_elsewhere = (bench_batched_steps.benchmarks_section(), soak.benchmarks_section(),
+                         bench_early_reply.benchmarks_section())  # from their saved results, when there are any
+    for section in written_elsewhere:
+        if section:
+            sections[section_number(section)] = section
+    sections["5"] = gpu_markdown(args, sections)
+    for number in sorted(sections, key=section_order):
+        md += sections[number] + [""]
     path.write_text("\n".join(md).rstrip() + "\n")
+
+
+def section_number(lines: list[str]) -> str:
+    """ "4b" for a section titled "## 4b. ..." """
+    return lines[0][3:].split(".", 1)[0].strip()
+
+
+def section_order(number: str) -> tuple[int, str]:
+    digits = "".join(c for c in number if c.isdigit())
+    return (int(digits) if digits else 10**6, number)
 
 
 def main(argv=None) -> int:

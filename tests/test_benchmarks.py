@@ -129,3 +129,37 @@ def test_early_reply_benchmark_table_and_sections_keep_their_order(tmp_path):
     assert text.index("five") < text.index(soak.SECTION) < text.index("soak figures") < text.index(
         bench_early_reply.SECTION) < text.index("| early |")
     assert text.count(bench_early_reply.SECTION) == 1 and text.count(soak.SECTION) == 1
+
+
+def test_flow_windows_benchmark_measures_both_changes_against_their_baselines():
+    """bench_flow_windows at tiny size: on the grid the streamed mel is closer to offline than off
+    it, and widened windows dispatch fewer operators per second of audio with one padded window."""
+    from benchmarks import bench_flow_windows
+    from benchmarks.bench_chunk_growth import load
+
+    vg = load("tiny")
+    (row,) = bench_flow_windows.grid_rows(vg, seconds=3.0, policies=("low_latency",))
+    assert row["on_grid"]["mel_dist_elsewhere"] < row["off_grid"]["mel_dist_elsewhere"]
+    narrow = bench_flow_windows.reply_figures(vg, 5.0, ())
+    wide = bench_flow_windows.reply_figures(vg, 5.0, None)
+    assert narrow["chunks"] == wide["chunks"] == wide["flow_windows"]
+    assert wide["padded_flow_windows"] == 1 < narrow["padded_flow_windows"]
+    assert wide["ops_per_audio_s"] < 0.8 * narrow["ops_per_audio_s"]
+
+
+def test_regenerating_keeps_the_sections_it_did_not_measure(tmp_path):
+    """run_all rewrites the sections it measures; a GPU section measured elsewhere, the sections
+    other commands wrote (8 onwards) and the sections left out of --sections stay, in order."""
+    out = tmp_path / "BENCH.md"
+    out.write_text("# Benchmarks\n\nold intro\n\n## 1. First audio\n\nold one\n\n## 2. Spoken-LM\n\nold two\n\n"
+                   "## 5. GPU\n\n### H100\n\n| measured | 183.0 |\n\n## 10. Flow windows\n\n| ten | 0.71 |\n")
+    assert run_all.main(["--quick", "--sections", "lm", "--threads", "1", "--out", str(out),
+                         "--results", str(tmp_path / "results")]) == 0
+    text = out.read_text()
+    assert "old two" not in text and "old intro" not in text  # measured again / written again
+    assert "old one" in text and "| measured | 183.0 |" in text and "| ten | 0.71 |" in text
+    titles = [line for line in text.splitlines() if line.startswith("## ")]
+    numbers = [run_all.section_number([title]) for title in titles]
+    assert numbers[:2] == ["1", "2"] and "5" in numbers and numbers[-1] == "10", numbers
+    assert numbers == sorted(numbers, key=run_all.section_order)  # (4b, 6, 7: from their saved results)
+    assert all(text.count(title + "\n") == 1 for title in titles)

@@ -181,6 +181,7 @@ def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a)
     bounds than test_synthesis_graphs.py's)."""
     from taste_speech.streaming.synthesis import speak, start_speaking
     from taste_speech.streaming.synthesis_graphs import SynthesisGraphs
+    from taste_speech.streaming.synthesis_state import EmissionPolicy
     from taste_speech.voice_generator import VoiceGenerator
 
     vg = VoiceGenerator.from_golden_dir(voice_generator_tiny_a).to("cuda")
@@ -188,10 +189,12 @@ def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a)
     tokens = torch.randint(0, vg.flow.vocab_size, (1, 90), generator=g)
     speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
     graphs = SynthesisGraphs(vg, "graph")
+    # the dynamic path with the windows the bucketed path widens to by default
+    widened = EmissionPolicy.low_latency(window_frames=graphs.full_flow_frames)
     out = {}
     for name, kind in (("dynamic", {"kind": "dynamic"}), ("graphed", {"graphs": graphs})):
-        state = start_speaking(vg, speaker, "low_latency", out_sampling_rate=22050,
-                               generator=torch.Generator().manual_seed(0), **kind)
+        state = start_speaking(vg, speaker, widened if name == "dynamic" else "low_latency",
+                               out_sampling_rate=22050, generator=torch.Generator().manual_seed(0), **kind)
         chunks = []
         for i in range(0, 90, 5):
             chunks += speak(vg, state, tokens[:, i:i + 5])
@@ -211,6 +214,7 @@ def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks
     one replay, and each utterance gets its dynamic-path chunks (the bounds of the test above)."""
     from taste_speech.streaming.synthesis import speak, start_speaking
     from taste_speech.streaming.synthesis_graphs import SynthesisGraphs
+    from taste_speech.streaming.synthesis_state import EmissionPolicy
     from taste_speech.voice_generator import VoiceGenerator
 
     vg = VoiceGenerator.from_golden_dir(voice_generator_tiny_a).to("cuda")
@@ -221,7 +225,9 @@ def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks
     graphs.warm_up()
 
     def chunks_of(tokens, speaker, **kind):
-        state = start_speaking(vg, speaker, "low_latency", out_sampling_rate=22050,
+        # the dynamic reference with the windows the bucketed path widens to by default
+        policy = EmissionPolicy.low_latency(window_frames=graphs.full_flow_frames)
+        state = start_speaking(vg, speaker, policy if "kind" in kind else "low_latency", out_sampling_rate=22050,
                                generator=torch.Generator().manual_seed(0), **kind)
         chunks = []
         for i in range(0, tokens.shape[1], 4):

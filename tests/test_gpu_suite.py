@@ -50,6 +50,9 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert [row["frames"] for row in levers["first_chunk_flow"]] == [17, 37]
     assert all(row["max_mel_diff"] < 1e-4 and row["full_ops"] < row["padded_ops"] for row in levers["first_chunk_flow"])
     assert levers["synthesis"]["growing"]["chunks"] < levers["synthesis"]["fixed"]["chunks"]
+    # widened windows: only the second chunk cannot reach back far enough to fill an unpadded size
+    narrow, growing = levers["synthesis"]["narrow"], levers["synthesis"]["growing"]
+    assert narrow["chunks"] == growing["chunks"] and growing["padded_flow_windows"] <= 1 < narrow["padded_flow_windows"]
     assert [(row["frames"], row["padded"]) for row in levers["flow_kernels"]] == [(17, False), (87, True)]
     assert all(row["now_ops"] < row["baseline_ops"] and row["max_mel_diff"] < 1e-5 and row["now_ms"] > 0
                for row in levers["flow_kernels"])

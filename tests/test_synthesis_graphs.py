@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from taste_speech.streaming.synthesis import speak, start_speaking
 from taste_speech.streaming.synthesis_graphs import (
     FIRST_WINDOW_FRAMES,
     FLOW_BUCKETS,
+    FULL_FLOW_WINDOWS,
     SynthesisGraphs,
     _Window,
     shared_graphs,
@@ -63,6 +65,12 @@ def rehearsed(vg) -> SynthesisGraphs:
     return SynthesisGraphs(vg, "rehearse")
 
 
+def widened(policy) -> EmissionPolicy:
+    """The policy with the flow windows widened to the default buckets, as the bucketed path does
+    by default: the dynamic path run this way is the reference of the bucketed one."""
+    return replace(EmissionPolicy.resolve(policy), window_frames=FULL_FLOW_WINDOWS)
+
+
 def stream(vg, tokens, speaker, policy, sizes=(), rate=22050, **kind):
     state = start_speaking(vg, speaker, policy, out_sampling_rate=rate, generator=torch.Generator().manual_seed(0),
                            **kind)
@@ -90,7 +98,7 @@ def assert_same_chunks(reference, chunks, mel_atol, audio_atol):
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_rehearsed_buckets_give_the_dynamic_chunks(vg, utterance, rehearsed, policy):
     tokens, speaker = utterance
-    _, reference = stream(vg, tokens, speaker, POLICIES[policy], UNEVEN, kind="dynamic")
+    _, reference = stream(vg, tokens, speaker, widened(POLICIES[policy]), UNEVEN, kind="dynamic")
     before = rehearsed.padded_frames.copy()
     state, chunks = stream(vg, tokens, speaker, POLICIES[policy], UNEVEN, graphs=rehearsed)
     assert state.graphs is rehearsed
@@ -105,7 +113,7 @@ def test_static_kind_on_cpu_runs_eager_buckets(vg, utterance):
     """kind='static' without graphs: the voice generator's shared buckets, eager on CPU (16 kHz
     output through the resampler, one token at a time)."""
     tokens, speaker = utterance
-    _, reference = stream(vg, tokens, speaker, "low_latency", rate=16000, kind="dynamic")
+    _, reference = stream(vg, tokens, speaker, widened("low_latency"), rate=16000, kind="dynamic")
     state, chunks = stream(vg, tokens, speaker, "low_latency", rate=16000, kind="static")
     assert state.graphs is shared_graphs(vg) and state.graphs.mode == "eager"
     assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
@@ -146,7 +154,7 @@ def test_windows_larger_than_every_bucket_run_the_reference_path(vg):
     tokens = torch.randint(0, vg.flow.vocab_size, (1, 200), generator=g)
     speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
     graphs = SynthesisGraphs(vg, "rehearse")
-    _, reference = stream(vg, tokens, speaker, policy, [50] * 4, kind="dynamic")
+    _, reference = stream(vg, tokens, speaker, widened(policy), [50] * 4, kind="dynamic")
     _, chunks = stream(vg, tokens, speaker, policy, [50] * 4, graphs=graphs)
     assert graphs.counts["flow", None] >= 1 and graphs.counts["vocoder", None] >= 1
     assert graphs.counts["flow", FLOW_BUCKETS[0]] >= 1  # the first chunk still used its bucket
@@ -247,7 +255,7 @@ def test_concurrent_utterances_share_steps_and_each_keeps_its_own_audio(vg):
     g = torch.Generator().manual_seed(11)
     utterances = [(torch.randint(0, vg.flow.vocab_size, (1, 60), generator=g),
                    torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)) for _ in range(3)]
-    references = [stream(vg, tokens, speaker, "low_latency", [4] * 15, kind="dynamic")[1]
+    references = [stream(vg, tokens, speaker, widened("low_latency"), [4] * 15, kind="dynamic")[1]
                   for tokens, speaker in utterances]
     graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=1.0)
     run, first = graphs._run, threading.Event()
@@ -288,7 +296,7 @@ def test_utterances_whose_tokens_are_at_hand_step_together(vg):
     g = torch.Generator().manual_seed(12)
     utterances = [(torch.randint(0, vg.flow.vocab_size, (1, 150), generator=g),
                    torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)) for _ in range(3)]
-    references = [stream(vg, tokens, speaker, "low_latency", [150], kind="dynamic")[1]
+    references = [stream(vg, tokens, speaker, widened("low_latency"), [150], kind="dynamic")[1]
                   for tokens, speaker in utterances]
     graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=1.0)
     start = threading.Barrier(3)
@@ -345,7 +353,7 @@ def test_a_failing_step_fails_its_windows_and_the_next_steps_still_run(vg, utter
     state = start_speaking(vg, speaker, out_sampling_rate=22050, graphs=graphs)
     with pytest.raises(RuntimeError, match="the step failed"):
         speak(vg, state, tokens[:, :20])
-    _, reference = stream(vg, tokens, speaker, "low_latency", UNEVEN, kind="dynamic")
+    _, reference = stream(vg, tokens, speaker, widened("low_latency"), UNEVEN, kind="dynamic")
     _, chunks = stream(vg, tokens, speaker, "low_latency", UNEVEN, graphs=graphs)
     assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
 
@@ -414,21 +422,30 @@ def test_first_window_sizes_fit_their_buckets(vg, utterance, rehearsed):
     assert all(rehearsed.bucket_for("flow", first) == first for first in firsts)
     assert rehearsed.bucket_for("flow", 18) == 24
     assert rehearsed.bucket_for("flow", 83) == 88 and rehearsed.bucket_for("vocoder", 58) == 60
+    assert rehearsed.bucket_for("flow", 87) == 87 and rehearsed.bucket_for("flow", 86) == 88  # own full step
     assert rehearsed.bucket_for("flow", 10_000) is None
 
 
 @pytest.mark.parametrize("policy", ["low_latency", "quality"])
-def test_a_first_chunk_filling_its_bucket_runs_the_unpadded_step(vg, utterance, policy):
-    """The first chunk's flow window fills its bucket: the full step (no masks, the published
-    computation) runs it, and gives the dynamic path's chunk; later windows take padded steps."""
-    tokens, speaker = utterance
+def test_windows_filling_their_bucket_run_the_unpadded_step(vg, policy):
+    """The first chunk's flow window fills its bucket, and later windows are widened to fill
+    theirs: the full step (no masks, the published computation) runs them all, except the second
+    chunk's, which cannot reach back far enough (the utterance starts inside its bucket); growing
+    chunks visit every large bucket. The chunks are the dynamic path's with the same windows."""
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, 300), generator=g)
+    speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
     graphs = SynthesisGraphs(vg, "rehearse")
-    _, reference = stream(vg, tokens, speaker, policy, UNEVEN, kind="dynamic")
+    _, reference = stream(vg, tokens, speaker, widened(policy), UNEVEN, kind="dynamic")
     _, chunks = stream(vg, tokens, speaker, policy, UNEVEN, graphs=graphs)
     assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
-    full_steps = {(size, key) for size, bucket in graphs._flow.items() for key in bucket.steps if key[1]}
-    assert full_steps == {(FIRST_WINDOW_FRAMES[policy == "quality"], (1, True))}, full_steps
-    assert any(not full for bucket in graphs._flow.values() for _, full in bucket.steps)  # and padded ones
+    flow_windows = sum(n for (stage, _), n in graphs.counts.items() if stage == "flow")
+    assert flow_windows == len(chunks) >= 6 and graphs.counts["flow", None] == 0
+    assert graphs.counts["flow", FIRST_WINDOW_FRAMES[policy == "quality"]] == 1
+    assert 1 <= graphs.padded_windows["flow"] <= 2, dict(graphs.padded_windows)  # the second chunk (quality: third too)
+    full = {size for size, bucket in graphs._flow.items() for _, is_full in bucket.steps if is_full}
+    first = FIRST_WINDOW_FRAMES[policy == "quality"]
+    assert first in full and len(full - {first}) >= 2 and full <= set(FULL_FLOW_WINDOWS), full
 
 
 def test_only_the_chosen_buckets_take_full_steps(vg):

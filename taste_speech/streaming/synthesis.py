@@ -13,7 +13,10 @@ flow step (tokens -> final mel frames [mel_done, E))
     left-context frames is given as the CFM's prompt (``cond``; upstream's prompt mechanism), so
     the new frames continue it. The first frames are cross-faded with the provisional frames
     the previous window computed for them; the last ``mel_crossfade_frames`` (or the lookahead
-    frames) stay provisional.
+    frames) stay provisional. A window starts on an even frame of the utterance (the flow's
+    U-Net runs most layers at half the frame rate, on the frames offline synthesis uses) and,
+    on the bucketed path, reaches further back to a size with an unpadded step of its own
+    (``EmissionPolicy.window_frames``; see ``_window_start``).
 vocoder step (final mel -> final samples [256 voc_done, 256 E_h))
     HiFT runs on ``vocoder_context_frames`` frames of final mel before the new ones. The harmonic
     source of the context is the cached source already used for emitted audio, and the new source
@@ -61,6 +64,10 @@ from taste_speech.streaming.synthesis_state import (
     frames_for_tokens,
 )
 from taste_speech.voice_generator import SourceDraws, VoiceGenerator
+
+# The flow's U-Net runs most of its layers at half the frame rate (one stride-2 level): offline
+# synthesis computes them on the frames 0, 2, 4 ... of the utterance.
+FLOW_GRID = 2
 
 
 @dataclass
@@ -148,8 +155,16 @@ def start_speaking(
         phase_u01=phase_u01,
         resampler=resampler,
         graphs=graphs,
+        window_frames=_window_frames(policy, graphs),
         tokens=torch.zeros(1, 0, dtype=torch.long, device=device),
     )
+
+
+def _window_frames(policy: EmissionPolicy, graphs: Optional[SynthesisGraphs]) -> tuple[int, ...]:
+    """The sizes flow windows are widened to: the policy's, or by default the bucketed path's unpadded sizes."""
+    if policy.window_frames is not None:
+        return policy.window_frames
+    return graphs.full_flow_frames if graphs is not None else ()
 
 
 @torch.inference_mode()
@@ -233,7 +248,9 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
 
     # the window: left context, the chunk, the lookahead
     first_token = max(state.token_offset, state.token_of(state.mel_done) - policy.context_tokens)
-    first_frame = state.frames(first_token)
+    first_frame = _window_start(state, state.frames(first_token), frames_right)
+    if first_frame < state.frames(first_token):  # reached further back: encode from its first frame's token
+        first_token = state.token_of(first_frame)
     h = flow.encode_tokens(state.window_tokens(first_token, right))  # (1, n, 80)
     # nearest-neighbour stretch on the utterance's grid (441/256 frames per token)
     rows = torch.tensor([state.token_of(f) - first_token for f in range(first_frame, frames_right)], device=h.device)
@@ -258,11 +275,38 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
             new[:, :, :k] = (1 - w) * state.mel_tail[:, :, :k] + w * new[:, :, :k]
     tail_start = end - first_frame
     state.mel_tail = None if last else mel_window[:, :, tail_start:tail_start + policy.mel_crossfade_frames]
-    keep = frames_for_tokens(policy.context_tokens) + 4
+    keep = max(frames_for_tokens(policy.context_tokens) + 5, max(state.window_frames, default=0))
     history = new if state.mel_history is None else torch.cat([state.mel_history, new], dim=-1)
     state.mel_history = history[:, :, -keep:]
     state.mel_done = end
     return new
+
+
+def _window_start(state: SynthesisState, narrow_start: int, frames_right: int) -> int:
+    """The first frame of a flow window ending at ``frames_right`` that must reach back to ``narrow_start``.
+
+    Two rules, both about matching the offline computation more closely:
+    - grid: the flow's U-Net halves its frame rate once (a stride-2 level), so offline synthesis
+      computes every frame on a 2-frame grid that starts at the utterance's frame 0. A window that
+      starts on an odd frame puts its half-rate frames between the offline ones (on random
+      weights its frames land several times further from offline): windows start on even frames;
+    - widening: with ``state.window_frames``, the window takes more left context until it has
+      exactly the smallest of those sizes that starts on the grid (a bucket it fills runs the
+      unpadded step), as far back as the kept tokens reach.
+    """
+    on_grid = lambda frame: (frame + frames_for_tokens(state.tokens_before)) % FLOW_GRID == 0  # noqa: E731
+    earliest = state.frames(state.token_offset)
+    if state.token_of(earliest) < state.token_offset:  # that frame still copies the token before
+        earliest += 1
+    for size in state.window_frames:
+        start = frames_right - size
+        if size >= frames_right - narrow_start and start >= earliest and on_grid(start):
+            return start
+    if on_grid(narrow_start):
+        return narrow_start
+    if narrow_start - 1 >= earliest:
+        return narrow_start - 1
+    return narrow_start + 1 if narrow_start < state.mel_done else narrow_start
 
 
 def _vocoder_step(vg: VoiceGenerator, state: SynthesisState, new_mel: torch.Tensor,
@@ -336,7 +380,10 @@ def _resample(state: SynthesisState, wav: torch.Tensor, last: bool) -> torch.Ten
 def _release_old_context(state: SynthesisState) -> None:
     """Drop tokens, noise and mel no later step can use (bounded memory on long utterances)."""
     policy = state.policy
-    keep_from = max(0, state.token_of(state.mel_done) - policy.context_tokens - 1)
+    # the next window starts at most context_tokens, or the widest window, before mel_done
+    reach_back = max(state.window_frames, default=0)
+    keep_from = max(0, min(state.token_of(state.mel_done) - policy.context_tokens,
+                           state.token_of(max(0, state.mel_done - reach_back))) - 1)
     if keep_from > state.token_offset:
         state.tokens = state.tokens[:, keep_from - state.token_offset:]
         state.token_offset = keep_from

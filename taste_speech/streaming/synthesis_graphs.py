@@ -19,6 +19,13 @@ true end, iSTFT normalised over the valid frames) - see ``voice_generator/estima
 ``hift.py``. The valid frames equal the unpadded computation up to float rounding. A window larger
 than every bucket runs the unpadded eager path (the reference).
 
+Padding costs kernels, though: the masked statistics make a padded ODE step about 1.6x the
+kernels of an unpadded one (``benchmarks/bench_flow_kernels.py``). So by default a window on this
+path is first *widened* leftwards, with more of the already final speech as context, to one of
+the sizes with an unpadded ("full") step of its own (``FULL_FLOW_WINDOWS``,
+``EmissionPolicy.window_frames``): every window then runs a full step, except where the utterance
+does not reach back far enough (its second chunk).
+
 What is captured per bucket:
     flow:    the whole ODE (all Euler steps, both CFG halves as one batch-2 estimator call each);
              the token encoder and length regulator stay eager (they vary with the token count).
@@ -66,9 +73,14 @@ from taste_speech.step_graph import StepGraph, resolve_mode
 # Window sizes in mel frames (ascending). See the module docstring for the measured windows.
 # 17 and 37 are the first chunks' flow windows of 'low_latency' (10 tokens) and 'quality' (12 +
 # 10 lookahead tokens): they fill their bucket, so the first chunk - the one the caller waits
-# for - runs the unpadded ODE (no masked statistics: a third fewer kernels).
+# for - runs the unpadded ODE (no masked statistics: a third fewer kernels). Later windows are
+# widened to fill theirs (``EmissionPolicy.window_frames``).
 FIRST_WINDOW_FRAMES = (17, 37)
 FLOW_BUCKETS = (17, 24, 37, 48, 88, 144, 256)
+# Window sizes with an unpadded ("full") step of their own: the first chunks', and pairs of adjacent
+# sizes for the widened windows - a window starts on the flow's 2-frame grid, so whether it can
+# fill a size depends on the parity of its end (``synthesis._window_start``).
+FULL_FLOW_WINDOWS = (17, 37, 87, 88, 143, 144, 255, 256)
 VOCODER_BUCKETS = (16, 24, 60, 92, 128, 256)
 # The least a vocoder step waits for the windows of its flow step's utterances: on CUDA a step's
 # host time is its launches only (the GPU still works through it), the eager work between the
@@ -205,7 +217,7 @@ class _Window:
 class SynthesisGraphs:
     def __init__(self, vg, graph_mode: str = "auto", flow_buckets: Iterable[int] = FLOW_BUCKETS,
                  vocoder_buckets: Iterable[int] = VOCODER_BUCKETS, rows: int = 1, gather: float = 0.5,
-                 full_flow_frames: Iterable[int] = FIRST_WINDOW_FRAMES):
+                 full_flow_frames: Optional[Iterable[int]] = None):
         """Bucketed steps for ``vg`` on its current device. ``graph_mode`` (see ``step_graph``):
         'auto' captures CUDA graphs on CUDA and runs the padded steps eagerly elsewhere; 'eager' and
         'rehearse' (the capture protocol without a graph) work on any device. ``rows``: the most
@@ -213,7 +225,10 @@ class SynthesisGraphs:
         the windows of the last flow step's other utterances, as a fraction of that step's time
         (at least ``MIN_GATHER_S``; 0: no waiting), and a flow step for the next windows of the
         last vocoder step's utterances that have more to say. ``full_flow_frames``: the flow
-        buckets whose filling windows run the unpadded step (default: the first chunks')."""
+        window sizes that run an unpadded step of their own (default: ``FULL_FLOW_WINDOWS`` up to
+        the largest flow bucket); on the bucketed path later windows are widened to one of them.
+        A window of another size runs the padded step of the smallest ``flow_buckets`` size that
+        holds it."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
         if not 0 <= gather <= 1:
@@ -224,12 +239,17 @@ class SynthesisGraphs:
         self.rows = rows
         self.row_counts = step_sizes(rows)  # a step runs the first n rows of a bucket, n one of these
         self.flow_buckets = tuple(sorted(int(b) for b in flow_buckets))
-        self.full_flow_frames = frozenset(int(f) for f in full_flow_frames) & set(self.flow_buckets)
         self.vocoder_buckets = tuple(sorted(int(b) for b in vocoder_buckets))
         if not self.flow_buckets or not self.vocoder_buckets or min(self.flow_buckets + self.vocoder_buckets) < 1:
             raise ValueError("bucket sizes must be positive frame counts, at least one per stage")
+        if full_flow_frames is None:
+            full_flow_frames = [f for f in FULL_FLOW_WINDOWS if f <= self.flow_buckets[-1]]
+        self.full_flow_frames = tuple(sorted({int(f) for f in full_flow_frames}))
+        if self.full_flow_frames and self.full_flow_frames[0] < 1:
+            raise ValueError("full_flow_frames must be positive frame counts")
         self.counts: Counter = Counter()  # windows per ('flow' | 'vocoder', bucket frames or None = eager fallback)
         self.padded_frames: Counter = Counter()  # padding frames computed per stage (how much padding occurred)
+        self.padded_windows: Counter = Counter()  # windows per stage that did not fill their bucket
         self.batches: Counter = Counter()  # steps per ('flow' | 'vocoder', windows in the step)
         self._queue: list[_Window] = []
         self._lock = threading.Condition()
@@ -251,7 +271,11 @@ class SynthesisGraphs:
         return self._mode
 
     def bucket_for(self, stage: str, frames: int) -> Optional[int]:
-        """The bucket a ``frames``-frame window of ``stage`` ('flow' or 'vocoder') is padded to (None: eager)."""
+        """The bucket a ``frames``-frame window of ``stage`` ('flow' or 'vocoder') runs in (None:
+        eager): a flow window of a ``full_flow_frames`` size its own (unpadded), otherwise the
+        smallest bucket that holds it (padded)."""
+        if stage == "flow" and frames in self.full_flow_frames:
+            return frames
         sizes = self.flow_buckets if stage == "flow" else self.vocoder_buckets
         return next((b for b in sizes if b >= frames), None)
 
@@ -294,7 +318,7 @@ class SynthesisGraphs:
         """Capture the steps of the buckets holding these window sizes now (default: every bucket),
         each row count, so that no live step pays for a capture: the padded step of each, and the
         full step of the flow buckets that take one (``full_flow_frames``). Not counted in ``counts``."""
-        flow_frames = self.flow_buckets if flow_frames is None else flow_frames
+        flow_frames = self.flow_buckets + self.full_flow_frames if flow_frames is None else flow_frames
         vocoder_frames = self.vocoder_buckets if vocoder_frames is None else vocoder_frames
         with self._exclusive():
             zeros = lambda *shape: torch.zeros(*shape, device=self._device, dtype=self._dtype)  # noqa: E731
@@ -309,7 +333,7 @@ class SynthesisGraphs:
             for n in reversed(self.row_counts):
                 for size in sorted({self.bucket_for("flow", f) for f in flow_frames} - {None}, reverse=True):
                     bucket = self._flow_bucket(size)
-                    if size > 1:  # a window one frame short: the padded step
+                    if size > 1 and size in self.flow_buckets:  # a window one frame short: the padded step
                         bucket.run([flow_window(size - 1)] * n, n)
                     if bucket.full_steps or size == 1:
                         bucket.run([flow_window(size)] * n, n)
@@ -401,7 +425,9 @@ class SynthesisGraphs:
         for w in batch:
             self.counts[w.stage, w.bucket] += 1
             frames = w.inputs[0].shape[-1]
-            self.padded_frames[w.stage] += 0 if w.bucket is None else w.bucket - frames
+            padding = 0 if w.bucket is None else w.bucket - frames
+            self.padded_frames[w.stage] += padding
+            self.padded_windows[w.stage] += padding > 0
         return batch
 
     def _run(self, batch: list[_Window]) -> None:

@@ -69,6 +69,15 @@ class EmissionPolicy:
         with trained weights.
     carry_source_phase: continue each harmonic's phase across chunks (False restarts it per chunk, as
         calling HiFT chunk by chunk does: only useful to measure what the carry prevents).
+    window_frames: flow window sizes (mel frames) a window is widened to, leftwards, with more of the
+        already final speech as context: the smallest size that holds it, as far as the utterance
+        reaches back. A window of such a size runs the bucketed path's unpadded step (no
+        masked statistics: ``benchmarks/bench_flow_kernels.py``). Only sizes whose window starts
+        on the flow's 2-frame grid count (``synthesis._window_start``). None (default): the
+        bucketed path's unpadded sizes (``synthesis_graphs.FULL_FLOW_WINDOWS``; on a GPU the
+        padding frames were computed anyway), no widening on the dynamic path (on a CPU every
+        frame costs time); () never widens. Chunk boundaries, and so the audio's timing, do not
+        change.
     """
 
     name: str = "custom"
@@ -85,8 +94,15 @@ class EmissionPolicy:
     fade_out_ms: float = 20.0
     prompt_with_emitted_mel: bool = False
     carry_source_phase: bool = True
+    window_frames: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
+        if self.window_frames is not None:
+            sizes = tuple(self.window_frames) if isinstance(self.window_frames, (tuple, list)) else None
+            if sizes is None or not all(isinstance(f, int) and not isinstance(f, bool) and f >= 1 for f in sizes):
+                raise ValueError(f"EmissionPolicy.window_frames must be None or a sequence of mel frame counts >= 1, "
+                                 f"got {self.window_frames!r}")
+            object.__setattr__(self, "window_frames", tuple(sorted(set(sizes))))
         positive = ("first_chunk_tokens", "chunk_tokens")
         for name in positive:
             if getattr(self, name) < 1:
@@ -210,6 +226,7 @@ class SynthesisState:
     phase_u01: torch.Tensor  # (1, harmonics, 1) the source's initial-phase draw, fixed per utterance
     resampler: Optional[object] = None  # soxr.ResampleStream when out_sampling_rate != 22050
     graphs: Optional[object] = None  # SynthesisGraphs for the bucketed path (shared, not per utterance); None: dynamic
+    window_frames: tuple[int, ...] = ()  # sizes flow windows are widened to (the policy's, resolved for the path)
     time_stages: bool = False  # wait for the GPU after the flow so SpeechChunk.flow_s is exact (benchmarks)
 
     # tokens: all tokens fed so far number n_tokens; only tokens[token_offset:] are kept
