@@ -12,7 +12,8 @@ measured against its baseline in the same run:
   unpadded step of its own (``FULL_FLOW_WINDOWS``); a padded step costs about 1.6x the kernels.
   Baseline: ``window_frames=()`` (each window padded into its bucket). Figures: operators
   dispatched per second of audio by a reply's synthesis on the bucketed path (eager steps on a
-  CPU: the operators a captured step replays as kernels on a GPU), padded windows, CPU seconds.
+  CPU: the operators a captured step replays as kernels on a GPU), padded windows, CPU seconds;
+  and the CPU seconds of the same reply on the dynamic path (where a wider window costs time).
 
 Random weights: the seam figures describe the architecture's context dependence, not a voice.
 
@@ -37,7 +38,7 @@ from benchmarks.bench_chunk_growth import load  # noqa: E402
 from benchmarks.bench_lora_merge import OperatorCount  # noqa: E402
 from taste_speech.streaming.seams import measure_seams  # noqa: E402
 from taste_speech.streaming.synthesis import speak, start_speaking  # noqa: E402
-from taste_speech.streaming.synthesis_graphs import SynthesisGraphs  # noqa: E402
+from taste_speech.streaming.synthesis_graphs import FULL_FLOW_WINDOWS, SynthesisGraphs  # noqa: E402
 from taste_speech.streaming.synthesis_state import SOURCE_RATE, EmissionPolicy  # noqa: E402
 
 SEAM_FIGURES = ("mel_dist_junction", "mel_dist_elsewhere", "wave_err_junction", "wave_err_elsewhere")
@@ -75,12 +76,16 @@ def grid_rows(vg, seconds: float, policies=("low_latency", "quality")) -> list[d
 
 
 @torch.inference_mode()
-def reply_figures(vg, seconds: float, window_frames) -> dict:
-    """A reply's synthesis on the bucketed path (eager steps), ``low_latency`` with growing chunks."""
+def reply_figures(vg, seconds: float, window_frames, bucketed: bool = True) -> dict:
+    """A reply's synthesis, ``low_latency`` with growing chunks, on the bucketed path (eager
+    steps) or the dynamic one (every window at its own size)."""
     tokens, speaker = utterance(vg, seconds)
-    graphs = SynthesisGraphs(vg, "eager")
+    graphs = SynthesisGraphs(vg, "eager") if bucketed else None
     policy = EmissionPolicy.low_latency(window_frames=window_frames)
-    state = start_speaking(vg, speaker, policy, 16000, torch.Generator().manual_seed(0), graphs=graphs)
+    state = start_speaking(vg, speaker, policy, 16000, torch.Generator().manual_seed(0), graphs=graphs,
+                           kind="static" if bucketed else "dynamic")
+    if not bucketed:  # every window at its own size: count none as padded
+        graphs = SynthesisGraphs(vg, "eager")
     chunks = []
     t0 = time.perf_counter()
     with OperatorCount() as count:
@@ -119,6 +124,13 @@ def main(argv=None) -> int:
     print(f"| padded flow windows | {narrow['padded_flow_windows']} of {narrow['flow_windows']} | "
           f"{wide['padded_flow_windows']} of {wide['flow_windows']} | |")
     print(f"| flow buckets used | {narrow['buckets']} | {wide['buckets']} | |")
+    print("\nthe dynamic path (a CPU's default: every window at its own size), the same reply:")
+    print("| figure | windows as their context makes them (the dynamic default) | widened | widened / default |")
+    print("| --- | --- | --- | --- |")
+    narrow = reply_figures(vg, args.seconds, (), bucketed=False)
+    wide = reply_figures(vg, args.seconds, FULL_FLOW_WINDOWS, bucketed=False)
+    for figure in ("ops_per_audio_s", "cpu_s_per_audio_s"):
+        print(f"| {figure} | {narrow[figure]:.4g} | {wide[figure]:.4g} | {wide[figure] / narrow[figure]:.2f} |")
     return 0
 
 

@@ -153,7 +153,8 @@ def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):
         out = taste_detokenize(engine.model, engine.processor, session.voice, prev_text, prev_taste, prev_speech,
                                played_ms, seg.segment.text_ids, seg.segment.taste_ids, 16000,
                                voice_generator=engine.voice_generator, state=lib_state,
-                               final=i == len(segments) - 1, sampler=sampler, generator=synth_gen)
+                               final=i == len(segments) - 1, sampler=sampler, generator=synth_gen,
+                               policy=engine.speech_policy)
         theirs.append(out["audio_waveform"].reshape(-1).numpy())
         lib_state, prev_speech = out["state"], out["speech_ids"]
         prev_text, prev_taste = seg.segment.text_ids, seg.segment.taste_ids

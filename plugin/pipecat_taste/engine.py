@@ -189,6 +189,7 @@ class TasteEngine:
         self.device = device
         self.decoding, self.cache_kind = decoding, DECODING[decoding]
         self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind)
+        self.speech_policy = _speech_policy(self.synthesis_graphs)
         self.tower_encoder = _tower_encoder(model, decoding)  # the audio tower's encoder as a CUDA graph, or None
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
         self.start_needs = StartNeeds()  # how late recent replies' second chunks came (the playout's start hold)
@@ -369,6 +370,18 @@ def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
             return None
         slots = CUDA_SYNTHESIS_ROWS
     return SynthesisGraphs(voice_generator, rows=slots)
+
+
+def _speech_policy(graphs):
+    """'low_latency' with the flow windows of the bucketed path on every decoding path (widened to
+    the sizes with an unpadded step), so that an engine speaks the same audio whichever path it
+    takes: the eager engine reproduces the graphed one (on a CPU the wider windows cost a few
+    per cent of the synthesis, BENCHMARKS.md section 10)."""
+    from taste_speech.streaming.synthesis_graphs import FULL_FLOW_WINDOWS
+    from taste_speech.streaming.synthesis_state import EmissionPolicy
+
+    sizes = graphs.full_flow_frames if graphs is not None else FULL_FLOW_WINDOWS
+    return EmissionPolicy.low_latency(window_frames=sizes)
 
 
 class TasteSession:
@@ -568,8 +581,8 @@ class TasteSession:
 
         state = SpeechState(out_sample_rate=out_sample_rate)
         state.sampler = TopKSampler(generator=self._speech_generator)
-        state.synthesis = start_speaking(self.engine.voice_generator, self.voice, "low_latency", out_sample_rate,
-                                         self._synthesis_generator, kind=self.engine.cache_kind,
+        state.synthesis = start_speaking(self.engine.voice_generator, self.voice, self.engine.speech_policy,
+                                         out_sample_rate, self._synthesis_generator, kind=self.engine.cache_kind,
                                          graphs=self.engine.synthesis_graphs)
         return state
 
