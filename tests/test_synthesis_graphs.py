@@ -461,3 +461,26 @@ def test_only_the_chosen_buckets_take_full_steps(vg):
                         torch.randn(1, c, frames))
     assert warmed == {17: [(1, False), (1, True)], 24: [(1, False)]}
     assert {size: sorted(bucket.steps) for size, bucket in graphs._flow.items()} == warmed  # no new step
+
+
+@pytest.mark.parametrize("policy", ["low_latency", "quality"])
+def test_after_warm_up_no_reply_needs_a_new_step(vg, policy):
+    """warm_up() prepares every step a reply's windows take - the padded buckets and every
+    unpadded size the windows are widened to - so that on a GPU no capture stalls a reply."""
+    g = torch.Generator().manual_seed(9)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, 400), generator=g)
+    speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
+    graphs = SynthesisGraphs(vg, "rehearse")
+    with torch.inference_mode():
+        graphs.warm_up()
+    steps = {(stage, size): sorted(bucket.steps) for stage, buckets in (("flow", graphs._flow),
+                                                                        ("vocoder", graphs._vocoder))
+             for size, bucket in buckets.items()}
+    assert {size for (stage, size) in steps if stage == "flow"} == set(FLOW_BUCKETS) | set(FULL_FLOW_WINDOWS)
+    for sizes in ([5] * 80, UNEVEN, [400]):
+        stream(vg, tokens, speaker, policy, sizes, graphs=graphs)
+    after = {(stage, size): sorted(bucket.steps) for stage, buckets in (("flow", graphs._flow),
+                                                                        ("vocoder", graphs._vocoder))
+             for size, bucket in buckets.items()}
+    assert after == steps
+    assert sum(n for (stage, size), n in graphs.counts.items() if stage == "flow" and size in FULL_FLOW_WINDOWS) > 6
