@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -305,26 +306,38 @@ def gpu_markdown(args, kept: dict[str, list[str]]) -> list[str]:
     measurements from a GPU machine (written by hand from ``benchmarks/results``), else how to measure."""
     md = ["## 5. GPU", ""]
     if args.device.startswith("cuda"):
-        return md + [f"These figures were measured on {torch.cuda.get_device_name(0)} in {args.dtype}."]
-    if "5" in kept and kept["5"][2:] != GPU_HOWTO:
+        return md + [GPU_MEASURED_HERE.format(device=torch.cuda.get_device_name(0), dtype=args.dtype)]
+    body = next((line for line in kept.get("5", [])[1:] if line.strip()), "")
+    written_by_this_runner = body.startswith((GPU_HOWTO[0][:30], GPU_MEASURED_HERE[:30]))
+    if body and not written_by_this_runner:
         return kept["5"]
     return md + GPU_HOWTO
 
 
+SECTION_TITLE = re.compile(r"^## (\d+[a-z]?)\. ")
+
+
 def existing_sections(path: Path) -> dict[str, list[str]]:
-    """The sections ("## <number>. title" and their lines) of the document at ``path``, by number."""
+    """The sections ("## <number>. title" and their lines, up to the next such title outside a
+    code block) of the document at ``path``, by number; a number seen twice keeps both bodies."""
     sections: dict[str, list[str]] = {}
-    current = None
+    current, in_code = None, False
     for line in (path.read_text().split("\n") if path.exists() else []):
-        if line.startswith("## "):
-            current = line[3:].split(".", 1)[0].strip()
+        if line.startswith("```"):
+            in_code = not in_code
+        title = None if in_code else SECTION_TITLE.match(line)
+        if title:
+            current = title.group(1)
+            if current in sections:  # a repeated number: keep its body with the first one's
+                sections[current].append("")
+                continue
             sections[current] = []
         if current is not None:
             sections[current].append(line)
-    return {number: lines[:len(lines) - next(i for i, x in enumerate(reversed(lines)) if x.strip())]
-            for number, lines in sections.items()}
+    return {number: "\n".join(lines).rstrip().split("\n") for number, lines in sections.items()}
 
 
+GPU_MEASURED_HERE = "These figures were measured on {device} in {dtype}."
 GPU_HOWTO = [
     "No GPU was available for these figures (CPU only); none are given for a GPU. On a CUDA machine "
     "`bash benchmarks/run_gpu.sh` runs the CUDA-graph parity tests (`tests/test_gpu_graphs.py`), the real-time "
@@ -362,6 +375,11 @@ def write_document(path: Path, command: str, facts: dict, parts: list[list[str]]
     # Sections this run did not measure stay as the document has them (the sections written by
     # hand from other commands' results, 8 onwards, and those of the --sections left out).
     sections = existing_sections(path)
+    measured = {section_number(part) for part in parts}
+    kept = [number for number in ("1", "2", "3", "4") if number in sections and number not in measured]
+    if kept:
+        md += [f"Sections {', '.join(kept)} were not measured by this run: they are kept as the previous document "
+               "had them (measured by an earlier run, on its machine).", ""]
     for part in parts:
         sections[section_number(part)] = part
     written_elsewhere = (bench_batched_steps.benchmarks_section(), soak.benchmarks_section(),
@@ -377,7 +395,7 @@ def write_document(path: Path, command: str, facts: dict, parts: list[list[str]]
 
 def section_number(lines: list[str]) -> str:
     """ "4b" for a section titled "## 4b. ..." """
-    return lines[0][3:].split(".", 1)[0].strip()
+    return SECTION_TITLE.match(lines[0]).group(1)
 
 
 def section_order(number: str) -> tuple[int, str]:

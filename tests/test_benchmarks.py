@@ -152,14 +152,30 @@ def test_regenerating_keeps_the_sections_it_did_not_measure(tmp_path):
     other commands wrote (8 onwards) and the sections left out of --sections stay, in order."""
     out = tmp_path / "BENCH.md"
     out.write_text("# Benchmarks\n\nold intro\n\n## 1. First audio\n\nold one\n\n## 2. Spoken-LM\n\nold two\n\n"
-                   "## 5. GPU\n\n### H100\n\n| measured | 183.0 |\n\n## 10. Flow windows\n\n| ten | 0.71 |\n")
+                   "## 5. GPU\n\n### H100\n\n| measured | 183.0 |\n\n## 10. Flow windows\n\n| ten | 0.71 |\n\n"
+                   "```\n## not a title\n```\n\nafter the code\n")
     assert run_all.main(["--quick", "--sections", "lm", "--threads", "1", "--out", str(out),
                          "--results", str(tmp_path / "results")]) == 0
     text = out.read_text()
     assert "old two" not in text and "old intro" not in text  # measured again / written again
     assert "old one" in text and "| measured | 183.0 |" in text and "| ten | 0.71 |" in text
-    titles = [line for line in text.splitlines() if line.startswith("## ")]
+    assert "Sections 1 were not measured by this run" in text or "Sections 1, " in text
+    assert text.rstrip().endswith("```\n## not a title\n```\n\nafter the code")  # a code block is not a title
+    titles = [line for line in text.splitlines() if run_all.SECTION_TITLE.match(line)]
     numbers = [run_all.section_number([title]) for title in titles]
     assert numbers[:2] == ["1", "2"] and "5" in numbers and numbers[-1] == "10", numbers
     assert numbers == sorted(numbers, key=run_all.section_order)  # (4b, 6, 7: from their saved results)
     assert all(text.count(title + "\n") == 1 for title in titles)
+
+
+def test_a_cpu_run_replaces_a_gpu_line_written_by_a_cuda_run_but_keeps_hand_written_gpu_tables(tmp_path):
+    from types import SimpleNamespace
+
+    cpu = SimpleNamespace(device="cpu", dtype="float32")
+    line = run_all.GPU_MEASURED_HERE.format(device="NVIDIA H100 80GB HBM3", dtype="bfloat16")
+    generated = {"5": ["## 5. GPU", "", line]}
+    assert run_all.gpu_markdown(cpu, generated) == ["## 5. GPU", ""] + run_all.GPU_HOWTO
+    howto = {"5": ["## 5. GPU", ""] + run_all.GPU_HOWTO}
+    assert run_all.gpu_markdown(cpu, howto) == howto["5"]
+    measured = {"5": ["## 5. GPU", "", "Measured on the lent GPU machines ...", "", "| 183.0 |"]}
+    assert run_all.gpu_markdown(cpu, measured) == measured["5"]

@@ -422,7 +422,7 @@ def test_first_window_sizes_fit_their_buckets(vg, utterance, rehearsed):
     assert all(rehearsed.bucket_for("flow", first) == first for first in firsts)
     assert rehearsed.bucket_for("flow", 18) == 24
     assert rehearsed.bucket_for("flow", 83) == 88 and rehearsed.bucket_for("vocoder", 58) == 60
-    assert rehearsed.bucket_for("flow", 87) == 87 and rehearsed.bucket_for("flow", 86) == 88  # own full step
+    assert rehearsed.bucket_for("flow", 87) == 88  # (alone, an 87-frame window runs its own unpadded step)
     assert rehearsed.bucket_for("flow", 10_000) is None
 
 
@@ -442,7 +442,8 @@ def test_windows_filling_their_bucket_run_the_unpadded_step(vg, policy):
     flow_windows = sum(n for (stage, _), n in graphs.counts.items() if stage == "flow")
     assert flow_windows == len(chunks) >= 6 and graphs.counts["flow", None] == 0
     assert graphs.counts["flow", FIRST_WINDOW_FRAMES[policy == "quality"]] == 1
-    assert 1 <= graphs.padded_windows["flow"] <= 2, dict(graphs.padded_windows)  # the second chunk (quality: third too)
+    # the second chunk, and with 'quality' (longer windows) the fourth: they cannot reach back far enough
+    assert 1 <= graphs.padded_windows["flow"] <= 2, dict(graphs.padded_windows)
     full = {size for size, bucket in graphs._flow.items() for _, is_full in bucket.steps if is_full}
     first = FIRST_WINDOW_FRAMES[policy == "quality"]
     assert first in full and len(full - {first}) >= 2 and full <= set(FULL_FLOW_WINDOWS), full
@@ -484,3 +485,29 @@ def test_after_warm_up_no_reply_needs_a_new_step(vg, policy):
              for size, bucket in buckets.items()}
     assert after == steps
     assert sum(n for (stage, size), n in graphs.counts.items() if stage == "flow" and size in FULL_FLOW_WINDOWS) > 6
+
+
+@pytest.mark.parametrize("sizes, step", [((87, 88), (88, False)), ((87, 87), (87, True)), ((88, 88), (88, True))])
+def test_windows_of_one_bucket_share_one_step_whatever_their_parity(vg, sizes, step):
+    """Widened windows of one bucket (87 and 88 frames: their end's parity decides) run as one
+    step - the bucket's padded one when their sizes differ, their size's unpadded one when they
+    all have it - never a step per size; each window gets what it gets alone."""
+    graphs = SynthesisGraphs(vg, "rehearse", rows=2)
+    g, c = torch.Generator().manual_seed(4), vg.flow.output_size
+    windows = [_Window("flow", graphs.bucket_for("flow", n),
+                       (torch.randn(1, c, n, generator=g), torch.randn(1, c, generator=g),
+                        torch.zeros(1, c, n), torch.randn(1, c, n, generator=g))) for n in sizes]
+    with torch.inference_mode():
+        alone = [graphs.flow(*w.inputs) for w in windows]
+        steps_before = {size: set(bucket.steps) for size, bucket in graphs._flow.items()}
+        with graphs._lock:
+            graphs._queue.extend(windows)
+            batch = graphs._next_batch()
+        assert batch == windows and {w.bucket for w in batch} == {step[0]}
+        graphs._run(batch)
+    for w, reference in zip(windows, alone):
+        torch.testing.assert_close(w.output, reference, atol=MEL_ATOL, rtol=0)
+    new_steps = {(size, key) for size, bucket in graphs._flow.items() for key in bucket.steps} - \
+        {(size, key) for size, keys in steps_before.items() for key in keys}
+    assert new_steps == {(step[0], (2, step[1]))}, new_steps
+    assert graphs.padded_windows["flow"] == (0 if step[1] else 2)  # (alone, each ran its unpadded step)

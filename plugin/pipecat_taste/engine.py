@@ -375,8 +375,8 @@ def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
 def _speech_policy(graphs):
     """'low_latency' with the flow windows of the bucketed path on every decoding path (widened to
     the sizes with an unpadded step), so that an engine speaks the same audio whichever path it
-    takes: the eager engine reproduces the graphed one (on a CPU the wider windows cost a few
-    per cent of the synthesis, BENCHMARKS.md section 10)."""
+    takes: the eager engine reproduces the graphed one (on a CPU the wider windows cost up to 1.1x
+    the synthesis time, BENCHMARKS.md section 10; the tiny main job's first audio did not move)."""
     from taste_speech.streaming.synthesis_graphs import FULL_FLOW_WINDOWS
     from taste_speech.streaming.synthesis_state import EmissionPolicy
 

@@ -24,7 +24,9 @@ kernels of an unpadded one (``benchmarks/bench_flow_kernels.py``). So by default
 path is first *widened* leftwards, with more of the already final speech as context, to one of
 the sizes with an unpadded ("full") step of its own (``FULL_FLOW_WINDOWS``,
 ``EmissionPolicy.window_frames``): every window then runs a full step, except where the utterance
-does not reach back far enough (its second chunk).
+does not reach back far enough (a reply's second chunk; with 'quality', whose windows are longer,
+the fourth too). Windows of concurrent calls in one bucket still share one step: the unpadded one
+when they all have one size, else the bucket's padded one (87 and 88 frames, say).
 
 What is captured per bucket:
     flow:    the whole ODE (all Euler steps, both CFG halves as one batch-2 estimator call each);
@@ -249,7 +251,7 @@ class SynthesisGraphs:
             raise ValueError("full_flow_frames must be positive frame counts")
         self.counts: Counter = Counter()  # windows per ('flow' | 'vocoder', bucket frames or None = eager fallback)
         self.padded_frames: Counter = Counter()  # padding frames computed per stage (how much padding occurred)
-        self.padded_windows: Counter = Counter()  # windows per stage that did not fill their bucket
+        self.padded_windows: Counter = Counter()  # windows per stage that ran a padded (masked) step
         self.batches: Counter = Counter()  # steps per ('flow' | 'vocoder', windows in the step)
         self._queue: list[_Window] = []
         self._lock = threading.Condition()
@@ -271,11 +273,9 @@ class SynthesisGraphs:
         return self._mode
 
     def bucket_for(self, stage: str, frames: int) -> Optional[int]:
-        """The bucket a ``frames``-frame window of ``stage`` ('flow' or 'vocoder') runs in (None:
-        eager): a flow window of a ``full_flow_frames`` size its own (unpadded), otherwise the
-        smallest bucket that holds it (padded)."""
-        if stage == "flow" and frames in self.full_flow_frames:
-            return frames
+        """The bucket a ``frames``-frame window of ``stage`` ('flow' or 'vocoder') is padded to
+        (None: eager). Windows of one bucket are stepped together; a flow step whose windows all
+        have one ``full_flow_frames`` size runs that size's unpadded step instead."""
         sizes = self.flow_buckets if stage == "flow" else self.vocoder_buckets
         return next((b for b in sizes if b >= frames), None)
 
@@ -315,9 +315,10 @@ class SynthesisGraphs:
     @torch.inference_mode()
     def warm_up(self, flow_frames: Optional[Iterable[int]] = None,
                 vocoder_frames: Optional[Iterable[int]] = None) -> None:
-        """Capture the steps of the buckets holding these window sizes now (default: every bucket),
-        each row count, so that no live step pays for a capture: the padded step of each, and the
-        full step of the flow buckets that take one (``full_flow_frames``). Not counted in ``counts``."""
+        """Capture the steps windows of these sizes take now (default: every bucket and every
+        full size), each row count, so that no live step pays for a capture: the padded step of
+        the bucket holding each, and the unpadded step of each that is one of ``full_flow_frames``.
+        Not counted in ``counts``."""
         flow_frames = self.flow_buckets + self.full_flow_frames if flow_frames is None else flow_frames
         vocoder_frames = self.vocoder_buckets if vocoder_frames is None else vocoder_frames
         with self._exclusive():
@@ -331,11 +332,13 @@ class SynthesisGraphs:
 
             # largest first: later captures reuse the shared pool's memory instead of growing it
             for n in reversed(self.row_counts):
-                for size in sorted({self.bucket_for("flow", f) for f in flow_frames} - {None}, reverse=True):
+                padded = {self.bucket_for("flow", f) for f in flow_frames} - {None}
+                full = {f for f in flow_frames if f in self.full_flow_frames}
+                for size in sorted(padded | full, reverse=True):
                     bucket = self._flow_bucket(size)
-                    if size > 1 and size in self.flow_buckets:  # a window one frame short: the padded step
-                        bucket.run([flow_window(size - 1)] * n, n)
-                    if bucket.full_steps or size == 1:
+                    if size in padded:  # a window one frame short (a 1-frame bucket: its only step)
+                        bucket.run([flow_window(max(1, size - 1))] * n, n)
+                    if size in full:
                         bucket.run([flow_window(size)] * n, n)
                 for size in sorted({self.bucket_for("vocoder", f) for f in vocoder_frames} - {None}, reverse=True):
                     short = max(1, size - 1)
@@ -413,21 +416,28 @@ class SynthesisGraphs:
 
     def _next_batch(self) -> list[_Window]:
         """(Lock held.) The oldest window and the windows waiting for the same stage and bucket,
-        up to ``rows``, taken off the queue; a window larger than every bucket runs alone."""
+        up to ``rows``, taken off the queue; a window larger than every bucket runs alone. Flow
+        windows that all have one ``full_flow_frames`` size run that size's unpadded step; mixed
+        sizes (87 and 88 frames, say) share their bucket's padded step: one step for all of them
+        costs fewer kernels than a step per size."""
         first = self._queue[0]
         if first.bucket is None:
             batch = [first]
         else:
             same = [w for w in self._queue if (w.stage, w.bucket) == (first.stage, first.bucket)]
             batch = same[:self.rows]
+            sizes = {w.inputs[0].shape[-1] for w in batch}
+            if first.stage == "flow" and len(sizes) == 1 and (size := sizes.pop()) in self.full_flow_frames:
+                for w in batch:
+                    w.bucket = size
         taken = set(map(id, batch))
         self._queue = [w for w in self._queue if id(w) not in taken]
+        full = first.stage == "flow" and first.bucket in self.full_flow_frames and \
+            all(w.inputs[0].shape[-1] == first.bucket for w in batch)
         for w in batch:
             self.counts[w.stage, w.bucket] += 1
-            frames = w.inputs[0].shape[-1]
-            padding = 0 if w.bucket is None else w.bucket - frames
-            self.padded_frames[w.stage] += padding
-            self.padded_windows[w.stage] += padding > 0
+            self.padded_frames[w.stage] += 0 if w.bucket is None else w.bucket - w.inputs[0].shape[-1]
+            self.padded_windows[w.stage] += w.bucket is not None and not full  # ran a masked step
         return batch
 
     def _run(self, batch: list[_Window]) -> None:

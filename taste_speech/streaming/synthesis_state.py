@@ -22,6 +22,7 @@ two named regimes are ``low_latency`` and ``quality``.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -71,8 +72,9 @@ class EmissionPolicy:
         calling HiFT chunk by chunk does: only useful to measure what the carry prevents).
     window_frames: flow window sizes (mel frames) a window is widened to, leftwards, with more of the
         already final speech as context: the smallest size that holds it, as far as the utterance
-        reaches back. A window of such a size runs the bucketed path's unpadded step (no
-        masked statistics: ``benchmarks/bench_flow_kernels.py``). Only sizes whose window starts
+        reaches back. A window of a size with an unpadded step of its own on the bucketed path
+        (``SynthesisGraphs.full_flow_frames``) runs that step (no masked statistics:
+        ``benchmarks/bench_flow_kernels.py``). Only sizes whose window starts
         on the flow's 2-frame grid count (``synthesis._window_start``). None (default): the
         bucketed path's unpadded sizes (``synthesis_graphs.FULL_FLOW_WINDOWS``; on a GPU the
         padding frames were computed anyway), no widening on the dynamic path (on a CPU every
@@ -99,10 +101,11 @@ class EmissionPolicy:
     def __post_init__(self):
         if self.window_frames is not None:
             sizes = tuple(self.window_frames) if isinstance(self.window_frames, (tuple, list)) else None
-            if sizes is None or not all(isinstance(f, int) and not isinstance(f, bool) and f >= 1 for f in sizes):
+            if sizes is None or not all(isinstance(f, numbers.Integral) and not isinstance(f, bool) and f >= 1
+                                        for f in sizes):
                 raise ValueError(f"EmissionPolicy.window_frames must be None or a sequence of mel frame counts >= 1, "
                                  f"got {self.window_frames!r}")
-            object.__setattr__(self, "window_frames", tuple(sorted(set(sizes))))
+            object.__setattr__(self, "window_frames", tuple(sorted({int(f) for f in sizes})))
         positive = ("first_chunk_tokens", "chunk_tokens")
         for name in positive:
             if getattr(self, name) < 1:
