@@ -44,19 +44,29 @@ def median_ms(run, device: torch.device, repeats: int) -> float:
     return 1000 * statistics.median(seconds)
 
 
+def step_figures(run, device: torch.device, repeats: int, count=None) -> dict:
+    """A step's figures: its output (the first run: warm-up, and capture on CUDA), the operators
+    ``count()`` dispatches (None: not counted) and the median ms of ``run()``."""
+    out = run()
+    ops = None
+    if count is not None:
+        with OperatorCount() as counter:
+            count()
+        ops = counter.total
+    return {"out": out, "ops": ops, "ms": median_ms(run, device, repeats)}
+
+
 @torch.inference_mode()
 def measure(graphs: SynthesisGraphs, bucket: int, window: tuple, repeats: int) -> dict:
     """One window's step in ``bucket``: operators dispatched (eager steps only; a replayed graph
     dispatches none), median ms, and its mel."""
     step = graphs._flow_bucket(bucket)
-    out = step.run([window], 1)[0]  # warm-up (and capture)
-    ops = None
-    if graphs.mode == "eager":
-        with OperatorCount() as count:
-            step.run([window], 1)
-        ops = count.total
-    ms = median_ms(lambda: step.run([window], 1), graphs.device, repeats)
-    return {"ops": ops, "ms": ms, "mel": out}
+
+    def run():
+        return step.run([window], 1)[0]
+
+    figures = step_figures(run, graphs.device, repeats, count=run if graphs.mode == "eager" else None)
+    return {"ops": figures["ops"], "ms": figures["ms"], "mel": figures["out"]}
 
 
 def first_chunk_steps(vg, graph_mode: str = "eager", repeats: int = 5) -> list[dict]:

@@ -30,8 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_chunk_growth import load  # noqa: E402
-from benchmarks.bench_first_chunk_flow import median_ms  # noqa: E402
-from benchmarks.bench_lora_merge import OperatorCount  # noqa: E402
+from benchmarks.bench_first_chunk_flow import step_figures  # noqa: E402
 from taste_speech.step_graph import StepGraph  # noqa: E402
 from taste_speech.voice_generator.estimator import SelfAttention  # noqa: E402
 
@@ -86,12 +85,10 @@ def flow_kernel_figures(vg, graph_mode: str = "auto", repeats: int = 5) -> list[
                 def ode():
                     return flow.decoder(mu, whole_mask, spks, cond, noise, padded=padded)
 
-                with OperatorCount() as count:
-                    ode()
                 step = StepGraph(ode, device, graph_mode, name=f"flow ODE ({name})")
-                mels[name] = step.run().clone()  # warm-up (and capture)
-                ms = median_ms(step.run, device, repeats)
-            row[name + "_ops"], row[name + "_ms"] = count.total, ms
+                figures = step_figures(step.run, device, repeats, count=ode)  # operators of the ODE itself
+                mels[name] = figures["out"].clone()  # (the next replay overwrites a graph's output)
+            row[name + "_ops"], row[name + "_ms"] = figures["ops"], figures["ms"]
         row["max_mel_diff"] = float((mels["baseline"] - mels["now"])[..., :frames].abs().max())
         rows.append(row)
     return rows
