@@ -155,6 +155,35 @@ def test_an_estimator_call_without_a_mask_is_the_all_ones_mask_bit_for_bit_with_
         estimator(x, None, mu, t, spks, cond, padded=True)
 
 
+@torch.inference_mode()
+def test_the_odes_time_conditioning_in_one_pass_is_the_per_call_one_with_fewer_operators(model, golden):
+    """The ODE makes every step's time conditioning in one batched pass before its loop: the mel
+    of making it in each estimator call (the published way) up to float rounding, fewer operators;
+    the golden flow cases still match with either."""
+    from benchmarks.bench_lora_merge import OperatorCount
+
+    cfm = model.flow.decoder
+    g = torch.Generator().manual_seed(2)
+    c, frames = model.flow.output_size, 19
+    mu, cond, noise = (torch.randn(1, c, frames, generator=g) for _ in range(3))
+    spks = torch.randn(1, c, generator=g)
+    assert cfm.batch_time
+    with OperatorCount() as batched_ops:
+        batched = cfm(mu, None, spks, cond, noise)
+    cfm.batch_time = False
+    try:
+        with OperatorCount() as per_call_ops:
+            per_call = cfm(mu, None, spks, cond, noise)
+        _assert_all_ok(points.flow_points(golden, model, "flow_empty"))
+    finally:
+        cfm.batch_time = True
+    torch.testing.assert_close(batched, per_call, rtol=0, atol=1e-5)
+    n_steps = cfm.n_timesteps
+    resnets = len(cfm.estimator.resnets())
+    # per call: a sinusoidal embedding, the MLP and a Mish + Linear per resnet block, in every step
+    assert per_call_ops.total - batched_ops.total >= (n_steps - 1) * (2 * resnets + 3)
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_legacy_weight_norm_matches_torch(transpose):
     torch.manual_seed(0)

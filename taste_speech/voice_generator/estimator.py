@@ -106,10 +106,11 @@ class ResnetBlock1D(nn.Module):
         self.block2 = Block1D(dim_out, dim_out, groups)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, temb: torch.Tensor,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, time_shift: torch.Tensor,
                 padded: bool = False) -> torch.Tensor:
+        """``time_shift``: this block's ``mlp`` of the time embedding, (B or 1, dim_out)."""
         h = self.block1(x, mask, padded)
-        h = h + self.mlp(temb).unsqueeze(-1)
+        h = h + time_shift.unsqueeze(-1)
         h = self.block2(h, mask, padded)
         return h + self.res_conv(_masked(x, mask))
 
@@ -278,6 +279,18 @@ class ConditionalDecoder(nn.Module):
         self.final_block = Block1D(up_channels[-1], up_channels[-1])
         self.final_proj = nn.Conv1d(up_channels[-1], out_channels, 1)
 
+    def resnets(self) -> list[ResnetBlock1D]:
+        """The resnet blocks in the order ``forward`` runs them."""
+        return [blocks[0] for level in (self.down_blocks, self.mid_blocks, self.up_blocks) for blocks in level]
+
+    def time_shifts(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """What each resnet block adds for times ``t`` (scalar or (N,)): its ``mlp`` of the time
+        embedding, (N, dim_out) per block, in ``resnets()`` order. It depends on t alone, so the flow
+        computes those of all its Euler steps in one batched pass (N = steps) instead of some forty
+        small kernels per estimator call."""
+        temb = self.time_mlp(self.time_embeddings(t))
+        return [block.mlp(temb) for block in self.resnets()]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -287,36 +300,36 @@ class ConditionalDecoder(nn.Module):
         spks: torch.Tensor,
         cond: torch.Tensor,
         padded: bool = False,
+        time_shifts: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x, mu, cond: (B, 80, T); mask: (B, 1, T), or None (every frame valid); t: scalar or (B,);
         spks: (B, 80) -> (B, 80, T).
 
-        ``padded``: frames where mask is 0 are padding (see the module docstring)."""
+        ``padded``: frames where mask is 0 are padding (see the module docstring). ``time_shifts``:
+        ``self.time_shifts(t)`` made beforehand (rows 1 or B), or None to make them here."""
         if padded and mask is None:
             raise ValueError("padded=True needs the mask of the valid frames; mask=None means there is no padding")
-        temb = self.time_mlp(self.time_embeddings(t))
-        if temb.shape[0] != x.shape[0]:
-            temb = temb.expand(x.shape[0], -1)
+        shifts = iter(self.time_shifts(t) if time_shifts is None else time_shifts)
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[-1]), cond], dim=1)
 
         skips, masks = [], [mask]
         for resnet, transformers, sampler in self.down_blocks:
             level_mask = masks[-1]
-            h = _run_transformers(transformers, resnet(h, level_mask, temb, padded), level_mask, padded)
+            h = _run_transformers(transformers, resnet(h, level_mask, next(shifts), padded), level_mask, padded)
             skips.append(h)
             h = sampler(_masked(h, level_mask))
             masks.append(None if level_mask is None else level_mask[:, :, ::2])  # stride-2 conv (k3, p1): ceil(T/2) frames
 
         mid_mask = masks[-2]  # the last down block keeps its resolution
         for resnet, transformers in self.mid_blocks:
-            h = _run_transformers(transformers, resnet(h, mid_mask, temb, padded), mid_mask, padded)
+            h = _run_transformers(transformers, resnet(h, mid_mask, next(shifts), padded), mid_mask, padded)
 
         up_masks = masks[:-1]
         for resnet, transformers, sampler in self.up_blocks:
             level_mask, skip = up_masks.pop(), skips.pop()
             # the transposed conv yields 2*ceil(T/2) frames: cut to the skip's length (odd T)
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)
-            h = _run_transformers(transformers, resnet(h, level_mask, temb, padded), level_mask, padded)
+            h = _run_transformers(transformers, resnet(h, level_mask, next(shifts), padded), level_mask, padded)
             h = sampler(_masked(h, level_mask))
         h = self.final_block(h, level_mask, padded)
         return _masked(self.final_proj(_masked(h, level_mask)), mask)
