@@ -19,7 +19,8 @@ Tables (one run each, all figures from the same process):
 3. peak GPU memory per call, and first audio with 1, 2, 4, 8, 16 concurrent calls whose callers
    stop speaking at the same moment (one thread each, own states; each call started and made its
    partial transcripts before, untimed; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
-   steps, and graphed with the spoken-LM and speech-decoder steps of all calls batched, and their
+   steps, the same with every call's flow and vocoder work on a CUDA stream beside the decoding
+   (``TasteEngine(synthesis_stream=True)``, opt-in; CUDA only), and graphed with the spoken-LM and speech-decoder steps of all calls batched, and their
    flow and vocoder windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``,
    ``SynthesisGraphs(rows=16)``: ``TasteEngine(batch_slots=16)``, opt-in).
 
@@ -27,11 +28,13 @@ Tables (one run each, all figures from the same process):
    its LoRA merged (the engine's default) vs the adapters' kernels run on the side (same weights),
    the audio tower's Whisper encoder captured as one step vs eager, a turn's prefill through a
    captured bucket vs eager, the first chunk's flow step in a bucket it fills (unpadded) vs padded into the next one, the
-   flow's ODE with q/k/v as one product and no all-ones mask vs three products and the mask, and a
-   reply's synthesis with growing chunks (the default) vs fixed 25-token chunks.
+   flow's ODE with q/k/v as one product and no all-ones mask vs three products and the mask, the
+   ODE with its steps' time conditioning in one pass vs in every estimator call, and a reply's
+   synthesis with growing chunks (the default) vs fixed 25-token chunks, and with widened windows
+   vs windows as their context makes them.
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, then the calls tables ``graphed_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
+``levers``, then the calls tables ``graphed_calls``, ``streamed_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
 (``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
@@ -78,6 +81,7 @@ class DecodePath:
 
     name: str  # 'eager' or 'graphed' (TasteEngine(decoding=...))
     batch_slots: int | None = None  # TasteEngine(batch_slots=...): None = each call steps alone
+    synthesis_stream: bool = False  # TasteEngine(synthesis_stream=...): flow and vocoder on a stream of their own
 
     @property
     def cache_kind(self) -> str:
@@ -90,6 +94,7 @@ class DecodePath:
 EAGER = DecodePath("eager")
 GRAPHED = DecodePath("graphed")
 BATCHED = DecodePath("graphed", batch_slots=16)  # the concurrency table only
+STREAMED = DecodePath("graphed", synthesis_stream=True)  # the concurrency table only (CUDA)
 
 
 def sync(device) -> None:
@@ -220,7 +225,8 @@ def path_engine(engine, path: DecodePath):
     cuda = torch.device(engine.device).type == "cuda"
     before = torch.cuda.memory_allocated() if cuda else 0
     engine = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
-                         device=engine.device, asr=None, decoding=path.name, batch_slots=path.batch_slots)
+                         device=engine.device, asr=None, decoding=path.name, batch_slots=path.batch_slots,
+                         synthesis_stream=path.synthesis_stream)
     engine.warm_up()
     # what the path sets aside before any call (batch slots, synthesis graphs): part of its calls' memory
     engine.upfront_bytes = torch.cuda.memory_allocated() - before if cuda else 0
@@ -250,7 +256,6 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
     start (its session's warm-up) and the partial transcripts made while the user spoke; then
     ``turn_ends()`` (concurrent calls: a barrier, so that every caller stops speaking at once)."""
     from taste_speech.streaming import every_n_words, streaming_generate
-    from taste_speech.streaming.synthesis import speak
 
     device = engine.device
     session = new_session(engine, seed)
@@ -283,9 +288,9 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
         for group in session.speech_tokens(state, segment):
             pending += group
             clock.mark("speech_decoder" if first_ms is None else "speech_decoder_rest")
-            chunks = speak(engine.voice_generator, state.synthesis, torch.tensor([pending]))
+            chunks = session.vocode(state, pending)  # as the agent does (on its synthesis stream, if any)
             pending = []
-            got = sum(c.audio.shape[-1] for c in chunks)
+            got = sum(c.size for c in chunks)
             clock.mark("synthesis" if first_ms is None else "synthesis_rest")
             samples += got
             if got and first_ms is None:
@@ -295,8 +300,8 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
                     items.close()
                     session.close()
                     return {"first_audio_ms": first_ms, "stages": stages_at_first}
-    tail = speak(engine.voice_generator, state.synthesis, None, final=True)
-    samples += sum(c.audio.shape[-1] for c in tail)
+    tail = session.vocode(state, [], final=True)
+    samples += sum(c.size for c in tail)
     clock.mark("synthesis_rest")
     total = sum(clock.stages.values())
     session.close()
@@ -467,7 +472,7 @@ def prefill_ms(engine, repeats: int, rows: int = 48) -> dict:
 
 def levers(engine, steps: int, context: int = 1024) -> dict:
     from benchmarks.bench_first_chunk_flow import first_chunk_steps
-    from benchmarks.bench_flow_kernels import flow_kernel_figures
+    from benchmarks.bench_flow_kernels import flow_kernel_figures, time_conditioning_figures
     from taste_speech.streaming.synthesis_state import EmissionPolicy
 
     lm, out = engine.model.spoken_lm, {}
@@ -480,6 +485,7 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
     out["prefill_ms"] = prefill_ms(engine, repeats=steps // 5 or 1)
     out["first_chunk_flow"] = first_chunk_steps(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     out["flow_kernels"] = flow_kernel_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
+    out["time_conditioning"] = time_conditioning_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     grown = EmissionPolicy.low_latency()
     out["synthesis"] = {"fixed": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(max_chunk_tokens=0)),
                         "growing": synthesis_rtf(engine, GRAPHED, grown), "max_chunk_tokens": grown.max_chunk_tokens,
@@ -576,8 +582,11 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "levers", "graphed_calls", "batched_calls", "eager_calls")
-CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "eager_calls": EAGER}
+PARTS = ("parity", "first_audio", "per_token", "levers", "graphed_calls", "streamed_calls", "batched_calls",
+         "eager_calls")
+CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "streamed_calls": STREAMED, "eager_calls": EAGER}
+# where each path's concurrency rows go in ``data["paths"][path.name]``
+CALL_KEYS = {BATCHED: "concurrency_batched", STREAMED: "concurrency_streamed"}
 
 
 def progress(message: str) -> None:
@@ -676,8 +685,12 @@ class Suite:
         """First audio with 1, 2, 4 ... calls at once on one path; a row is skipped when twice the
         previous row's time (the calls double) would run past the budget."""
         path = CALL_PARTS[name]
+        if path.synthesis_stream and torch.device(self.args.device).type != "cuda":
+            self.data["not_measured"].append(f"{name} (needs CUDA)")
+            progress(f"{name}: not measured (CUDA streams need a CUDA device)")
+            return
         engine = self.engine_for(path)
-        rows = self.data["paths"][path.name]["concurrency_batched" if path is BATCHED else "concurrency"] = []
+        rows = self.data["paths"][path.name][CALL_KEYS.get(path, "concurrency")] = []
         last_s = 0.0
         for n in self.args.calls:
             if 2 * last_s > self.left_s():
@@ -725,7 +738,7 @@ def markdown(data: dict, command: str) -> list[str]:
                               for name in ("eager", "graphed")]) + [""]
     if "levers" in data:
         lines += lever_lines(data["levers"])
-    if any(key in entry for entry in (eager, graphed) for key in ("concurrency", "concurrency_batched")):
+    if any(key in entry for entry in (eager, graphed) for key in ("concurrency", *CALL_KEYS.values())):
         lines += concurrency_lines(eager, graphed)
     return lines
 
@@ -752,6 +765,10 @@ def lever_lines(lever: dict) -> list[str]:
         rows.append([f"flow ODE ms ({kind})", "three q/k/v products" + ("" if row["padded"] else ", ones mask"),
                      fmt(row["baseline_ms"]), "one q/k/v product" + ("" if row["padded"] else ", no mask"),
                      fmt(row["now_ms"]), f"{row['now_ms'] / row['baseline_ms']:.2f}"])
+    for row in lever.get("time_conditioning", ()):
+        kind = f"{row['frames']} frames in bucket {row['bucket']}, " + ("padded" if row["padded"] else "unpadded")
+        rows.append([f"flow ODE ms ({kind})", "time conditioning in every estimator call", fmt(row["baseline_ms"]),
+                     "all steps' in one pass", fmt(row["now_ms"]), f"{row['now_ms'] / row['baseline_ms']:.2f}"])
     syn = lever["synthesis"]
     fixed, growing = syn["fixed"], syn["growing"]
     rows.append(["a reply's synthesis, compute s per audio s (low_latency)",
@@ -803,7 +820,8 @@ def per_token_lines(eager: dict, graphed: dict) -> list[str]:
 
 def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
     columns = ((eager, "concurrency", "first_audio_median_ms"), (graphed, "concurrency", "first_audio_median_ms"),
-               (graphed, "concurrency", "first_audio_max_ms"), (graphed, "concurrency_batched", "first_audio_median_ms"),
+               (graphed, "concurrency", "first_audio_max_ms"), (graphed, "concurrency_streamed", "first_audio_median_ms"),
+               (graphed, "concurrency_streamed", "first_audio_max_ms"), (graphed, "concurrency_batched", "first_audio_median_ms"),
                (graphed, "concurrency_batched", "first_audio_max_ms"), (graphed, "concurrency", "peak_mib_per_call"),
                (graphed, "concurrency_batched", "peak_mib_per_call"))
     by_calls = {(id(entry), key): {row["calls"]: row for row in entry.get(key, [])} for entry, key, _ in columns}
@@ -811,12 +829,15 @@ def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
     rows = [[str(n)] + [fmt(by_calls[(id(entry), key)].get(n, {}).get(figure)) for entry, key, figure in columns]
             for n in calls]
     lines = ["Concurrent calls whose callers stop speaking at the same moment (one thread each, every call "
-             "started and its partial transcripts made before; first audio in ms; 'batched': the spoken-LM and the "
+             "started and its partial transcripts made before; first audio in ms; 'streamed': graphed, with every "
+             "call's flow and vocoder work on one CUDA stream beside the decoding (TasteEngine(synthesis_stream=True)); "
+             "'batched': the spoken-LM and the "
              "speech-decoder steps of all calls in batched steps, 16 slots, and their flow and vocoder "
              "windows in shared steps of up to 16 rows; peak MiB per call: the calls' peak GPU memory "
              "above the weights, with what the path set aside up front (batch slots, synthesis graphs), "
              "divided by the calls; — not measured):", ""]
-    lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "batched median",
+    lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "streamed median", "streamed max",
+                          "batched median",
                           "batched max", "graphed peak MiB per call", "batched peak MiB per call"], rows)
     for key, label in (("lm_batch", "spoken-LM"), ("speech_batch", "speech-decoder")):
         stats = graphed.get(key) or {}

@@ -306,3 +306,41 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     wav, _ = engine.voice_generator.inference(torch.tensor([tokens]), session.voice.to("cuda"),
                                               generator=torch.Generator().manual_seed(0))
     assert wav.numel() > 0 and torch.isfinite(wav).all()
+
+
+def test_a_synthesis_stream_gives_the_same_audio_alone_and_beside_other_calls():
+    """TasteEngine(synthesis_stream=True): every call's flow and vocoder work on one CUDA stream
+    beside the decoding. Each call's reply - words, speech tokens, audio - is the one the engine
+    without it speaks, alone and with three calls speaking at once from their own threads."""
+    import numpy as np
+
+    from concurrency_helpers import run_in_threads
+    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from session_helpers import speak_segments
+    from taste_agents.caller import load_utterances
+
+    plain = TasteEngine.from_pretrained(None, device="cuda")
+    streamed = TasteEngine(plain.model, plain.processor, plain.voice_generator, device="cuda", asr=None,
+                           synthesis_stream=True)
+    assert plain.synthesis_stream is None and streamed.synthesis_stream is not None
+    for engine in (plain, streamed):
+        engine.warm_up()
+    hello = load_utterances()["hello"]
+
+    def reply(engine, seed):
+        session = engine.new_session(GenerationSettings(max_reply_tokens=6, seed=seed))
+        session.warm_up()
+        turn = session.user_turn(hello.audio, hello.text)
+        segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
+        tokens, audio = speak_segments(session, segments)
+        session.close()
+        return [e.text for e in segments], tokens, audio
+
+    expected = {seed: reply(plain, seed) for seed in range(3)}
+    results = {}
+    run_in_threads(lambda seed: results.__setitem__(seed, reply(streamed, seed)), [(seed,) for seed in range(3)])
+    results["alone"] = reply(streamed, 0)
+    for key, (words, tokens, audio) in results.items():
+        want = expected[0 if key == "alone" else key]
+        assert words == want[0] and tokens == want[1]
+        assert audio.shape == want[2].shape and np.abs(audio - want[2]).max() < 2e-4

@@ -56,10 +56,15 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert [(row["frames"], row["padded"]) for row in levers["flow_kernels"]] == [(17, False), (87, True)]
     assert all(row["now_ops"] < row["baseline_ops"] and row["max_mel_diff"] < 1e-5 and row["now_ms"] > 0
                for row in levers["flow_kernels"])
+    assert [(row["frames"], row["padded"]) for row in levers["time_conditioning"]] == [(17, False), (87, True)]
+    assert all(row["now_ops"] < row["baseline_ops"] and row["max_mel_diff"] < 1e-4 for row in levers["time_conditioning"])
+    assert data["not_measured"] == ["streamed_calls (needs CUDA)"]  # a CUDA stream needs CUDA: said, not failed
     text = out.read_text()
+    assert "| calls | eager median | graphed median | graphed max | streamed median | streamed max |" in text
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
     assert "| spoken LM ms per token, context 1024 | LoRA adapters on the side |" in text
     assert "| flow ODE ms (17 frames in bucket 17, unpadded) | three q/k/v products, ones mask |" in text
+    assert "| flow ODE ms (87 frames in bucket 88, padded) | time conditioning in every estimator call |" in text
     assert "| graphed | 32/32 |" in text
     assert "batched median" in text and "Batched speech-decoder steps over the whole table" in text
     assert "Batched synthesis over the whole table: flow " in text

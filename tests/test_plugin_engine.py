@@ -382,3 +382,24 @@ def test_device_auto_is_resolved_once_for_every_part():
     assert engine.device == expected
     assert next(engine.model.parameters()).device.type == expected
     assert next(engine.voice_generator.parameters()).device.type == expected
+
+
+def test_a_synthesis_stream_is_refused_off_cuda_before_the_weights_load(engine, monkeypatch):
+    """synthesis_stream=True puts every call's flow and vocoder work on a CUDA stream of its own:
+    there is none on a CPU, so it is a clear error, raised before the (minutes long) weights load."""
+    from taste_speech.modeling_taste import TasteForCausalLM
+
+    with pytest.raises(ValueError, match="synthesis_stream=True needs a CUDA device"):
+        TasteEngine(engine.model, engine.processor, engine.voice_generator, synthesis_stream=True)
+    with pytest.raises(ValueError, match="synthesis_stream must be True or False"):
+        TasteEngine(engine.model, engine.processor, engine.voice_generator, synthesis_stream="auto")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the option was checked")
+
+    monkeypatch.setattr(TasteForCausalLM, "from_pretrained", no_load)
+    with pytest.raises(ValueError, match="synthesis_stream=True needs a CUDA device"):
+        TasteEngine.from_pretrained(None, device="cpu", synthesis_stream=True)
+    assert engine.synthesis_stream is None
+    with engine.on_synthesis_stream():  # no stream: the thread's own, nothing changes
+        pass

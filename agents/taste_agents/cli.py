@@ -41,6 +41,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "path, flow and vocoder windows) run as batched steps: a number, "
                              "'none' (each call steps alone) or auto (none: on a GPU batching paid nothing "
                              "at 2-8 calls) - docs/GPU.md")
+    parser.add_argument("--synthesis-stream", action="store_true",
+                        help="CUDA only: every call's flow and vocoder work on a CUDA stream of its own, beside the "
+                             "decoding, so that concurrent calls' token steps stop waiting for each other's flow "
+                             "steps (opt-in: not yet measured on a GPU) - docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
@@ -180,7 +184,8 @@ def load_engine(args, say):
     engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr_choice(args),
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),
-                                         batch_slots=getattr(args, "batch_slots", "auto"))
+                                         batch_slots=getattr(args, "batch_slots", "auto"),
+                                         synthesis_stream=getattr(args, "synthesis_stream", False))
     # the fast path captures its shared synthesis graphs here, not in the first call, and an ASR
     # workspace for each call a server may hold at once
     engine.warm_up(calls=getattr(args, "max_calls", 1))

@@ -163,7 +163,7 @@ class TasteEngine:
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
                  asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                 batch_slots: int | str | None = "auto", merge_lora: bool = True):
+                 batch_slots: int | str | None = "auto", merge_lora: bool = True, synthesis_stream: bool = False):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
         own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
         running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
@@ -176,8 +176,10 @@ class TasteEngine:
         nothing at 2-8 calls - BENCHMARKS.md section 5; try a number where many calls speak at once). ``merge_lora``: fold the spoken
         LM's LoRA adapters into its weights before any step runs (``TasteSpokenLM.merge_lora``:
         the same function, fewer kernels per token); False keeps them on the side (a model you go
-        on training)."""
+        on training). ``synthesis_stream`` (CUDA only): every call's flow and vocoder work on one
+        CUDA stream of its own, beside the decoding (``_synthesis_stream``)."""
         _check_options(asr, decoding, parallel_jobs, batch_slots)
+        _check_synthesis_stream(synthesis_stream, next(voice_generator.parameters()).device)
         if merge_lora:
             model.spoken_lm.merge_lora()
         device_name = str(next(model.parameters()).device)
@@ -189,6 +191,7 @@ class TasteEngine:
         self.device = device
         self.decoding, self.cache_kind = decoding, DECODING[decoding]
         self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind)
+        self.synthesis_stream = _synthesis_stream(synthesis_stream, next(voice_generator.parameters()).device)
         self.speech_policy = _speech_policy(self.synthesis_graphs)
         self.tower_encoder = _tower_encoder(model, decoding)  # the audio tower's encoder as a CUDA graph, or None
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
@@ -200,7 +203,8 @@ class TasteEngine:
     @classmethod
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
                         asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                        batch_slots: int | str | None = "auto", merge_lora: bool = True) -> "TasteEngine":
+                        batch_slots: int | str | None = "auto", merge_lora: bool = True,
+                        synthesis_stream: bool = False) -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (``default_asr``: the checkpoint's own Whisper)."""
@@ -218,6 +222,7 @@ class TasteEngine:
 
             asr = check_whisper_name(asr)  # a mistyped path fails now, not after the weights
         device = str(resolve_device(device))  # 'auto' -> 'cuda' or 'cpu', once for every part
+        _check_synthesis_stream(synthesis_stream, device)  # (before the weights load, too)
         if name_or_path is None:
             from taste_speech.tiny import default_tiny_checkpoint
 
@@ -241,7 +246,8 @@ class TasteEngine:
                     "pass a local Whisper folder or hub id, or asr=None when an upstream Pipecat STT sends "
                     "TranscriptionFrames") from exc
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
-                   decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots, merge_lora=merge_lora)
+                   decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots, merge_lora=merge_lora,
+                   synthesis_stream=synthesis_stream)
 
     @property
     def max_turn_seconds(self) -> float:
@@ -259,6 +265,15 @@ class TasteEngine:
                 raise ValueError("speaker_embedding needs the reference audio's sample_rate in Hz (e.g. 48000)")
             return self.processor.speaker_embedding(reference_audio, sample_rate)
         return self.processor.default_speaker_embedding()
+
+    def on_synthesis_stream(self):
+        """The context in which flow and vocoder work runs: the engine's synthesis stream, or the
+        thread's own stream where there is none."""
+        if self.synthesis_stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(self.synthesis_stream)
 
     def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "TasteSession":
         if settings is not None and not isinstance(settings, GenerationSettings):
@@ -279,7 +294,8 @@ class TasteEngine:
         if graphs is None and resolve_kind(self.cache_kind, next(self.voice_generator.parameters()).device) == "static":
             graphs = shared_graphs(self.voice_generator)
         if graphs is not None and graphs.mode != "eager":  # (eager steps have nothing to capture)
-            graphs.warm_up()  # every bucket at every batch size
+            with self.on_synthesis_stream():  # (its buffers belong to the stream that replays them)
+                graphs.warm_up()  # every bucket at every batch size
         if self.tower_encoder is not None:
             self.tower_encoder.warm_up()
         for batch in (self.lm_batch, self.speech_batch):
@@ -370,6 +386,30 @@ def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
             return None
         slots = CUDA_SYNTHESIS_ROWS
     return SynthesisGraphs(voice_generator, rows=slots)
+
+
+def _synthesis_stream(wanted: bool, device):
+    """A CUDA stream for every call's flow and vocoder work, or None (each thread's current stream).
+
+    On one stream a call's host syncs - every token's sampling reads its logits - wait for all the
+    kernels queued before them, other calls' flow steps included (70-90 ms each on the H100,
+    BENCHMARKS.md section 5). On a stream of their own the synthesis steps run beside the decoding
+    steps, and a decoding sync waits for decoding work only. One stream for all calls, not one per
+    call: the calls' shared synthesis steps (``SynthesisGraphs``, one memory pool) must stay in
+    order. Opt-in until measured on a GPU (``python -m benchmarks.gpu_suite --parts streamed_calls``)."""
+    if not wanted:
+        return None
+    import torch
+
+    return torch.cuda.Stream(torch.device(device))
+
+
+def _check_synthesis_stream(wanted, device) -> None:
+    if not isinstance(wanted, bool):
+        raise ValueError(f"synthesis_stream must be True or False, got {wanted!r}")
+    if wanted and not str(device).startswith("cuda"):
+        raise ValueError(f"synthesis_stream=True needs a CUDA device (streams are CUDA's), not {device}: "
+                         "leave synthesis_stream False there")
 
 
 def _speech_policy(graphs):
@@ -576,14 +616,20 @@ class TasteSession:
 
     # -- speaking ---------------------------------------------------------------------------------
     def start_speech(self, out_sample_rate: int) -> SpeechState:
+        import torch
+
         from taste_speech.modeling_speech_decoder import TopKSampler
         from taste_speech.streaming.synthesis import start_speaking
 
         state = SpeechState(out_sample_rate=out_sample_rate)
         state.sampler = TopKSampler(generator=self._speech_generator)
-        state.synthesis = start_speaking(self.engine.voice_generator, self.voice, self.engine.speech_policy,
-                                         out_sample_rate, self._synthesis_generator, kind=self.engine.cache_kind,
-                                         graphs=self.engine.synthesis_graphs)
+        stream = self.engine.synthesis_stream
+        if stream is not None:  # the voice may be a tensor this thread's stream wrote
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with self.engine.on_synthesis_stream():
+            state.synthesis = start_speaking(self.engine.voice_generator, self.voice, self.engine.speech_policy,
+                                             out_sample_rate, self._synthesis_generator, kind=self.engine.cache_kind,
+                                             graphs=self.engine.synthesis_graphs)
         return state
 
     def speech_cache(self):
@@ -670,10 +716,11 @@ class TasteSession:
         from taste_speech.streaming.synthesis import speak
 
         piece = torch.tensor([tokens], dtype=torch.long) if tokens else None
-        with torch.inference_mode():
+        with torch.inference_mode(), self.engine.on_synthesis_stream():
             chunks = speak(self.engine.voice_generator, state.synthesis, piece, final=final)
+            audio = [c.audio.reshape(-1).float().cpu().numpy() for c in chunks]  # (waits for the stream's work)
         state.tokens_vocoded += len(tokens)
-        return [c.audio.reshape(-1).float().cpu().numpy() for c in chunks]
+        return audio
 
     def speech_samples(self, n_tokens: int, out_sample_rate: int) -> int:
         return speech_samples(n_tokens, out_sample_rate)
