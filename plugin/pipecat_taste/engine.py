@@ -401,6 +401,8 @@ def _synthesis_stream(wanted: bool, device):
         return None
     import torch
 
+    # (torch's pool streams are non-blocking: no implicit waits on the legacy default stream the
+    # decoding uses; the current stream is per thread, so each stage's thread sets it for itself)
     return torch.cuda.Stream(torch.device(device))
 
 
