@@ -31,10 +31,13 @@ Tables (one run each, all figures from the same process):
    flow's ODE with q/k/v as one product and no all-ones mask vs three products and the mask, the
    ODE with its steps' time conditioning in one pass vs in every estimator call, and a reply's
    synthesis with growing chunks (the default) vs fixed 25-token chunks, and with widened windows
-   vs windows as their context makes them.
+   vs windows as their context makes them;
+5. the whole reply as the agent runs it (``pipelined_reply``: the spoken LM, the speech decoder and
+   the vocoder on three threads, as the plugin's processors run them): wall seconds per second of
+   audio, graphed, with and without the synthesis stream (CUDA).
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, then the calls tables ``graphed_calls``, ``streamed_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
+``levers``, ``pipelined_reply``, then the calls tables ``graphed_calls``, ``streamed_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
 (``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
@@ -310,6 +313,79 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
             "audio_s": audio_s, "rtf": (total / 1000) / audio_s if audio_s else None}
 
 
+def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0) -> dict:
+    """A whole reply as the agent runs it: the spoken LM, the speech decoder and the vocoder each on
+    a thread of its own, handing segments and groups of speech tokens on through queues (the
+    plugin's processors do the same), so that one segment's speech tokens are decoded while the
+    last one's are vocoded. Wall seconds from the end of the turn to the reply's last audio, per
+    second of audio; on CUDA the decoding and the synthesis overlap only on separate streams
+    (``synthesis_stream``)."""
+    import queue
+
+    from taste_speech.streaming import every_n_words, streaming_generate
+
+    session = new_session(engine, seed)
+    script, stop = reply_script(engine)
+    turn = asr_while_speaking(asr[path.name], audio) if asr is not None else None
+    segments, groups = queue.Queue(), queue.Queue()
+    state = session.start_speech(OUT_RATE)
+    out = {"samples": 0, "first_s": None, "errors": []}
+
+    def think():
+        forced.script(script)  # (scripts are per thread)
+        try:
+            for item in streaming_generate(engine.model, engine.processor, [], text_top_p=0.0, max_length=64,
+                                           eos_id=stop, should_emit_segment=every_n_words(1),
+                                           conversation=session.conversation,
+                                           prompt_format=session.conversation.prompt_format):
+                if item["segment"] is not None:
+                    segments.put(item["segment"])
+        except BaseException as exc:
+            out["errors"].append(exc)
+        finally:
+            segments.put(None)
+
+    def speech_tokens():
+        try:
+            while (segment := segments.get()) is not None:
+                for group in session.speech_tokens(state, segment):
+                    groups.put(group)
+        except BaseException as exc:
+            out["errors"].append(exc)
+        finally:
+            groups.put(None)
+
+    def vocode():
+        try:
+            while (group := groups.get()) is not None:
+                got = sum(c.size for c in session.vocode(state, group))
+                if got and out["first_s"] is None:
+                    out["first_s"] = time.perf_counter() - t0
+                out["samples"] += got
+            out["samples"] += sum(c.size for c in session.vocode(state, [], final=True))
+        except BaseException as exc:
+            out["errors"].append(exc)
+
+    sync(engine.device)
+    t0 = time.perf_counter()  # the caller stopped speaking
+    if turn is not None:
+        turn.finish(audio)
+    elif asr is not None:
+        asr[path.name](audio)
+    session.conversation.add_turn(session.user_turn(audio, USER_TEXT).segment)
+    threads = [threading.Thread(target=fn, name=f"gpu-suite-{fn.__name__}") for fn in (think, speech_tokens, vocode)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall_s = time.perf_counter() - t0
+    session.close()
+    if out["errors"]:
+        raise out["errors"][0]
+    audio_s = out["samples"] / OUT_RATE
+    return {"wall_s": wall_s, "audio_s": audio_s, "rtf": wall_s / audio_s, "first_audio_ms": 1000 * out["first_s"]}
+
+
 # -- per-token and per-chunk figures --------------------------------------------------------------------
 def lm_ms_per_token(engine, path: DecodePath, context: int, steps: int) -> float:
     lm = engine.model.spoken_lm
@@ -582,8 +658,8 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "levers", "graphed_calls", "streamed_calls", "batched_calls",
-         "eager_calls")
+PARTS = ("parity", "first_audio", "per_token", "levers", "pipelined_reply", "graphed_calls", "streamed_calls",
+         "batched_calls", "eager_calls")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "streamed_calls": STREAMED, "eager_calls": EAGER}
 # where each path's concurrency rows go in ``data["paths"][path.name]``
 CALL_KEYS = {BATCHED: "concurrency_batched", STREAMED: "concurrency_streamed"}
@@ -621,7 +697,8 @@ class Suite:
         self.audio = user_audio()
         self.engines: dict[DecodePath, object] = {}
         self.data = {"size": args.size, "device": device_name(args.device), "dtype": args.dtype,
-                     "paths": {"eager": {}, "graphed": {}}, "not_measured": [], "failed": {}}
+                     "paths": {"eager": {}, "graphed": {}}, "not_measured": [], "needs_cuda": [],
+                     "failed": {}}
 
     def left_s(self) -> float:
         budget = self.args.budget_s
@@ -681,12 +758,27 @@ class Suite:
         self.data["levers"] = levers(self.engine_for(GRAPHED), self.args.steps)
         progress(f"levers: {rounded(self.data['levers'])}")
 
+    def part_pipelined_reply(self, _name) -> None:
+        """The whole reply as the agent runs it, graphed, on one stream and with the synthesis stream
+        (CUDA), in one run: an untimed reply first (captures, allocations), then the median of ``repeats``."""
+        cuda = torch.device(self.args.device).type == "cuda"
+        for path, key in ((GRAPHED, "pipelined"), (STREAMED, "pipelined_streamed")):
+            if path.synthesis_stream and not cuda:
+                self.data["needs_cuda"].append("pipelined_reply with the synthesis stream")
+                continue
+            engine = self.engine_for(path)
+            pipelined_reply(engine, self.asr, path, self.forced, self.audio)
+            runs = sorted((pipelined_reply(engine, self.asr, path, self.forced, self.audio)
+                           for _ in range(self.args.repeats)), key=lambda r: r["rtf"])
+            self.data["paths"]["graphed"][key] = runs[(len(runs) - 1) // 2]
+            progress(f"{key}: {rounded(self.data['paths']['graphed'][key])}")
+
     def part_calls(self, name: str) -> None:
         """First audio with 1, 2, 4 ... calls at once on one path; a row is skipped when twice the
         previous row's time (the calls double) would run past the budget."""
         path = CALL_PARTS[name]
         if path.synthesis_stream and torch.device(self.args.device).type != "cuda":
-            self.data["not_measured"].append(f"{name} (needs CUDA)")
+            self.data["needs_cuda"].append(name)
             progress(f"{name}: not measured (CUDA streams need a CUDA device)")
             return
         engine = self.engine_for(path)
@@ -723,12 +815,16 @@ def markdown(data: dict, command: str) -> list[str]:
              f"date {time.strftime('%Y-%m-%d')}; command `{command}`.", ""]
     if data.get("not_measured"):
         lines += [f"Not measured in this run (its time budget was spent): {', '.join(data['not_measured'])}.", ""]
+    if data.get("needs_cuda"):
+        lines += [f"Not measured on this device (CUDA only): {', '.join(data['needs_cuda'])}.", ""]
     for part, error in data.get("failed", {}).items():
         lines += [f"**{part} failed**: `{error}` (traceback in the run's output).", ""]
     if "first_audio" in eager and "first_audio" in graphed:
         lines += first_audio_lines(data)
     if "lm_ms_per_token" in eager and "lm_ms_per_token" in graphed:
         lines += per_token_lines(eager, graphed)
+    if "pipelined" in graphed:
+        lines += pipelined_lines(graphed)
     if "lm_parity" in data:
         par = data["lm_parity"]
         lines += [f"Parity of the spoken LM in {par['dtype']} against a float32 copy ({par['steps']} steps "
@@ -816,6 +912,20 @@ def per_token_lines(eager: dict, graphed: dict) -> list[str]:
         rows.append(["whole reply: compute s per audio s (ASR tail, tower and prefill included)",
                      f"{eager['first_audio']['rtf']:.3f}", f"{graphed['first_audio']['rtf']:.3f}"])
     return ["Per token / per chunk (ms) and real-time factor:", ""] + table_lines(["figure", "eager", "graphed"], rows) + [""]
+
+
+def pipelined_lines(graphed: dict) -> list[str]:
+    rows = [[label, f"{graphed[key]['rtf']:.3f}", f"{graphed[key]['audio_s']:.1f}", fmt(graphed[key]["first_audio_ms"])]
+            for key, label in (("pipelined", "graphed, one stream"),
+                               ("pipelined_streamed", "graphed, synthesis stream (synthesis_stream=True)"))
+            if key in graphed]
+    if "first_audio" in graphed:  # the same reply with every stage in turn on one thread (the first-audio part)
+        first = graphed["first_audio"]
+        rows.insert(0, ["graphed, one thread: each stage in turn (first-audio part)", f"{first['rtf']:.3f}",
+                        f"{first['audio_s']:.1f}", fmt(first["first_audio_ms"])])
+    return (["The whole reply as the agent runs it (spoken LM, speech decoder and vocoder on three threads, "
+             "the ASR tail, tower and prefill first; median run):", ""]
+            + table_lines(["path", "wall s per audio s", "audio s", "first audio ms"], rows) + [""])
 
 
 def concurrency_lines(eager: dict, graphed: dict) -> list[str]:

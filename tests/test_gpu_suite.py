@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -58,9 +60,15 @@ def test_quick_tiny_run_on_cpu(tmp_path):
                for row in levers["flow_kernels"])
     assert [(row["frames"], row["padded"]) for row in levers["time_conditioning"]] == [(17, False), (87, True)]
     assert all(row["now_ops"] < row["baseline_ops"] and row["max_mel_diff"] < 1e-4 for row in levers["time_conditioning"])
-    assert data["not_measured"] == ["streamed_calls (needs CUDA)"]  # a CUDA stream needs CUDA: said, not failed
+    assert not data["not_measured"] and not data["failed"]
+    # a CUDA stream needs CUDA: said, not failed
+    assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "streamed_calls"]
+    pipelined = graphed["pipelined"]
+    assert pipelined["audio_s"] > 1.0 and 0 < pipelined["first_audio_ms"] < 1000 * pipelined["wall_s"]
+    assert pipelined["rtf"] == pytest.approx(pipelined["wall_s"] / pipelined["audio_s"])
     text = out.read_text()
     assert "| calls | eager median | graphed median | graphed max | streamed median | streamed max |" in text
+    assert "| graphed, one stream |" in text and "Not measured on this device (CUDA only): pipelined_reply" in text
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
     assert "| spoken LM ms per token, context 1024 | LoRA adapters on the side |" in text
     assert "| flow ODE ms (17 frames in bucket 17, unpadded) | three q/k/v products, ones mask |" in text
@@ -102,8 +110,6 @@ def test_a_failing_part_is_reported_each_part_is_saved_and_the_budget_skips_the_
 
 
 def test_unknown_parts_are_refused():
-    import pytest
-
     with pytest.raises(SystemExit):
         gpu_suite.main(["--parts", "first_audio,latency"])
 
