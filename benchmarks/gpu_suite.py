@@ -20,7 +20,8 @@ Tables (one run each, all figures from the same process):
    stop speaking at the same moment (one thread each, own states; each call started and made its
    partial transcripts before, untimed; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
    steps, the same with every call's flow and vocoder work on a CUDA stream beside the decoding
-   (``TasteEngine(synthesis_stream=True)``, opt-in; CUDA only), and graphed with the spoken-LM and speech-decoder steps of all calls batched, and their
+   (``TasteEngine(streams='synthesis')``), and with each call's other work on a stream of its own too
+   (``streams='calls'``; both opt-in, CUDA only), and graphed with the spoken-LM and speech-decoder steps of all calls batched, and their
    flow and vocoder windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``,
    ``SynthesisGraphs(rows=16)``: ``TasteEngine(batch_slots=16)``, opt-in).
 
@@ -37,7 +38,8 @@ Tables (one run each, all figures from the same process):
    audio, graphed, with and without the synthesis stream (CUDA).
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, ``pipelined_reply``, then the calls tables ``graphed_calls``, ``streamed_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
+``levers``, ``pipelined_reply``, then the calls tables ``graphed_calls``, ``synthesis_stream_calls``,
+``call_streams_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
 (``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
@@ -84,7 +86,7 @@ class DecodePath:
 
     name: str  # 'eager' or 'graphed' (TasteEngine(decoding=...))
     batch_slots: int | None = None  # TasteEngine(batch_slots=...): None = each call steps alone
-    synthesis_stream: bool = False  # TasteEngine(synthesis_stream=...): flow and vocoder on a stream of their own
+    streams: str = "default"  # TasteEngine(streams=...): which CUDA streams the work goes to
 
     @property
     def cache_kind(self) -> str:
@@ -97,7 +99,8 @@ class DecodePath:
 EAGER = DecodePath("eager")
 GRAPHED = DecodePath("graphed")
 BATCHED = DecodePath("graphed", batch_slots=16)  # the concurrency table only
-STREAMED = DecodePath("graphed", synthesis_stream=True)  # the concurrency table only (CUDA)
+SYNTHESIS_STREAM = DecodePath("graphed", streams="synthesis")  # CUDA only
+CALL_STREAMS = DecodePath("graphed", streams="calls")  # CUDA only, the concurrency table only
 
 
 def sync(device) -> None:
@@ -229,7 +232,7 @@ def path_engine(engine, path: DecodePath):
     before = torch.cuda.memory_allocated() if cuda else 0
     engine = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
                          device=engine.device, asr=None, decoding=path.name, batch_slots=path.batch_slots,
-                         synthesis_stream=path.synthesis_stream)
+                         streams=path.streams)
     engine.warm_up()
     # what the path sets aside before any call (batch slots, synthesis graphs): part of its calls' memory
     engine.upfront_bytes = torch.cuda.memory_allocated() - before if cuda else 0
@@ -319,7 +322,7 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
     plugin's processors do the same), so that one segment's speech tokens are decoded while the
     last one's are vocoded. Wall seconds from the end of the turn to the reply's last audio, per
     second of audio; on CUDA the decoding and the synthesis overlap only on separate streams
-    (``synthesis_stream``)."""
+    (``streams='synthesis'``)."""
     import queue
 
     from taste_speech.streaming import every_n_words, streaming_generate
@@ -630,8 +633,11 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
         before = torch.cuda.memory_allocated()
 
     def one(i):
+        from pipecat_taste.engine import on_stream
+
         try:
-            results[i] = first_audio(engine, asr, path, forced, audio, seed=i, turn_ends=barrier.wait)
+            with on_stream(engine.new_call_stream()):  # (streams='calls': the call's own; else None: its thread's)
+                results[i] = first_audio(engine, asr, path, forced, audio, seed=i, turn_ends=barrier.wait)
         except BaseException as exc:
             errors.append(exc)
 
@@ -658,11 +664,13 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "levers", "pipelined_reply", "graphed_calls", "streamed_calls",
-         "batched_calls", "eager_calls")
-CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "streamed_calls": STREAMED, "eager_calls": EAGER}
+PARTS = ("parity", "first_audio", "per_token", "levers", "pipelined_reply", "graphed_calls", "synthesis_stream_calls",
+         "call_streams_calls", "batched_calls", "eager_calls")
+CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "synthesis_stream_calls": SYNTHESIS_STREAM,
+              "call_streams_calls": CALL_STREAMS, "eager_calls": EAGER}
 # where each path's concurrency rows go in ``data["paths"][path.name]``
-CALL_KEYS = {BATCHED: "concurrency_batched", STREAMED: "concurrency_streamed"}
+CALL_KEYS = {BATCHED: "concurrency_batched", SYNTHESIS_STREAM: "concurrency_synthesis_stream",
+             CALL_STREAMS: "concurrency_call_streams"}
 
 
 def progress(message: str) -> None:
@@ -762,8 +770,8 @@ class Suite:
         """The whole reply as the agent runs it, graphed, on one stream and with the synthesis stream
         (CUDA), in one run: an untimed reply first (captures, allocations), then the median of ``repeats``."""
         cuda = torch.device(self.args.device).type == "cuda"
-        for path, key in ((GRAPHED, "pipelined"), (STREAMED, "pipelined_streamed")):
-            if path.synthesis_stream and not cuda:
+        for path, key in ((GRAPHED, "pipelined"), (SYNTHESIS_STREAM, "pipelined_synthesis_stream")):
+            if path.streams != "default" and not cuda:
                 self.data["needs_cuda"].append("pipelined_reply with the synthesis stream")
                 continue
             engine = self.engine_for(path)
@@ -777,7 +785,7 @@ class Suite:
         """First audio with 1, 2, 4 ... calls at once on one path; a row is skipped when twice the
         previous row's time (the calls double) would run past the budget."""
         path = CALL_PARTS[name]
-        if path.synthesis_stream and torch.device(self.args.device).type != "cuda":
+        if path.streams != "default" and torch.device(self.args.device).type != "cuda":
             self.data["needs_cuda"].append(name)
             progress(f"{name}: not measured (CUDA streams need a CUDA device)")
             return
@@ -917,7 +925,7 @@ def per_token_lines(eager: dict, graphed: dict) -> list[str]:
 def pipelined_lines(graphed: dict) -> list[str]:
     rows = [[label, f"{graphed[key]['rtf']:.3f}", f"{graphed[key]['audio_s']:.1f}", fmt(graphed[key]["first_audio_ms"])]
             for key, label in (("pipelined", "graphed, one stream"),
-                               ("pipelined_streamed", "graphed, synthesis stream (synthesis_stream=True)"))
+                               ("pipelined_synthesis_stream", "graphed, synthesis stream (streams='synthesis')"))
             if key in graphed]
     if "first_audio" in graphed:  # the same reply with every stage in turn on one thread (the first-audio part)
         first = graphed["first_audio"]
@@ -930,8 +938,11 @@ def pipelined_lines(graphed: dict) -> list[str]:
 
 def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
     columns = ((eager, "concurrency", "first_audio_median_ms"), (graphed, "concurrency", "first_audio_median_ms"),
-               (graphed, "concurrency", "first_audio_max_ms"), (graphed, "concurrency_streamed", "first_audio_median_ms"),
-               (graphed, "concurrency_streamed", "first_audio_max_ms"), (graphed, "concurrency_batched", "first_audio_median_ms"),
+               (graphed, "concurrency", "first_audio_max_ms"),
+               (graphed, "concurrency_synthesis_stream", "first_audio_median_ms"),
+               (graphed, "concurrency_synthesis_stream", "first_audio_max_ms"),
+               (graphed, "concurrency_call_streams", "first_audio_median_ms"),
+               (graphed, "concurrency_call_streams", "first_audio_max_ms"), (graphed, "concurrency_batched", "first_audio_median_ms"),
                (graphed, "concurrency_batched", "first_audio_max_ms"), (graphed, "concurrency", "peak_mib_per_call"),
                (graphed, "concurrency_batched", "peak_mib_per_call"))
     by_calls = {(id(entry), key): {row["calls"]: row for row in entry.get(key, [])} for entry, key, _ in columns}
@@ -939,14 +950,16 @@ def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
     rows = [[str(n)] + [fmt(by_calls[(id(entry), key)].get(n, {}).get(figure)) for entry, key, figure in columns]
             for n in calls]
     lines = ["Concurrent calls whose callers stop speaking at the same moment (one thread each, every call "
-             "started and its partial transcripts made before; first audio in ms; 'streamed': graphed, with every "
-             "call's flow and vocoder work on one CUDA stream beside the decoding (TasteEngine(synthesis_stream=True)); "
+             "started and its partial transcripts made before; first audio in ms; 'synthesis stream': graphed, with every "
+             "call's flow and vocoder work on one CUDA stream beside the decoding (TasteEngine(streams='synthesis')); "
+             "'call streams': that, and each call's other work on a stream of its own (streams='calls'); "
              "'batched': the spoken-LM and the "
              "speech-decoder steps of all calls in batched steps, 16 slots, and their flow and vocoder "
              "windows in shared steps of up to 16 rows; peak MiB per call: the calls' peak GPU memory "
              "above the weights, with what the path set aside up front (batch slots, synthesis graphs), "
              "divided by the calls; — not measured):", ""]
-    lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "streamed median", "streamed max",
+    lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "synthesis stream median",
+                          "synthesis stream max", "call streams median", "call streams max",
                           "batched median",
                           "batched max", "graphed peak MiB per call", "batched peak MiB per call"], rows)
     for key, label in (("lm_batch", "spoken-LM"), ("speech_batch", "speech-decoder")):

@@ -6,7 +6,9 @@ it is ~500 launches and launch-bound on a GPU (``GPU_NOTES.md``: 16 ms for Whisp
 encoder, the same for 3 s or 30 s of audio); replayed, what is left is the GPU's own work.
 
 An :class:`EncoderGraph` belongs to one audio tower on one device and holds the static input
-buffer and the step; calls share it (one turn at a time: a lock around copy-in, replay, copy-out).
+buffer and the step; calls share it (one turn at a time: a lock around copy-in, replay, copy-out;
+on CUDA each turn also waits for the last one's queued kernels, which calls running on streams of
+their own do not wait for otherwise).
 It is passed explicitly (``taste_tokenize(..., encoder=...)``, ``TasteEngine`` makes one on the
 CUDA fast path), so a model shared by an eager engine and a graphed one keeps both. Moving or
 casting the tower is detected and the step is rebuilt. Its memory: the input window, the two
@@ -28,6 +30,7 @@ class EncoderGraph:
         ('auto': a CUDA graph on CUDA, eager elsewhere; 'rehearse': the capture protocol on any device)."""
         self.tower, self.graph_mode = tower, graph_mode
         self._lock = threading.Lock()
+        self._last_turn = None  # CUDA: an event after the last turn's replay and copy-out
         self._reset()
 
     @property
@@ -41,9 +44,15 @@ class EncoderGraph:
         with self._lock:
             if self._weights() != self._fingerprint:
                 self._reset()
+            if self._last_turn is not None:  # (a no-op when the last turn ran on this thread's stream)
+                torch.cuda.current_stream(self.window.device).wait_event(self._last_turn)
             self.window.copy_(window)
             target, last = self.step.run()
-            return target.clone(), last.clone()  # the next turn overwrites the step's outputs
+            out = target.clone(), last.clone()  # the next turn overwrites the step's outputs
+            if self.window.is_cuda:
+                self._last_turn = torch.cuda.Event()
+                self._last_turn.record(torch.cuda.current_stream(self.window.device))
+            return out
 
     def warm_up(self) -> None:
         """Capture now (on a silent window), so that the first turn does not pay for it."""

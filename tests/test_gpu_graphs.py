@@ -308,38 +308,44 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     assert wav.numel() > 0 and torch.isfinite(wav).all()
 
 
-def test_a_synthesis_stream_gives_the_same_audio_alone_and_beside_other_calls():
-    """TasteEngine(synthesis_stream=True): every call's flow and vocoder work on one CUDA stream
-    beside the decoding. Each call's reply - words, speech tokens, audio - is the one the engine
-    without it speaks, alone and with three calls speaking at once from their own threads."""
+@pytest.mark.parametrize("streams", ["synthesis", "calls"])
+def test_cuda_streams_give_the_same_audio_alone_and_beside_other_calls(streams):
+    """TasteEngine(streams='synthesis'): every call's flow and vocoder work on one CUDA stream
+    beside the decoding; 'calls': each call's other work on a stream of its own too (its session
+    made and used with it current, as a TasteCall's worker threads do). Each call's reply - words,
+    speech tokens, audio - is the one the engine on the default stream speaks, alone and with three
+    calls speaking at once from their own threads."""
     import numpy as np
 
     from concurrency_helpers import run_in_threads
-    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.engine import GenerationSettings, TasteEngine, on_stream
     from session_helpers import speak_segments
     from taste_agents.caller import load_utterances
 
     plain = TasteEngine.from_pretrained(None, device="cuda")
-    streamed = TasteEngine(plain.model, plain.processor, plain.voice_generator, device="cuda", asr=None,
-                           synthesis_stream=True)
-    assert plain.synthesis_stream is None and streamed.synthesis_stream is not None
-    for engine in (plain, streamed):
-        engine.warm_up()
+    engine = TasteEngine(plain.model, plain.processor, plain.voice_generator, device="cuda", asr=None, streams=streams)
+    assert plain.synthesis_stream is None and engine.synthesis_stream is not None
+    assert (engine.new_call_stream() is not None) == (streams == "calls")
+    assert (TasteCall(engine).stream is not None) == (streams == "calls")
+    for e in (plain, engine):
+        e.warm_up()
     hello = load_utterances()["hello"]
 
     def reply(engine, seed):
-        session = engine.new_session(GenerationSettings(max_reply_tokens=6, seed=seed))
-        session.warm_up()
-        turn = session.user_turn(hello.audio, hello.text)
-        segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
-        tokens, audio = speak_segments(session, segments)
-        session.close()
+        with on_stream(engine.new_call_stream()):
+            session = engine.new_session(GenerationSettings(max_reply_tokens=6, seed=seed))
+            session.warm_up()
+            turn = session.user_turn(hello.audio, hello.text)
+            segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
+            tokens, audio = speak_segments(session, segments)
+            session.close()
         return [e.text for e in segments], tokens, audio
 
     expected = {seed: reply(plain, seed) for seed in range(3)}
     results = {}
-    run_in_threads(lambda seed: results.__setitem__(seed, reply(streamed, seed)), [(seed,) for seed in range(3)])
-    results["alone"] = reply(streamed, 0)
+    run_in_threads(lambda seed: results.__setitem__(seed, reply(engine, seed)), [(seed,) for seed in range(3)])
+    results["alone"] = reply(engine, 0)
     for key, (words, tokens, audio) in results.items():
         want = expected[0 if key == "alone" else key]
         assert words == want[0] and tokens == want[1]

@@ -62,12 +62,14 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert all(row["now_ops"] < row["baseline_ops"] and row["max_mel_diff"] < 1e-4 for row in levers["time_conditioning"])
     assert not data["not_measured"] and not data["failed"]
     # a CUDA stream needs CUDA: said, not failed
-    assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "streamed_calls"]
+    assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "synthesis_stream_calls",
+                                  "call_streams_calls"]
     pipelined = graphed["pipelined"]
     assert pipelined["audio_s"] > 1.0 and 0 < pipelined["first_audio_ms"] < 1000 * pipelined["wall_s"]
     assert pipelined["rtf"] == pytest.approx(pipelined["wall_s"] / pipelined["audio_s"])
     text = out.read_text()
-    assert "| calls | eager median | graphed median | graphed max | streamed median | streamed max |" in text
+    assert ("| calls | eager median | graphed median | graphed max | synthesis stream median | synthesis stream max "
+            "| call streams median | call streams max |") in text
     assert "| graphed, one stream |" in text and "Not measured on this device (CUDA only): pipelined_reply" in text
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
     assert "| spoken LM ms per token, context 1024 | LoRA adapters on the side |" in text

@@ -384,22 +384,28 @@ def test_device_auto_is_resolved_once_for_every_part():
     assert next(engine.voice_generator.parameters()).device.type == expected
 
 
-def test_a_synthesis_stream_is_refused_off_cuda_before_the_weights_load(engine, monkeypatch):
-    """synthesis_stream=True puts every call's flow and vocoder work on a CUDA stream of its own:
-    there is none on a CPU, so it is a clear error, raised before the (minutes long) weights load."""
+def test_cuda_streams_are_refused_off_cuda_and_with_batch_slots_before_the_weights_load(engine, monkeypatch):
+    """streams='synthesis' / 'calls' put work on CUDA streams of its own: there are none on a CPU,
+    and a batched step cannot serve calls on streams of their own - clear errors, raised before
+    the (minutes long) weights load."""
+    from pipecat_taste.call import TasteCall
     from taste_speech.modeling_taste import TasteForCausalLM
 
-    with pytest.raises(ValueError, match="synthesis_stream=True needs a CUDA device"):
-        TasteEngine(engine.model, engine.processor, engine.voice_generator, synthesis_stream=True)
-    with pytest.raises(ValueError, match="synthesis_stream must be True or False"):
-        TasteEngine(engine.model, engine.processor, engine.voice_generator, synthesis_stream="auto")
+    parts = (engine.model, engine.processor, engine.voice_generator)
+    for streams in ("synthesis", "calls"):
+        with pytest.raises(ValueError, match=f"streams='{streams}' needs a CUDA device"):
+            TasteEngine(*parts, streams=streams)
+    with pytest.raises(ValueError, match="streams must be one of"):
+        TasteEngine(*parts, streams=True)
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the option was checked")
 
     monkeypatch.setattr(TasteForCausalLM, "from_pretrained", no_load)
-    with pytest.raises(ValueError, match="synthesis_stream=True needs a CUDA device"):
-        TasteEngine.from_pretrained(None, device="cpu", synthesis_stream=True)
-    assert engine.synthesis_stream is None
-    with engine.on_synthesis_stream():  # no stream: the thread's own, nothing changes
-        pass
+    with pytest.raises(ValueError, match="streams='calls' needs a CUDA device"):
+        TasteEngine.from_pretrained(None, device="cpu", streams="calls")
+    with pytest.raises(ValueError, match="streams='calls' cannot be combined with batch_slots"):
+        TasteEngine.from_pretrained(None, device="cuda", streams="calls", batch_slots=4)
+    # the default: no stream anywhere, and a call's threads keep their own
+    assert engine.streams == "default" and engine.synthesis_stream is None and engine.new_call_stream() is None
+    assert TasteCall(engine).stream is None

@@ -41,10 +41,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "path, flow and vocoder windows) run as batched steps: a number, "
                              "'none' (each call steps alone) or auto (none: on a GPU batching paid nothing "
                              "at 2-8 calls) - docs/GPU.md")
-    parser.add_argument("--synthesis-stream", action="store_true",
-                        help="CUDA only: every call's flow and vocoder work on a CUDA stream of its own, beside the "
-                             "decoding, so that concurrent calls' token steps stop waiting for each other's flow "
-                             "steps (opt-in: not yet measured on a GPU) - docs/GPU.md")
+    parser.add_argument("--streams", default="default", choices=["default", "synthesis", "calls"],
+                        help="CUDA streams: default (one), synthesis (every call's flow and vocoder work on a stream "
+                             "of its own beside the decoding, so that calls' token steps stop waiting for flow "
+                             "steps), or calls (that, and each call's other work on a stream of the call's own); "
+                             "opt-in, not yet measured on a GPU - docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
@@ -185,7 +186,7 @@ def load_engine(args, say):
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),
                                          batch_slots=getattr(args, "batch_slots", "auto"),
-                                         synthesis_stream=getattr(args, "synthesis_stream", False))
+                                         streams=getattr(args, "streams", "default"))
     # the fast path captures its shared synthesis graphs here, not in the first call, and an ASR
     # workspace for each call a server may hold at once
     engine.warm_up(calls=getattr(args, "max_calls", 1))

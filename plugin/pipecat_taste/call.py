@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipecat_taste.engine import GenerationSettings
+from pipecat_taste.engine import GenerationSettings, use_stream
 from pipecat_taste.reply_mutes import ReplyMutes
 from pipecat_taste.start_hold import StartNeeds
 
@@ -158,6 +158,10 @@ class TasteCall:
         self.max_pending_segments = max_pending_segments
         self._session_lock: asyncio.Lock | None = None
         self._executors: dict[str, ThreadPoolExecutor] = {}
+        # With the engine's streams='calls', a CUDA stream of the call's own: its worker threads
+        # start on it, so all of its jobs - from making its session on - run there (None: theirs).
+        new_call_stream = getattr(engine, "new_call_stream", None)
+        self.stream = new_call_stream() if new_call_stream is not None else None
         self._next_turn_id = 0
         self._segment_slots: asyncio.Semaphore | None = None
         # Who is in the call: the generator waits for the playout's report only if there is one.
@@ -204,7 +208,8 @@ class TasteCall:
         if self.closed:
             raise RuntimeError("this call has ended")
         if stage not in self._executors:
-            self._executors[stage] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"taste-{stage}-{self.call_id[:6]}")
+            self._executors[stage] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"taste-{stage}-{self.call_id[:6]}",
+                                                        initializer=use_stream, initargs=(self.stream,))
         return self._executors[stage]
 
     async def run(self, stage: str, fn, *args):

@@ -163,7 +163,7 @@ class TasteEngine:
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
                  asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                 batch_slots: int | str | None = "auto", merge_lora: bool = True, synthesis_stream: bool = False):
+                 batch_slots: int | str | None = "auto", merge_lora: bool = True, streams: str = "default"):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
         own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
         running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
@@ -176,10 +176,12 @@ class TasteEngine:
         nothing at 2-8 calls - BENCHMARKS.md section 5; try a number where many calls speak at once). ``merge_lora``: fold the spoken
         LM's LoRA adapters into its weights before any step runs (``TasteSpokenLM.merge_lora``:
         the same function, fewer kernels per token); False keeps them on the side (a model you go
-        on training). ``synthesis_stream`` (CUDA only): every call's flow and vocoder work on one
-        CUDA stream of its own, beside the decoding (``_synthesis_stream``)."""
-        _check_options(asr, decoding, parallel_jobs, batch_slots)
-        _check_synthesis_stream(synthesis_stream, next(voice_generator.parameters()).device)
+        on training). ``streams`` (see ``STREAMS``): 'default' (every thread's work on the device's
+        default stream), or on CUDA 'synthesis' (every call's flow and vocoder work on one stream
+        of its own, beside the decoding) or 'calls' (that, and each call's other work on a stream of
+        the call's own)."""
+        _check_options(asr, decoding, parallel_jobs, batch_slots, streams)
+        _check_streams_device(streams, next(voice_generator.parameters()).device)
         if merge_lora:
             model.spoken_lm.merge_lora()
         device_name = str(next(model.parameters()).device)
@@ -191,7 +193,8 @@ class TasteEngine:
         self.device = device
         self.decoding, self.cache_kind = decoding, DECODING[decoding]
         self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind)
-        self.synthesis_stream = _synthesis_stream(synthesis_stream, next(voice_generator.parameters()).device)
+        self.streams = streams
+        self.synthesis_stream = _new_stream(next(voice_generator.parameters()).device) if streams != "default" else None
         self.speech_policy = _speech_policy(self.synthesis_graphs)
         self.tower_encoder = _tower_encoder(model, decoding)  # the audio tower's encoder as a CUDA graph, or None
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
@@ -204,7 +207,7 @@ class TasteEngine:
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
                         asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto",
                         batch_slots: int | str | None = "auto", merge_lora: bool = True,
-                        synthesis_stream: bool = False) -> "TasteEngine":
+                        streams: str = "default") -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (``default_asr``: the checkpoint's own Whisper)."""
@@ -216,13 +219,13 @@ class TasteEngine:
 
         if isinstance(asr, os.PathLike):
             asr = os.fspath(asr)
-        _check_options(asr, decoding, parallel_jobs, batch_slots)  # before the weights load (minutes, for the real one)
+        _check_options(asr, decoding, parallel_jobs, batch_slots, streams)  # before the weights load (minutes, for the real one)
         if isinstance(asr, str) and asr != "auto":
             from pipecat_taste.asr import check_whisper_name
 
             asr = check_whisper_name(asr)  # a mistyped path fails now, not after the weights
         device = str(resolve_device(device))  # 'auto' -> 'cuda' or 'cpu', once for every part
-        _check_synthesis_stream(synthesis_stream, device)  # (before the weights load, too)
+        _check_streams_device(streams, device)  # (before the weights load, too)
         if name_or_path is None:
             from taste_speech.tiny import default_tiny_checkpoint
 
@@ -247,7 +250,7 @@ class TasteEngine:
                     "TranscriptionFrames") from exc
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
                    decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots, merge_lora=merge_lora,
-                   synthesis_stream=synthesis_stream)
+                   streams=streams)
 
     @property
     def max_turn_seconds(self) -> float:
@@ -269,11 +272,13 @@ class TasteEngine:
     def on_synthesis_stream(self):
         """The context in which flow and vocoder work runs: the engine's synthesis stream, or the
         thread's own stream where there is none."""
-        if self.synthesis_stream is None:
-            return contextlib.nullcontext()
-        import torch
+        return on_stream(self.synthesis_stream)
 
-        return torch.cuda.stream(self.synthesis_stream)
+    def new_call_stream(self):
+        """A CUDA stream for one call's work other than synthesis (``streams='calls'``), else None.
+        The call runs its jobs with it current (``on_stream``; ``TasteCall`` starts its worker
+        threads on it), from its session's creation to its end."""
+        return _new_stream(next(self.voice_generator.parameters()).device) if self.streams == "calls" else None
 
     def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "TasteSession":
         if settings is not None and not isinstance(settings, GenerationSettings):
@@ -313,7 +318,7 @@ class TasteEngine:
                 self.asr.warm_up()
 
 
-def _check_options(asr, decoding: str, parallel_jobs, batch_slots) -> None:
+def _check_options(asr, decoding: str, parallel_jobs, batch_slots, streams: str = "default") -> None:
     if decoding not in DECODING:
         raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
     for name, value in (("parallel_jobs", parallel_jobs), ("batch_slots", batch_slots)):
@@ -322,6 +327,11 @@ def _check_options(asr, decoding: str, parallel_jobs, batch_slots) -> None:
     if not (asr is None or isinstance(asr, str) or callable(asr)):
         raise ValueError(f"asr must be 'auto', a Whisper folder or hub id, a transcriber (audio16k -> text) or None "
                          f"(transcripts from an upstream STT), got {asr!r}")
+    if not isinstance(streams, str) or streams not in STREAMS:
+        raise ValueError(f"streams must be one of {STREAMS}, got {streams!r}")
+    if streams == "calls" and batch_slots not in (None, "auto"):
+        raise ValueError("streams='calls' cannot be combined with batch_slots: a batched step runs the rows of several "
+                         "calls, each written on its call's stream; use streams='synthesis' with batch slots")
 
 
 def _compute_gate(parallel_jobs: int | str | None, device: str):
@@ -388,30 +398,51 @@ def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
     return SynthesisGraphs(voice_generator, rows=slots)
 
 
-def _synthesis_stream(wanted: bool, device):
-    """A CUDA stream for every call's flow and vocoder work, or None (each thread's current stream).
+# Which CUDA streams the engine's work goes to. On one stream a call's host syncs - every token's
+# sampling reads its logits - wait for all the kernels queued before them, other calls' flow steps
+# included (70-90 ms each on the H100, BENCHMARKS.md section 5: the slowest of 8 calls waited 639 ms).
+#   default    every thread's work on its current stream: the device's default stream
+#   synthesis  every call's flow and vocoder work on one stream of its own, beside the decoding (one
+#              for all calls, not one per call: their shared synthesis steps - ``SynthesisGraphs``,
+#              one graph memory pool - must stay in order); a decoding sync waits for decoding only
+#   calls      that, and each call's other work (ASR, audio tower, spoken LM, speech decoder) on a
+#              stream of the call's own: one call's syncs wait for its own work only, and the GPU
+#              runs the calls' small kernels side by side
+# Both are opt-in until measured on a GPU (``python -m benchmarks.gpu_suite``, parts
+# ``synthesis_stream_calls`` and ``call_streams_calls`` beside ``graphed_calls``).
+STREAMS = ("default", "synthesis", "calls")
 
-    On one stream a call's host syncs - every token's sampling reads its logits - wait for all the
-    kernels queued before them, other calls' flow steps included (70-90 ms each on the H100,
-    BENCHMARKS.md section 5). On a stream of their own the synthesis steps run beside the decoding
-    steps, and a decoding sync waits for decoding work only. One stream for all calls, not one per
-    call: the calls' shared synthesis steps (``SynthesisGraphs``, one memory pool) must stay in
-    order. Opt-in until measured on a GPU (``python -m benchmarks.gpu_suite --parts streamed_calls``)."""
-    if not wanted:
-        return None
+
+def _check_streams_device(streams: str, device) -> None:
+    if streams != "default" and not str(device).startswith("cuda"):
+        raise ValueError(f"streams={streams!r} needs a CUDA device (streams are CUDA's), not {device}: "
+                         "use streams='default' there")
+
+
+def _new_stream(device):
     import torch
 
-    # (torch's pool streams are non-blocking: no implicit waits on the legacy default stream the
-    # decoding uses; the current stream is per thread, so each stage's thread sets it for itself)
+    # (torch's pool streams are non-blocking: no implicit waits on the legacy default stream)
     return torch.cuda.Stream(torch.device(device))
 
 
-def _check_synthesis_stream(wanted, device) -> None:
-    if not isinstance(wanted, bool):
-        raise ValueError(f"synthesis_stream must be True or False, got {wanted!r}")
-    if wanted and not str(device).startswith("cuda"):
-        raise ValueError(f"synthesis_stream=True needs a CUDA device (streams are CUDA's), not {device}: "
-                         "leave synthesis_stream False there")
+def on_stream(stream):
+    """A context with ``stream`` current in this thread (the current stream is per thread), or
+    nothing changed for None."""
+    if stream is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(stream)
+
+
+def use_stream(stream) -> None:
+    """Make ``stream`` this thread's current stream for good (a call's own worker threads); None:
+    nothing changes."""
+    if stream is not None:
+        import torch
+
+        torch.cuda.set_stream(stream)
 
 
 def _speech_policy(graphs):
