@@ -370,6 +370,8 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
             out["errors"].append(exc)
 
     sync(engine.device)
+    if engine.synthesis_stream is not None:  # (start_speech's work on it, too)
+        engine.synthesis_stream.synchronize()
     t0 = time.perf_counter()  # the caller stopped speaking
     if turn is not None:
         turn.finish(audio)
@@ -385,6 +387,8 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
     session.close()
     if out["errors"]:
         raise out["errors"][0]
+    if not out["samples"]:
+        raise RuntimeError("the pipelined reply produced no audio")
     audio_s = out["samples"] / OUT_RATE
     return {"wall_s": wall_s, "audio_s": audio_s, "rtf": wall_s / audio_s, "first_audio_ms": 1000 * out["first_s"]}
 
@@ -927,7 +931,7 @@ def pipelined_lines(graphed: dict) -> list[str]:
             for key, label in (("pipelined", "graphed, one stream"),
                                ("pipelined_synthesis_stream", "graphed, synthesis stream (streams='synthesis')"))
             if key in graphed]
-    if "first_audio" in graphed:  # the same reply with every stage in turn on one thread (the first-audio part)
+    if graphed.get("first_audio", {}).get("rtf") is not None:  # the same reply, every stage in turn on one thread
         first = graphed["first_audio"]
         rows.insert(0, ["graphed, one thread: each stage in turn (first-audio part)", f"{first['rtf']:.3f}",
                         f"{first['audio_s']:.1f}", fmt(first["first_audio_ms"])])

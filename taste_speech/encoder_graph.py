@@ -63,6 +63,8 @@ class EncoderGraph:
         return weight.device, weight.dtype, weight.data_ptr()
 
     def _reset(self) -> None:
+        if self._last_turn is not None:  # the old buffers are freed: no queued kernel may still use them
+            self._last_turn.synchronize()
         self._fingerprint = self._weights()
         device, dtype = self._fingerprint[:2]
         shape = (1, self.tower.whisper_config.num_mel_bins, self.tower.num_frames)

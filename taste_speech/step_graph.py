@@ -41,8 +41,12 @@ Outputs = TypeVar("Outputs")
 # overlapping captures. Replays never wait for this.
 _CAPTURE_LOCK = threading.Lock()
 # One capture stream per device, used under the lock: graphs that share a memory pool (the
-# synthesis buckets) reuse its blocks only when captured on the same stream.
+# synthesis buckets) reuse its blocks only when captured on the same stream. It is a high-priority
+# stream: torch hands streams out round-robin from a small pool per priority, and the streams the
+# plugin runs calls on come from the default priority's - one that turned out to be the capture
+# stream would have its kernels recorded into another call's graph instead of run.
 _CAPTURE_STREAMS: dict = {}
+CAPTURE_PRIORITY = -1
 
 
 def resolve_mode(mode: str, device: torch.device | str) -> str:
@@ -105,7 +109,9 @@ class StepGraph(Generic[Outputs]):
         caller_stream = torch.cuda.current_stream(self.device)
         try:
             with _CAPTURE_LOCK:
-                side = _CAPTURE_STREAMS.setdefault(self.device, torch.cuda.Stream(self.device))
+                side = _CAPTURE_STREAMS.get(self.device)
+                if side is None:
+                    side = _CAPTURE_STREAMS[self.device] = torch.cuda.Stream(self.device, priority=CAPTURE_PRIORITY)
                 side.wait_stream(caller_stream)
                 with torch.cuda.stream(side):
                     self._warm_up()

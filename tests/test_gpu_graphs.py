@@ -350,3 +350,18 @@ def test_cuda_streams_give_the_same_audio_alone_and_beside_other_calls(streams):
         want = expected[0 if key == "alone" else key]
         assert words == want[0] and tokens == want[1]
         assert audio.shape == want[2].shape and np.abs(audio - want[2]).max() < 2e-4
+
+
+def test_no_call_stream_is_the_capture_stream_or_the_synthesis_stream():
+    """torch hands streams out round-robin from a small pool per priority: a call whose stream were
+    the capture stream would have its kernels recorded into another call's graph, one on the
+    synthesis stream would wait for every call's flow steps. Many calls later, neither happened."""
+    from pipecat_taste.engine import TasteEngine
+    from taste_speech.step_graph import _CAPTURE_STREAMS
+
+    engine = TasteEngine.from_pretrained(None, device="cuda", asr=None, streams="calls")
+    engine.warm_up()  # captures: the capture stream exists
+    captures = {stream.cuda_stream for stream in _CAPTURE_STREAMS.values()}
+    calls = {engine.new_call_stream().cuda_stream for _ in range(100)}
+    assert captures and len(calls) > 1
+    assert not captures & calls and engine.synthesis_stream.cuda_stream not in calls

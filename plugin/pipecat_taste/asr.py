@@ -150,6 +150,7 @@ class WhisperTranscriber:
             try:
                 ids, kept = workspace.decode(features, draft)
             except Exception as error:  # a broken fast path must not cost the call its transcripts
+                _settle(features)  # the dropped workspace's buffers are freed: its queued kernels end first
                 # This utterance goes to generate (its workspace is dropped). One failure (a
                 # transient out-of-memory in one call) must not slow every call of the engine down
                 # for good: the fast path is given up after STATIC_FAILURES_TO_GIVE_UP in a row.
@@ -233,6 +234,19 @@ class WhisperTranscriber:
     def _give_back(self, workspace) -> None:
         with self._lock:
             self._workspaces.append(workspace)
+
+
+def _settle(tensor) -> None:
+    """Wait for this thread's queued GPU work (a workspace about to be dropped may be in use on this
+    thread's stream, while its memory goes back to the stream that allocated it). Never raises: the
+    error that brought us here is the one to report."""
+    try:
+        if tensor.is_cuda:
+            import torch
+
+            torch.cuda.current_stream(tensor.device).synchronize()
+    except Exception:
+        pass
 
 
 class TurnTranscript:

@@ -195,6 +195,10 @@ class TasteEngine:
         self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind)
         self.streams = streams
         self.synthesis_stream = _new_stream(next(voice_generator.parameters()).device) if streams != "default" else None
+        if self.synthesis_stream is not None:  # what this thread did to the weights (merging the LoRA) comes first
+            import torch
+
+            torch.cuda.current_stream(self.synthesis_stream.device).synchronize()  # (not the device: see lm_batch)
         self.speech_policy = _speech_policy(self.synthesis_graphs)
         self.tower_encoder = _tower_encoder(model, decoding)  # the audio tower's encoder as a CUDA graph, or None
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
@@ -278,7 +282,9 @@ class TasteEngine:
         """A CUDA stream for one call's work other than synthesis (``streams='calls'``), else None.
         The call runs its jobs with it current (``on_stream``; ``TasteCall`` starts its worker
         threads on it), from its session's creation to its end."""
-        return _new_stream(next(self.voice_generator.parameters()).device) if self.streams == "calls" else None
+        if self.streams != "calls":
+            return None
+        return _new_stream(self.synthesis_stream.device, other_than=self.synthesis_stream)
 
     def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "TasteSession":
         if settings is not None and not isinstance(settings, GenerationSettings):
@@ -419,11 +425,17 @@ def _check_streams_device(streams: str, device) -> None:
                          "use streams='default' there")
 
 
-def _new_stream(device):
+def _new_stream(device, other_than=None):
+    """A stream of torch's pool (non-blocking: no implicit waits on the legacy default stream).
+    The pool is small and handed out round-robin, so streams repeat: ``other_than`` is skipped
+    (a call sharing the synthesis stream would be correct, only slower). The capture stream is
+    never among them (``step_graph``: another priority)."""
     import torch
 
-    # (torch's pool streams are non-blocking: no implicit waits on the legacy default stream)
-    return torch.cuda.Stream(torch.device(device))
+    while True:
+        stream = torch.cuda.Stream(torch.device(device), priority=0)
+        if other_than is None or stream.cuda_stream != other_than.cuda_stream:
+            return stream
 
 
 def on_stream(stream):
@@ -657,7 +669,7 @@ class TasteSession:
         state = SpeechState(out_sample_rate=out_sample_rate)
         state.sampler = TopKSampler(generator=self._speech_generator)
         stream = self.engine.synthesis_stream
-        if stream is not None:  # the voice may be a tensor this thread's stream wrote
+        if stream is not None and self.voice.is_cuda:  # a voice given as a tensor this thread's stream wrote
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with self.engine.on_synthesis_stream():
             state.synthesis = start_speaking(self.engine.voice_generator, self.voice, self.engine.speech_policy,
