@@ -7,6 +7,7 @@
 #   bash benchmarks/device_check.sh OUT_DIR [SECONDS]    # SECONDS: the whole run (default 540)
 #
 # REHEARSE=1 runs the same steps on a CPU (tiny size, short runs): a check of this script itself.
+# CALLS=1,2,4,8,16 sets the rows of concurrent calls (default 1,2,4,8).
 # OUT_DIR gets machine.txt (GPU, driver, torch), tests.log, suite.log, gpu_suite.md and gpu_suite.json.
 # On a machine without a package index whose image already has CUDA PyTorch and transformers, carry
 # the wheels of `bash scripts/gpu_wheels.sh` in .whl/: they are installed first (docs/GPU.md).
@@ -29,7 +30,9 @@ export PYTHONPATH="$PWD:$PWD/plugin:$PWD/agents${PYTHONPATH:+:$PYTHONPATH}" PYTH
 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
 } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
-suite=(--device cuda --dtype bfloat16 --size full)
+# Concurrent calls up to 8 (issue 9's target) unless CALLS says otherwise: a row of 16 costs as much
+# as the others together, and three paths are compared (one stream, a synthesis stream, call streams).
+suite=(--device cuda --dtype bfloat16 --size full --calls "${CALLS:-1,2,4,8}")
 if [ "${REHEARSE:-0}" = 1 ]; then
     suite=(--device cpu --dtype float32 --size tiny --quick --calls 1,2)
 elif ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
