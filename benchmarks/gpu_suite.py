@@ -334,40 +334,41 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
     state = session.start_speech(OUT_RATE)
     out = {"samples": 0, "first_s": None, "errors": []}
 
+    def stage(body, then: queue.Queue | None = None):
+        """A thread's work: its error is kept for the caller, and its end always told downstream
+        (a failing stage must not leave the next one waiting)."""
+        def run():
+            try:
+                body()
+            except BaseException as exc:
+                out["errors"].append(exc)
+            finally:
+                if then is not None:
+                    then.put(None)
+        run.__name__ = body.__name__
+        return run
+
     def think():
         forced.script(script)  # (scripts are per thread)
-        try:
-            for item in streaming_generate(engine.model, engine.processor, [], text_top_p=0.0, max_length=64,
-                                           eos_id=stop, should_emit_segment=every_n_words(1),
-                                           conversation=session.conversation,
-                                           prompt_format=session.conversation.prompt_format):
-                if item["segment"] is not None:
-                    segments.put(item["segment"])
-        except BaseException as exc:
-            out["errors"].append(exc)
-        finally:
-            segments.put(None)
+        for item in streaming_generate(engine.model, engine.processor, [], text_top_p=0.0, max_length=64,
+                                       eos_id=stop, should_emit_segment=every_n_words(1),
+                                       conversation=session.conversation,
+                                       prompt_format=session.conversation.prompt_format):
+            if item["segment"] is not None:
+                segments.put(item["segment"])
 
     def speech_tokens():
-        try:
-            while (segment := segments.get()) is not None:
-                for group in session.speech_tokens(state, segment):
-                    groups.put(group)
-        except BaseException as exc:
-            out["errors"].append(exc)
-        finally:
-            groups.put(None)
+        while (segment := segments.get()) is not None:
+            for group in session.speech_tokens(state, segment):
+                groups.put(group)
 
     def vocode():
-        try:
-            while (group := groups.get()) is not None:
-                got = sum(c.size for c in session.vocode(state, group))
-                if got and out["first_s"] is None:
-                    out["first_s"] = time.perf_counter() - t0
-                out["samples"] += got
-            out["samples"] += sum(c.size for c in session.vocode(state, [], final=True))
-        except BaseException as exc:
-            out["errors"].append(exc)
+        while (group := groups.get()) is not None:
+            got = sum(c.size for c in session.vocode(state, group))
+            if got and out["first_s"] is None:
+                out["first_s"] = time.perf_counter() - t0
+            out["samples"] += got
+        out["samples"] += sum(c.size for c in session.vocode(state, [], final=True))
 
     sync(engine.device)
     if engine.synthesis_stream is not None:  # (start_speech's work on it, too)
@@ -378,7 +379,8 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
     elif asr is not None:
         asr[path.name](audio)
     session.conversation.add_turn(session.user_turn(audio, USER_TEXT).segment)
-    threads = [threading.Thread(target=fn, name=f"gpu-suite-{fn.__name__}") for fn in (think, speech_tokens, vocode)]
+    threads = [threading.Thread(target=stage(body, then), name=f"gpu-suite-{body.__name__}")
+               for body, then in ((think, segments), (speech_tokens, groups), (vocode, None))]
     for thread in threads:
         thread.start()
     for thread in threads:

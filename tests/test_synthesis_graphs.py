@@ -34,6 +34,7 @@ from taste_speech.streaming.synthesis_graphs import (
 from taste_speech.streaming.synthesis_state import EmissionPolicy, frames_for_tokens
 from taste_speech.voice_generator import VoiceGenerator
 from concurrency_helpers import run_in_threads
+from synthesis_helpers import speak_in_pieces
 
 MEL_ATOL = 2e-5
 VOCODER_ATOL = 1e-6
@@ -74,12 +75,7 @@ def widened(policy) -> EmissionPolicy:
 def stream(vg, tokens, speaker, policy, sizes=(), rate=22050, **kind):
     state = start_speaking(vg, speaker, policy, out_sampling_rate=rate, generator=torch.Generator().manual_seed(0),
                            **kind)
-    chunks, position, sizes = [], 0, iter(sizes)
-    while position < tokens.shape[1]:
-        size = next(sizes, 1)
-        chunks += speak(vg, state, tokens[:, position:position + size])
-        position += size
-    return state, chunks + speak(vg, state, final=True)
+    return state, speak_in_pieces(vg, state, tokens, sizes)
 
 
 def assert_same_chunks(reference, chunks, mel_atol, audio_atol):

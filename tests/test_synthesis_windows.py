@@ -19,6 +19,7 @@ from taste_speech.streaming.synthesis import offline_reference, speak, start_spe
 from taste_speech.streaming.synthesis_graphs import FULL_FLOW_WINDOWS
 from taste_speech.streaming.synthesis_state import EmissionPolicy, NoiseTape, frames_for_tokens
 from taste_speech.voice_generator import VoiceGenerator
+from synthesis_helpers import speak_in_pieces
 
 UNEVEN = [3, 17, 1, 40, 2, 9, 18]
 
@@ -50,12 +51,7 @@ def stream(vg, tokens, speaker, policy, sizes=UNEVEN):
     state = start_speaking(vg, speaker, policy, out_sampling_rate=22050, generator=torch.Generator().manual_seed(0),
                            kind="dynamic")
     state.flow_noise = RecordingTape(state.flow_noise)
-    chunks, position, sizes = [], 0, iter(sizes)
-    while position < tokens.shape[1]:
-        size = next(sizes, 5)
-        chunks += speak(vg, state, tokens[:, position:position + size])
-        position += size
-    return state, chunks + speak(vg, state, final=True)
+    return state, speak_in_pieces(vg, state, tokens, sizes, default_size=5)
 
 
 def distance_to_offline(vg, state, tokens, chunks) -> float:
