@@ -4,6 +4,7 @@
     python benchmarks/bench_synthesis_graphs.py                         # tiny random model, CPU
     python benchmarks/bench_synthesis_graphs.py --size full --device cuda
     python benchmarks/bench_synthesis_graphs.py --sizes                 # the window sizes per step kind
+    python benchmarks/bench_synthesis_graphs.py --warm-up --rows 8      # what start-up captures
 
 On CPU the static path can only cost more (padding frames, masking ops): what it shows there is
 the price of the padding. The point of it is the CUDA graph replay on a GPU.
@@ -114,17 +115,51 @@ def window_sizes(vg) -> None:
         synthesis._step = step
 
 
+def warm_up_cost(vg, rows: int, device: str) -> None:
+    """What ``SynthesisGraphs.warm_up`` prepares with ``rows`` rows (the engine's 8 on CUDA): steps
+    (CUDA graphs) and the runs that make them (warm-up runs, and the run that records), now and
+    with every unpadded size batched and two warm-up runs per capture (the baseline), each timed
+    in this run. On a CPU the steps are rehearsed (run eagerly through the capture protocol); on a
+    GPU, where a run's host time is its launches, the runs are what a capture costs."""
+    mode = "auto" if device.startswith("cuda") else "rehearse"
+    print(f"warm-up of every bucket, {rows} rows ({'graph' if mode == 'auto' else mode} mode)")
+    print("setting                                   steps  runs  seconds")
+    results = {}
+    for label, options in (("baseline: all full sizes batched, 2 runs", {"batched_full_frames": None,
+                                                                          "repeat_warmup_runs": 2}),
+                           ("now: first chunks batched, 1 run repeated", {})):
+        graphs = SynthesisGraphs(vg, mode, rows=rows, **options)
+        started = time.perf_counter()
+        graphs.warm_up()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        steps = [step for bucket in (*graphs._flow.values(), *graphs._vocoder.values()) for step in bucket.steps.values()]
+        runs = sum(step.warmup_runs + 1 for step in steps)
+        results[label] = (len(steps), runs, seconds)
+        print(f"{label:41s} {len(steps):5d} {runs:5d} {seconds:8.2f}")
+    (s0, r0, t0), (s1, r1, t1) = results.values()
+    print(f"now / baseline: steps {s1 / s0:.2f}, runs {r1 / r0:.2f}, seconds {t1 / t0:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=["tiny", "full"], default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--sizes", action="store_true", help="print the window sizes per step kind and exit")
+    parser.add_argument("--warm-up", action="store_true", help="print what warming up every bucket costs and exit")
+    parser.add_argument("--rows", type=int, default=8, help="(--warm-up) windows a step runs at most")
     args = parser.parse_args()
     torch.set_num_threads(1)
     vg = load(args.size, args.device)
     with torch.inference_mode():
-        window_sizes(vg) if args.sizes else timings(vg, args.seconds, args.device)
+        if args.sizes:
+            window_sizes(vg)
+        elif args.warm_up:
+            warm_up_cost(vg, args.rows, args.device)
+        else:
+            timings(vg, args.seconds, args.device)
 
 
 if __name__ == "__main__":

@@ -313,7 +313,8 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
     session.close()
     audio_s = samples / OUT_RATE
     return {"first_audio_ms": first_ms, "stages": stages_at_first, "total_ms": total, "reply_words": words,
-            "audio_s": audio_s, "rtf": (total / 1000) / audio_s if audio_s else None}
+            "audio_s": audio_s, "rtf": (total / 1000) / audio_s if audio_s else None,
+            "reply_stages": dict(clock.stages)}
 
 
 def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0) -> dict:
@@ -837,6 +838,8 @@ def markdown(data: dict, command: str) -> list[str]:
         lines += first_audio_lines(data)
     if "lm_ms_per_token" in eager and "lm_ms_per_token" in graphed:
         lines += per_token_lines(eager, graphed)
+    if "reply_stages" in eager.get("first_audio", {}) and "reply_stages" in graphed.get("first_audio", {}):
+        lines += reply_stage_lines(eager["first_audio"], graphed["first_audio"])
     if "pipelined" in graphed:
         lines += pipelined_lines(graphed)
     if "lm_parity" in data:
@@ -926,6 +929,29 @@ def per_token_lines(eager: dict, graphed: dict) -> list[str]:
         rows.append(["whole reply: compute s per audio s (ASR tail, tower and prefill included)",
                      f"{eager['first_audio']['rtf']:.3f}", f"{graphed['first_audio']['rtf']:.3f}"])
     return ["Per token / per chunk (ms) and real-time factor:", ""] + table_lines(["figure", "eager", "graphed"], rows) + [""]
+
+
+# The whole reply's stages: each first-audio stage with the rest of the reply's work of its kind.
+REPLY_STAGES = (("ASR work after the end of the turn", ("asr_after_turn",)), ("audio tower", ("audio_tower",)),
+                ("LM prefill", ("lm_prefill",)), ("spoken LM (every word)", ("lm_first_word", "lm_rest")),
+                ("speech decoder (every segment)", ("speech_decoder", "speech_decoder_rest")),
+                ("synthesis (flow + vocoder, every chunk)", ("synthesis", "synthesis_rest")))
+
+
+def reply_stage_lines(eager: dict, graphed: dict) -> list[str]:
+    """Where the whole reply's compute goes (the first-audio part's timed reply): ms per stage and
+    its share of the real-time factor (ms per audio second / 1000)."""
+    rows = []
+    for label, keys in REPLY_STAGES + (("**whole reply**", None),):
+        row = [label]
+        for reply in (eager, graphed):
+            ms = reply["total_ms"] if keys is None else sum(reply["reply_stages"].get(k, 0.0) for k in keys)
+            row += [fmt(ms), f"{ms / 1000 / reply['audio_s']:.3f}"]
+        rows.append(row)
+    return ([f"The whole reply's compute per stage ({graphed['reply_words']} words, {graphed['audio_s']:.1f} s of "
+             "audio; every stage in turn on one thread, the GPU waited for at each):", ""]
+            + table_lines(["stage", "eager ms", "eager s per audio s", "graphed ms", "graphed s per audio s"], rows)
+            + [""])
 
 
 def pipelined_lines(graphed: dict) -> list[str]:

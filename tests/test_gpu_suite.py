@@ -27,6 +27,11 @@ def test_quick_tiny_run_on_cpu(tmp_path):
         assert all(ms > 0 for ms in first["stages"].values())
         assert abs(first["first_audio_ms"] - sum(first["stages"].values())) < 1e-6
         assert first["reply_words"] == 12 and first["audio_s"] > 1.0 and first["rtf"] > 0
+        # the whole reply's stages: the first audio's, and the rest of the reply's LM, speech decoder and synthesis
+        reply = first["reply_stages"]
+        assert set(reply) == set(gpu_suite.STAGES) | {"lm_rest", "speech_decoder_rest", "synthesis_rest"}
+        assert all(reply[stage] >= first["stages"][stage] for stage in gpu_suite.STAGES)
+        assert sum(reply.values()) == pytest.approx(first["total_ms"])
         assert all(ms > 0 for ms in path["lm_ms_per_token"].values())
         assert all(ms > 0 for ms in path["speech_decoder_ms_per_token"].values())
         assert path["synthesis"]["chunks"] > 2 and 0 < path["synthesis"]["flow_first_ms"] < path["synthesis"]["first_ms"]
@@ -72,6 +77,7 @@ def test_quick_tiny_run_on_cpu(tmp_path):
             "| call streams median | call streams max |") in text
     assert "| graphed, one stream |" in text and "Not measured on this device (CUDA only): pipelined_reply" in text
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
+    assert "| speech decoder (every segment) |" in text and "| **whole reply** |" in text
     assert "| spoken LM ms per token, context 1024 | LoRA adapters on the side |" in text
     assert "| flow ODE ms (17 frames in bucket 17, unpadded) | three q/k/v products, ones mask |" in text
     assert "| flow ODE ms (87 frames in bucket 88, padded) | time conditioning in every estimator call |" in text

@@ -28,6 +28,7 @@ from taste_speech.streaming.synthesis_graphs import (
     FLOW_BUCKETS,
     FULL_FLOW_WINDOWS,
     SynthesisGraphs,
+    _FlowBucket,
     _Window,
     shared_graphs,
 )
@@ -365,11 +366,48 @@ def test_warm_up_prepares_every_row_count_without_counting_windows(vg):
     with torch.inference_mode():
         graphs.warm_up(flow_frames=[17], vocoder_frames=[])  # a first chunk's window: its bucket's full step too
     assert sorted(graphs._flow[17].steps) == [(n, full) for n in (1, 2, 3) for full in (False, True)]
+    with torch.inference_mode():
+        graphs.warm_up(flow_frames=[87, 88], vocoder_frames=[])  # later windows: unpadded steps alone only
+    assert sorted(graphs._flow[88].steps) == [(1, False), (1, True), (2, False), (3, False)]
+    assert sorted(graphs._flow[87].steps) == [(1, True)]
     assert not graphs.counts and graphs.stats()["flow"] == {"windows": 0, "steps": 0, "mean_batch": None}
     with pytest.raises(ValueError, match="rows must be an integer >= 1"):
         SynthesisGraphs(vg, rows=0)
     with pytest.raises(ValueError, match="gather must be a fraction"):
         SynthesisGraphs(vg, rows=2, gather=2)
+
+
+def test_a_computation_captured_again_at_another_row_count_warms_up_once(vg, monkeypatch):
+    """Warm-up runs before a capture: two the first time a bucket captures a computation (padded
+    or unpadded), ``repeat_warmup_runs`` at its other row counts; and fewer steps to capture than
+    with every unpadded size batched. Counted on the rehearsed capture protocol (a run per
+    warm-up run, and one for the capture)."""
+    runs = {}
+    compute = _FlowBucket._compute
+
+    def counted(bucket, n, full):
+        runs[bucket.frames, n, full] = runs.get((bucket.frames, n, full), 0) + 1
+        return compute(bucket, n, full)
+
+    monkeypatch.setattr(_FlowBucket, "_compute", counted)
+
+    def warm(**options):
+        runs.clear()
+        graphs = SynthesisGraphs(vg, "rehearse", rows=4, **options)
+        with torch.inference_mode():
+            graphs.warm_up(flow_frames=[17, 88], vocoder_frames=[])
+        return dict(runs)
+
+    now = warm()
+    # largest row count first: its captures are each computation's first
+    assert now == {(17, 4, False): 3, (17, 4, True): 3, (17, 2, False): 2, (17, 2, True): 2,
+                   (17, 1, False): 2, (17, 1, True): 2,
+                   (88, 4, False): 3, (88, 2, False): 2, (88, 1, False): 2, (88, 1, True): 3}
+    before = warm(batched_full_frames=None, repeat_warmup_runs=2)  # every unpadded size batched, two runs each
+    assert set(before) - set(now) == {(88, 4, True), (88, 2, True)} and set(before.values()) == {3}
+    assert sum(now.values()) == 24 and sum(before.values()) == 36
+    with pytest.raises(ValueError, match="repeat_warmup_runs must be an integer >= 0"):
+        SynthesisGraphs(vg, repeat_warmup_runs=-1)
 
 
 # -- selection and lifecycle ---------------------------------------------------------------------------
@@ -483,11 +521,13 @@ def test_after_warm_up_no_reply_needs_a_new_step(vg, policy):
     assert sum(n for (stage, size), n in graphs.counts.items() if stage == "flow" and size in FULL_FLOW_WINDOWS) > 6
 
 
-@pytest.mark.parametrize("sizes, step", [((87, 88), (88, False)), ((87, 87), (87, True)), ((88, 88), (88, True))])
+@pytest.mark.parametrize("sizes, step", [((87, 88), (88, False)), ((87, 87), (88, False)), ((88, 88), (88, False)),
+                                         ((17, 17), (17, True)), ((37, 37), (37, True))])
 def test_windows_of_one_bucket_share_one_step_whatever_their_parity(vg, sizes, step):
     """Widened windows of one bucket (87 and 88 frames: their end's parity decides) run as one
-    step - the bucket's padded one when their sizes differ, their size's unpadded one when they
-    all have it - never a step per size; each window gets what it gets alone."""
+    step - the bucket's padded one, whatever their sizes (alone, each runs its size's unpadded
+    step) - never a step per size; first chunks of calls that start speaking together share
+    their size's unpadded step. Each window gets what it gets alone."""
     graphs = SynthesisGraphs(vg, "rehearse", rows=2)
     g, c = torch.Generator().manual_seed(4), vg.flow.output_size
     windows = [_Window("flow", graphs.bucket_for("flow", n),

@@ -26,7 +26,10 @@ the sizes with an unpadded ("full") step of its own (``FULL_FLOW_WINDOWS``,
 ``EmissionPolicy.window_frames``): every window then runs a full step, except where the utterance
 does not reach back far enough (a reply's second chunk; with 'quality', whose windows are longer,
 the fourth too). Windows of concurrent calls in one bucket still share one step: the unpadded one
-when they all have one size, else the bucket's padded one (87 and 88 frames, say).
+when they all have a first chunk's size (``FIRST_WINDOW_FRAMES``: calls that start speaking
+together), else the bucket's padded one (two 88-frame windows, or 87 and 88 frames, say) - later
+windows of several calls rarely line up (``BENCHMARKS.md`` section 5), and an unpadded step per
+size and row count would be a capture each at start-up for little.
 
 What is captured per bucket:
     flow:    the whole ODE (all Euler steps, both CFG halves as one batch-2 estimator call each);
@@ -54,8 +57,11 @@ Lifecycle: a :class:`SynthesisGraphs` belongs to one voice generator on one devi
 static buffers and graphs of the buckets used so far. ``start_speaking`` takes one explicitly,
 or uses :func:`shared_graphs` (one per voice generator, ``rows=1``, created on first use). On
 CUDA all its graphs share one memory pool (their steps never overlap, and each step's outputs
-are copied out before the next). Capturing costs a few eager runs per bucket and row count: call
-:meth:`SynthesisGraphs.warm_up` at start-up to keep it off the first reply. Moving or casting the
+are copied out before the next). Capturing costs eager runs per bucket and row count - two
+warm-up runs and the recording the first time a bucket captures a computation (padded or
+unpadded: lazy library set-up happens there), one warm-up run at its other row counts (the same
+kernels on more rows) - call :meth:`SynthesisGraphs.warm_up` at start-up to keep it off the first
+reply (at full size on the H200 it took about a minute with eight rows). Moving or casting the
 voice generator is detected and the buckets are rebuilt.
 """
 
@@ -83,6 +89,9 @@ FLOW_BUCKETS = (17, 24, 37, 48, 88, 144, 256)
 # sizes for the widened windows - a window starts on the flow's 2-frame grid, so whether it can
 # fill a size depends on the parity of its end (``synthesis._window_start``).
 FULL_FLOW_WINDOWS = (17, 37, 87, 88, 143, 144, 255, 256)
+# Warm-up runs before a capture (``StepGraph``): the first capture of each of a bucket's
+# computations gets StepGraph's two; later row counts of it one (lazy set-up is done by then).
+REPEAT_WARMUP_RUNS = 1
 VOCODER_BUCKETS = (16, 24, 60, 92, 128, 256)
 # The least a vocoder step waits for the windows of its flow step's utterances: on CUDA a step's
 # host time is its launches only (the GPU still works through it), the eager work between the
@@ -114,21 +123,25 @@ def _valid_mask(mask: torch.Tensor, n: int) -> None:
 
 class _Bucket:
     """Static inputs of up to ``rows`` windows of ``frames`` frames, and a step per row count and
-    fill: ``padded`` (masks keep each window's valid frames exact) or, where ``full_steps``,
-    ``full`` (every window fills the bucket: the unpadded computation, a third fewer kernels in the
-    flow - no masked statistics). Only buckets warmed up for it take full steps: a window that
-    happens to fill another bucket must not stall a reply with a capture."""
+    fill: ``padded`` (masks keep each window's valid frames exact) or, for steps of at most
+    ``full_rows`` windows, ``full`` (every window fills the bucket: the unpadded computation, a
+    third fewer kernels in the flow - no masked statistics). Only steps warmed up for it are full:
+    a window that happens to fill another bucket must not stall a reply with a capture."""
 
-    def __init__(self, name: str, frames: int, device, mode: str, pool, full_steps: bool = False):
-        self.name, self.frames, self.full_steps = name, frames, full_steps
+    def __init__(self, name: str, frames: int, device, mode: str, pool, full_rows: int = 0,
+                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS):
+        self.name, self.frames, self.full_rows = name, frames, full_rows
         self._device, self._mode, self._pool = device, mode, pool
+        self._repeat_warmup_runs = repeat_warmup_runs
         self.steps: dict[tuple[int, bool], StepGraph] = {}
 
     def step(self, n: int, full: bool = False) -> StepGraph:
         if (n, full) not in self.steps:
             fill = "full" if full else "padded"
+            first = not any(is_full == full for _, is_full in self.steps)  # this computation's first capture
+            runs = {} if first else {"warmup_runs": self._repeat_warmup_runs}
             self.steps[n, full] = StepGraph(lambda: self._compute(n, full), self._device, self._mode, pool=self._pool,
-                                            name=f"{self.name} ({self.frames} frames x{n}, {fill})")
+                                            name=f"{self.name} ({self.frames} frames x{n}, {fill})", **runs)
         return self.steps[n, full]
 
     def run(self, windows: list[tuple], n: int) -> list[torch.Tensor]:
@@ -136,7 +149,7 @@ class _Bucket:
         for row, window in enumerate(windows):
             self._put_row(row, *window)
         self.mask[len(windows):n].fill_(1)  # idle rows: any finite window (an empty mask would divide by 0)
-        full = self.full_steps and all(self._valid(window) == self.frames for window in windows)  # idle rows: full
+        full = n <= self.full_rows and all(self._valid(window) == self.frames for window in windows)  # idle rows: full
         out = self.step(n, full).run()
         # the outputs are overwritten by the next step: clone each window's valid part
         return [out[row:row + 1, ..., :self._valid(window)].clone() for row, window in enumerate(windows)]
@@ -154,8 +167,9 @@ class _Bucket:
 class _FlowBucket(_Bucket):
     """The flow's ODE on ``frames``-frame windows: mu, cond, noise (rows, 80, frames), spks (rows, 80)."""
 
-    def __init__(self, flow, frames: int, rows: int, device, dtype, mode: str, pool=None, full_steps: bool = False):
-        super().__init__("flow ODE", frames, device, mode, pool, full_steps)
+    def __init__(self, flow, frames: int, rows: int, device, dtype, mode: str, pool=None, full_rows: int = 0,
+                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS):
+        super().__init__("flow ODE", frames, device, mode, pool, full_rows, repeat_warmup_runs)
         self.flow = flow
         c = flow.output_size
         self.mu = torch.zeros(rows, c, frames, device=device, dtype=dtype)
@@ -184,8 +198,9 @@ class _FlowBucket(_Bucket):
 class _VocoderBucket(_Bucket):
     """HiFT's decode on ``frames``-frame windows: mel (rows, 80, frames), source (rows, 1, 256 frames)."""
 
-    def __init__(self, hift, frames: int, rows: int, device, dtype, mode: str, pool=None):
-        super().__init__("HiFT decode", frames, device, mode, pool)
+    def __init__(self, hift, frames: int, rows: int, device, dtype, mode: str, pool=None,
+                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS):
+        super().__init__("HiFT decode", frames, device, mode, pool, repeat_warmup_runs=repeat_warmup_runs)
         self.hift = hift
         self.mel = torch.zeros(rows, hift.conv_pre.in_channels, frames, device=device, dtype=dtype)
         self.source = torch.zeros(rows, 1, frames * hift.samples_per_frame, device=device, dtype=dtype)
@@ -219,7 +234,9 @@ class _Window:
 class SynthesisGraphs:
     def __init__(self, vg, graph_mode: str = "auto", flow_buckets: Iterable[int] = FLOW_BUCKETS,
                  vocoder_buckets: Iterable[int] = VOCODER_BUCKETS, rows: int = 1, gather: float = 0.5,
-                 full_flow_frames: Optional[Iterable[int]] = None):
+                 full_flow_frames: Optional[Iterable[int]] = None,
+                 batched_full_frames: Optional[Iterable[int]] = FIRST_WINDOW_FRAMES,
+                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS):
         """Bucketed steps for ``vg`` on its current device. ``graph_mode`` (see ``step_graph``):
         'auto' captures CUDA graphs on CUDA and runs the padded steps eagerly elsewhere; 'eager' and
         'rehearse' (the capture protocol without a graph) work on any device. ``rows``: the most
@@ -230,7 +247,10 @@ class SynthesisGraphs:
         window sizes that run an unpadded step of their own (default: ``FULL_FLOW_WINDOWS`` up to
         the largest flow bucket); on the bucketed path later windows are widened to one of them.
         A window of another size runs the padded step of the smallest ``flow_buckets`` size that
-        holds it."""
+        holds it. ``batched_full_frames``: the ``full_flow_frames`` sizes whose unpadded step also
+        runs several windows at once (None: all of them); windows of the others share their
+        bucket's padded step when they come together. ``repeat_warmup_runs``: warm-up runs before
+        capturing a computation a bucket already captured at another row count."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
         if not 0 <= gather <= 1:
@@ -249,6 +269,11 @@ class SynthesisGraphs:
         self.full_flow_frames = tuple(sorted({int(f) for f in full_flow_frames}))
         if self.full_flow_frames and self.full_flow_frames[0] < 1:
             raise ValueError("full_flow_frames must be positive frame counts")
+        batched = self.full_flow_frames if batched_full_frames is None else batched_full_frames
+        self.batched_full_frames = tuple(sorted({int(f) for f in batched} & set(self.full_flow_frames)))
+        if isinstance(repeat_warmup_runs, bool) or not isinstance(repeat_warmup_runs, int) or repeat_warmup_runs < 0:
+            raise ValueError(f"repeat_warmup_runs must be an integer >= 0, got {repeat_warmup_runs!r}")
+        self.repeat_warmup_runs = repeat_warmup_runs
         self.counts: Counter = Counter()  # windows per ('flow' | 'vocoder', bucket frames or None = eager fallback)
         self.padded_frames: Counter = Counter()  # padding frames computed per stage (how much padding occurred)
         self.padded_windows: Counter = Counter()  # windows per stage that ran a padded (masked) step
@@ -317,8 +342,8 @@ class SynthesisGraphs:
                 vocoder_frames: Optional[Iterable[int]] = None) -> None:
         """Capture the steps windows of these sizes take now (default: every bucket and every
         full size), each row count, so that no live step pays for a capture: the padded step of
-        the bucket holding each, and the unpadded step of each that is one of ``full_flow_frames``.
-        Not counted in ``counts``."""
+        the bucket holding each, and the unpadded step of each that is one of ``full_flow_frames``
+        (at every row count for ``batched_full_frames``, else alone). Not counted in ``counts``."""
         flow_frames = self.flow_buckets + self.full_flow_frames if flow_frames is None else flow_frames
         vocoder_frames = self.vocoder_buckets if vocoder_frames is None else vocoder_frames
         with self._exclusive():
@@ -333,7 +358,7 @@ class SynthesisGraphs:
             # largest first: later captures reuse the shared pool's memory instead of growing it
             for n in reversed(self.row_counts):
                 padded = {self.bucket_for("flow", f) for f in flow_frames} - {None}
-                full = {f for f in flow_frames if f in self.full_flow_frames}
+                full = {f for f in flow_frames if f in self._full_sizes(n)}
                 for size in sorted(padded | full, reverse=True):
                     bucket = self._flow_bucket(size)
                     if size in padded:  # a window one frame short (a 1-frame bucket: its only step)
@@ -427,12 +452,12 @@ class SynthesisGraphs:
             same = [w for w in self._queue if (w.stage, w.bucket) == (first.stage, first.bucket)]
             batch = same[:self.rows]
             sizes = {w.inputs[0].shape[-1] for w in batch}
-            if first.stage == "flow" and len(sizes) == 1 and (size := sizes.pop()) in self.full_flow_frames:
+            if first.stage == "flow" and len(sizes) == 1 and (size := sizes.pop()) in self._full_sizes(len(batch)):
                 for w in batch:
                     w.bucket = size
         taken = set(map(id, batch))
         self._queue = [w for w in self._queue if id(w) not in taken]
-        full = first.stage == "flow" and first.bucket in self.full_flow_frames and \
+        full = first.stage == "flow" and first.bucket in self._full_sizes(len(batch)) and \
             all(w.inputs[0].shape[-1] == first.bucket for w in batch)
         for w in batch:
             self.counts[w.stage, w.bucket] += 1
@@ -477,16 +502,21 @@ class SynthesisGraphs:
                 self._lock.notify_all()
 
     # -- internals ------------------------------------------------------------------------------
+    def _full_sizes(self, windows: int) -> tuple[int, ...]:
+        """The window sizes whose unpadded step runs ``windows`` windows at once."""
+        return self.full_flow_frames if windows == 1 else self.batched_full_frames
+
     def _flow_bucket(self, size: int) -> _FlowBucket:
         if size not in self._flow:
+            full_rows = self.rows if size in self.batched_full_frames else int(size in self.full_flow_frames)
             self._flow[size] = _FlowBucket(self.vg.flow, size, self.rows, self._device, self._dtype, self._mode,
-                                           self._pool, full_steps=size in self.full_flow_frames)
+                                           self._pool, full_rows, self.repeat_warmup_runs)
         return self._flow[size]
 
     def _vocoder_bucket(self, size: int) -> _VocoderBucket:
         if size not in self._vocoder:
             self._vocoder[size] = _VocoderBucket(self.vg.hift, size, self.rows, self._device, self._dtype,
-                                                 self._mode, self._pool)
+                                                 self._mode, self._pool, self.repeat_warmup_runs)
         return self._vocoder[size]
 
     def _weights(self):
