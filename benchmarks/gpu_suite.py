@@ -317,21 +317,28 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
             "reply_stages": dict(clock.stages)}
 
 
-def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0) -> dict:
+def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0,
+                    pending_segments: int | None = None) -> dict:
     """A whole reply as the agent runs it: the spoken LM, the speech decoder and the vocoder each on
     a thread of its own, handing segments and groups of speech tokens on through queues (the
-    plugin's processors do the same), so that one segment's speech tokens are decoded while the
-    last one's are vocoded. Wall seconds from the end of the turn to the reply's last audio, per
-    second of audio; on CUDA the decoding and the synthesis overlap only on separate streams
-    (``streams='synthesis'``)."""
+    plugin's processors do the same, with the same back-pressure: the LM waits for room before it
+    makes the next segment, at most ``pending_segments`` (default: the agent's) not yet taken by
+    the speech decoder; at most ``MAX_PENDING_TOKEN_GROUPS`` groups wait for the vocoder), so that
+    one segment's speech tokens are decoded while the last one's are vocoded. Wall seconds from the
+    end of the turn to the reply's last audio, per second of audio; on CUDA the decoding and the
+    synthesis overlap only on separate streams (``streams='synthesis'``)."""
     import queue
 
+    from pipecat_taste.call import MAX_PENDING_SEGMENTS
+    from pipecat_taste.synthesis import MAX_PENDING_TOKEN_GROUPS
     from taste_speech.streaming import every_n_words, streaming_generate
 
     session = new_session(engine, seed)
     script, stop = reply_script(engine)
     turn = asr_while_speaking(asr[path.name], audio) if asr is not None else None
-    segments, groups = queue.Queue(), queue.Queue()
+    pending_segments = MAX_PENDING_SEGMENTS if pending_segments is None else pending_segments
+    segments, groups = queue.Queue(), queue.Queue(maxsize=MAX_PENDING_TOKEN_GROUPS)
+    room = threading.Semaphore(pending_segments)  # segment slots, given back as the speech decoder takes each
     state = session.start_speech(OUT_RATE)
     out = {"samples": 0, "first_s": None, "errors": []}
 
@@ -351,17 +358,23 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
 
     def think():
         forced.script(script)  # (scripts are per thread)
+        room.acquire()
         for item in streaming_generate(engine.model, engine.processor, [], text_top_p=0.0, max_length=64,
                                        eos_id=stop, should_emit_segment=every_n_words(1),
                                        conversation=session.conversation,
                                        prompt_format=session.conversation.prompt_format):
             if item["segment"] is not None:
                 segments.put(item["segment"])
+                room.acquire()  # room for the next segment before the LM goes on
 
     def speech_tokens():
-        while (segment := segments.get()) is not None:
-            for group in session.speech_tokens(state, segment):
-                groups.put(group)
+        try:
+            while (segment := segments.get()) is not None:
+                room.release()
+                for group in session.speech_tokens(state, segment):
+                    groups.put(group)
+        finally:  # (a failed stage must not leave the LM waiting for room)
+            room.release(pending_segments + 1)
 
     def vocode():
         while (group := groups.get()) is not None:
@@ -777,13 +790,14 @@ class Suite:
         """The whole reply as the agent runs it, graphed, on one stream and with the synthesis stream
         (CUDA), in one run: an untimed reply first (captures, allocations), then the median of ``repeats``."""
         cuda = torch.device(self.args.device).type == "cuda"
-        for path, key in ((GRAPHED, "pipelined"), (SYNTHESIS_STREAM, "pipelined_synthesis_stream")):
+        for path, key, pending in ((GRAPHED, "pipelined", None), (GRAPHED, "pipelined_one_segment_ahead", 1),
+                                   (SYNTHESIS_STREAM, "pipelined_synthesis_stream", None)):
             if path.streams != "default" and not cuda:
                 self.data["needs_cuda"].append("pipelined_reply with the synthesis stream")
                 continue
             engine = self.engine_for(path)
-            pipelined_reply(engine, self.asr, path, self.forced, self.audio)
-            runs = sorted((pipelined_reply(engine, self.asr, path, self.forced, self.audio)
+            pipelined_reply(engine, self.asr, path, self.forced, self.audio, pending_segments=pending)
+            runs = sorted((pipelined_reply(engine, self.asr, path, self.forced, self.audio, pending_segments=pending)
                            for _ in range(self.args.repeats)), key=lambda r: r["rtf"])
             self.data["paths"]["graphed"][key] = runs[(len(runs) - 1) // 2]
             progress(f"{key}: {rounded(self.data['paths']['graphed'][key])}")
@@ -957,6 +971,7 @@ def reply_stage_lines(eager: dict, graphed: dict) -> list[str]:
 def pipelined_lines(graphed: dict) -> list[str]:
     rows = [[label, f"{graphed[key]['rtf']:.3f}", f"{graphed[key]['audio_s']:.1f}", fmt(graphed[key]["first_audio_ms"])]
             for key, label in (("pipelined", "graphed, one stream"),
+                               ("pipelined_one_segment_ahead", "graphed, one stream, the LM one segment ahead"),
                                ("pipelined_synthesis_stream", "graphed, synthesis stream (streams='synthesis')"))
             if key in graphed]
     if graphed.get("first_audio", {}).get("rtf") is not None:  # the same reply, every stage in turn on one thread
@@ -964,7 +979,8 @@ def pipelined_lines(graphed: dict) -> list[str]:
         rows.insert(0, ["graphed, one thread: each stage in turn (first-audio part)", f"{first['rtf']:.3f}",
                         f"{first['audio_s']:.1f}", fmt(first["first_audio_ms"])])
     return (["The whole reply as the agent runs it (spoken LM, speech decoder and vocoder on three threads, "
-             "the ASR tail, tower and prefill first; median run):", ""]
+             "the ASR tail, tower and prefill first; the LM at most the agent's 4 segments ahead of the speech "
+             "decoder unless said; median run):", ""]
             + table_lines(["path", "wall s per audio s", "audio s", "first audio ms"], rows) + [""])
 
 

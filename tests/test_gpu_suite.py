@@ -69,12 +69,16 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     # a CUDA stream needs CUDA: said, not failed
     assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "synthesis_stream_calls",
                                   "call_streams_calls"]
-    pipelined = graphed["pipelined"]
-    assert pipelined["audio_s"] > 1.0 and 0 < pipelined["first_audio_ms"] < 1000 * pipelined["wall_s"]
-    assert pipelined["rtf"] == pytest.approx(pipelined["wall_s"] / pipelined["audio_s"])
+    for key in ("pipelined", "pipelined_one_segment_ahead"):  # the agent's back-pressure, and the LM held closer
+        pipelined = graphed[key]
+        assert pipelined["audio_s"] > 1.0 and 0 < pipelined["first_audio_ms"] < 1000 * pipelined["wall_s"]
+        assert pipelined["rtf"] == pytest.approx(pipelined["wall_s"] / pipelined["audio_s"])
+    # the same reply, whatever the back-pressure
+    assert graphed["pipelined"]["audio_s"] == graphed["pipelined_one_segment_ahead"]["audio_s"]
     text = out.read_text()
     assert ("| calls | eager median | graphed median | graphed max | synthesis stream median | synthesis stream max "
             "| call streams median | call streams max |") in text
+    assert "| graphed, one stream |" in text and "| graphed, one stream, the LM one segment ahead |" in text
     assert "| graphed, one stream |" in text and "Not measured on this device (CUDA only): pipelined_reply" in text
     assert "| **first audio** |" in text and "| spoken LM, context 1024 |" in text
     assert "| speech decoder (every segment) |" in text and "| **whole reply** |" in text

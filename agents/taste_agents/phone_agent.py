@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipecat_taste.call import CallLog
+from pipecat_taste.call import MAX_PENDING_SEGMENTS, CallLog
 from pipecat_taste.capture import TurnCaptureParams
 from pipecat_taste.engine import GenerationSettings
 from pipecat_taste.playout import PlayoutParams
@@ -37,7 +37,7 @@ class PhoneAgentConfig:
     vad_stop_secs: float = 0.5
     capture: TurnCaptureParams = field(default_factory=TurnCaptureParams)
     playout: PlayoutParams = field(default_factory=PlayoutParams)
-    max_pending_segments: int = 4
+    max_pending_segments: int = MAX_PENDING_SEGMENTS
     history_max_tokens: int = 4096  # rolling window of the conversation (LM rows)
     history_max_turns: int = 64
 

@@ -23,6 +23,10 @@ from pipecat_taste.reply_mutes import ReplyMutes
 from pipecat_taste.start_hold import StartNeeds
 
 STAGES = ("listen", "think", "speech_tokens", "vocode")
+# Reply segments the generator may have ready before the speech decoder takes them (back-pressure:
+# the spoken LM needs a fraction of the speech decoder's time per word, and running further ahead
+# would only compete with it for the device, and be thrown away on a barge-in).
+MAX_PENDING_SEGMENTS = 4
 
 
 @dataclass
@@ -142,7 +146,7 @@ class TasteCall:
     """Shared by the processors of one call (``TasteSpeechToSpeech`` makes one for you)."""
 
     def __init__(self, engine, settings: GenerationSettings | None = None, *, voice=None,
-                 max_pending_segments: int = 4, log: CallLog | None = None):
+                 max_pending_segments: int = MAX_PENDING_SEGMENTS, log: CallLog | None = None):
         if max_pending_segments < 1:
             raise ValueError("max_pending_segments must be >= 1")
         self.engine = engine

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pipecat.audio.vad.vad_analyzer import VADAnalyzer
 from pipecat.pipeline.pipeline import Pipeline
 
-from pipecat_taste.call import CallLog, TasteCall
+from pipecat_taste.call import MAX_PENDING_SEGMENTS, CallLog, TasteCall
 from pipecat_taste.capture import TasteTurnCapture, TurnCaptureParams
 from pipecat_taste.engine import GenerationSettings
 from pipecat_taste.generation import TasteGenerator
@@ -29,7 +29,8 @@ class TasteSpeechToSpeech(Pipeline):
     def __init__(self, engine, *, settings: GenerationSettings | None = None, voice=None,
                  vad_analyzer: VADAnalyzer | None = None, use_own_vad: bool = True,
                  capture_params: TurnCaptureParams | None = None, playout_params: PlayoutParams | None = None,
-                 max_pending_segments: int = 4, log: CallLog | None = None, call: TasteCall | None = None):
+                 max_pending_segments: int = MAX_PENDING_SEGMENTS, log: CallLog | None = None,
+                 call: TasteCall | None = None):
         """``engine``: a :class:`~pipecat_taste.engine.TasteEngine` (shared by all calls) or any
         object with its interface. ``vad_analyzer``: defaults to :class:`WebRTCVADAnalyzer`; with
         ``use_own_vad=False`` the capture follows an upstream ``VADProcessor`` instead."""

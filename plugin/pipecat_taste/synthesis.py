@@ -86,9 +86,13 @@ class _Reply:
     closed: bool = False  # vocoder stage only: its audio ended (finished or failed); later groups are dropped
 
 
+# Groups of speech tokens (five each) decoded ahead of the vocoder.
+MAX_PENDING_TOKEN_GROUPS = 8
+
+
 class TasteSynthesizer(FrameProcessor):
     def __init__(self, call: TasteCall, *, fade_in_ms: float = 5.0, fade_out_ms: float = 10.0,
-                 max_pending_token_groups: int = 8, **kwargs):
+                 max_pending_token_groups: int = MAX_PENDING_TOKEN_GROUPS, **kwargs):
         super().__init__(**kwargs)
         if max_pending_token_groups < 1:
             raise ValueError("max_pending_token_groups must be >= 1")
