@@ -787,8 +787,9 @@ class Suite:
         progress(f"levers: {rounded(self.data['levers'])}")
 
     def part_pipelined_reply(self, _name) -> None:
-        """The whole reply as the agent runs it, graphed, on one stream and with the synthesis stream
-        (CUDA), in one run: an untimed reply first (captures, allocations), then the median of ``repeats``."""
+        """The whole reply as the agent runs it, graphed: on one stream with the agent's back-pressure
+        and with the LM one segment ahead, and with the synthesis stream (CUDA), in one run: an
+        untimed reply first (captures, allocations), then the median of ``repeats``."""
         cuda = torch.device(self.args.device).type == "cuda"
         for path, key, pending in ((GRAPHED, "pipelined", None), (GRAPHED, "pipelined_one_segment_ahead", 1),
                                    (SYNTHESIS_STREAM, "pipelined_synthesis_stream", None)):
@@ -969,6 +970,8 @@ def reply_stage_lines(eager: dict, graphed: dict) -> list[str]:
 
 
 def pipelined_lines(graphed: dict) -> list[str]:
+    from pipecat_taste.call import MAX_PENDING_SEGMENTS
+
     rows = [[label, f"{graphed[key]['rtf']:.3f}", f"{graphed[key]['audio_s']:.1f}", fmt(graphed[key]["first_audio_ms"])]
             for key, label in (("pipelined", "graphed, one stream"),
                                ("pipelined_one_segment_ahead", "graphed, one stream, the LM one segment ahead"),
@@ -979,8 +982,8 @@ def pipelined_lines(graphed: dict) -> list[str]:
         rows.insert(0, ["graphed, one thread: each stage in turn (first-audio part)", f"{first['rtf']:.3f}",
                         f"{first['audio_s']:.1f}", fmt(first["first_audio_ms"])])
     return (["The whole reply as the agent runs it (spoken LM, speech decoder and vocoder on three threads, "
-             "the ASR tail, tower and prefill first; the LM at most the agent's 4 segments ahead of the speech "
-             "decoder unless said; median run):", ""]
+             f"the ASR tail, tower and prefill first; the LM at most the agent's {MAX_PENDING_SEGMENTS} segments "
+             "ahead of the speech decoder unless said; median run):", ""]
             + table_lines(["path", "wall s per audio s", "audio s", "first audio ms"], rows) + [""])
 
 
