@@ -147,6 +147,21 @@ def test_flow_windows_benchmark_measures_both_changes_against_their_baselines():
     assert wide["ops_per_audio_s"] < 0.8 * narrow["ops_per_audio_s"]
 
 
+def test_segment_operator_benchmark_splits_each_segment_into_its_start_and_its_steps(capsys):
+    """bench_segment_ops at tiny size: a row per segment, one decode step per speech token (and
+    one for the end), the same operators in every step, and some operators outside them (the
+    segment's prefix and feeds)."""
+    from benchmarks import bench_segment_ops
+
+    assert bench_segment_ops.main(["--size", "tiny", "--segments", "2"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if re.match(r"\| \d+ \|", line)]
+    assert [int(r[0]) for r in rows] == [0, 1]
+    for _, tokens, steps, per_step, outside in rows:
+        assert int(tokens) > 0 and int(steps) in (int(tokens), int(tokens) + 1)
+        assert int(per_step) > 10 and int(outside) > 0
+
+
 def test_regenerating_keeps_the_sections_it_did_not_measure(tmp_path):
     """run_all rewrites the sections it measures; a GPU section measured elsewhere, the sections
     other commands wrote (8 onwards) and the sections left out of --sections stay, in order."""
