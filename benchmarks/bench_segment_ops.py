@@ -48,12 +48,11 @@ def main(argv=None) -> int:
     parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
     parser.add_argument("--segments", type=int, default=3)
     args = parser.parse_args(argv)
-    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from pipecat_taste.engine import GenerationSettings
 
     torch.set_grad_enabled(False)
-    built = gpu_suite.build_engine(args.size, "cpu", None)
-    engine = TasteEngine(built.model, built.processor, built.voice_generator, checkpoint_dir=built.checkpoint_dir,
-                         device="cpu", asr=None, decoding="graphed")  # static caches, steps run eagerly
+    # the suite's graphed path: static caches, their steps run eagerly on a CPU
+    engine = gpu_suite.path_engine(gpu_suite.build_engine(args.size, "cpu", None), gpu_suite.GRAPHED)
     decoder = engine.model.speech_decoder
     in_steps = {"ops": 0, "steps": 0}  # the decode steps' operators, counted apart
     step = decoder.step
