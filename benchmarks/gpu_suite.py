@@ -32,13 +32,15 @@ Tables (one run each, all figures from the same process):
    flow's ODE with q/k/v as one product and no all-ones mask vs three products and the mask, the
    ODE with its steps' time conditioning in one pass vs in every estimator call, and a reply's
    synthesis with growing chunks (the default) vs fixed 25-token chunks, and with widened windows
-   vs windows as their context makes them;
+   vs windows as their context makes them; and (``chunk_limits``) a 24 s reply's synthesis with
+   steady chunks growing to 100 (the default), 200 and 300 tokens on buckets up to 640 frames, with
+   one flow and one vocoder step's ms per window size;
 5. the whole reply as the agent runs it (``pipelined_reply``: the spoken LM, the speech decoder and
    the vocoder on three threads, as the plugin's processors run them): wall seconds per second of
    audio, graphed, with and without the synthesis stream (CUDA).
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, ``pipelined_reply``, then the calls tables ``graphed_calls``, ``synthesis_stream_calls``,
+``levers``, ``chunk_limits``, ``pipelined_reply``, then the calls tables ``graphed_calls``, ``synthesis_stream_calls``,
 ``call_streams_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
@@ -500,8 +502,9 @@ def adapters_on_the_side(lm):
             layer.merged_adapters[:] = names
 
 
-def synthesis_rtf(engine, path: DecodePath, policy, seconds: float = 8.0) -> dict:
-    """A reply's synthesis alone, its speech tokens all at hand (fed 5 at a time): compute s per audio s."""
+def synthesis_rtf(engine, path: DecodePath, policy, seconds: float = 8.0, graphs=None) -> dict:
+    """A reply's synthesis alone, its speech tokens all at hand (fed 5 at a time): compute s per audio
+    s. ``graphs``: the bucketed steps to run (default: the voice generator's shared ones)."""
     from taste_speech.streaming.synthesis import speak, start_speaking
 
     vg = engine.voice_generator
@@ -509,7 +512,8 @@ def synthesis_rtf(engine, path: DecodePath, policy, seconds: float = 8.0) -> dic
     tokens = torch.randint(0, vg.flow.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     voice = torch.as_tensor(engine.speaker_embedding()).float().reshape(1, -1)
     for timed in (False, True):  # the first pass captures the buckets it needs
-        state = start_speaking(vg, voice, policy, OUT_RATE, torch.Generator().manual_seed(0), kind=path.cache_kind)
+        state = start_speaking(vg, voice, policy, OUT_RATE, torch.Generator().manual_seed(0), kind=path.cache_kind,
+                               graphs=graphs)
         padded_before = state.graphs.padded_windows["flow"] if state.graphs is not None else 0
         chunks = []
         sync(engine.device)
@@ -591,6 +595,116 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
                         # growing chunks, each window at its context's size (padded steps)
                         "narrow": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(window_frames=()))}
     return out
+
+
+# Steady chunks longer than the default's 100 tokens need flow and vocoder windows beyond the default
+# buckets' 256 frames: a 200-token chunk's flow window is about 380 frames, a 300-token one's 550.
+CHUNK_LIMITS = (100, 200, 300)
+WIDE_BUCKETS = (384, 512, 640)
+
+
+@torch.inference_mode()
+def window_step_ms(graphs, sizes, repeats: int) -> list[dict]:
+    """Median ms of one flow step (the whole ODE, unpadded: a window of exactly a full size) and one
+    vocoder step (a window one frame short of a bucket) per window size: the cost per window as it grows."""
+    vg, device = graphs.vg, graphs.device
+    c, n_mel, spf = vg.flow.output_size, vg.hift.conv_pre.in_channels, vg.hift.samples_per_frame
+    rows = []
+    for frames in sizes:
+        mu = torch.randn(1, c, frames, device=device)
+        spks = torch.randn(1, c, device=device)
+        mel = torch.randn(1, n_mel, frames - 1, device=device)
+        source = torch.zeros(1, 1, (frames - 1) * spf, device=device)
+        row = {"frames": frames, "vocoder_bucket": graphs.bucket_for("vocoder", frames - 1)}
+        for stage, run in (("flow_ms", lambda: graphs.flow(mu, spks, torch.zeros_like(mu), torch.randn_like(mu))),
+                           ("vocoder_ms", lambda: graphs.vocoder(mel, source))):
+            run()  # capture
+            times = []
+            for _ in range(repeats):
+                sync(device)
+                t0 = time.perf_counter()
+                run()
+                sync(device)
+                times.append(1000 * (time.perf_counter() - t0))
+            row[stage] = statistics.median(times)
+        rows.append(row)
+    return rows
+
+
+def chunk_limits(engine, repeats: int, seconds: float = 24.0) -> dict:
+    """The lever of longer steady chunks, on the graphed path: a ``seconds`` reply's synthesis (its
+    speech tokens at hand) with 'low_latency' chunks growing to 100 tokens (the default) and further,
+    on bucketed steps with flow and vocoder buckets up to 640 frames; and what one flow and one
+    vocoder step cost per window size. On a GPU a step costs mostly its launches, so fewer, longer
+    windows should cost less per second of audio - if the step's cost grows slower than its frames."""
+    from taste_speech.streaming.synthesis_graphs import (FLOW_BUCKETS, FULL_FLOW_WINDOWS, VOCODER_BUCKETS,
+                                                         SynthesisGraphs)
+    from taste_speech.streaming.synthesis_state import EmissionPolicy
+
+    full = FULL_FLOW_WINDOWS + tuple(f for b in WIDE_BUCKETS for f in (b - 1, b))
+    graphs = SynthesisGraphs(engine.voice_generator, flow_buckets=FLOW_BUCKETS + WIDE_BUCKETS,
+                             vocoder_buckets=VOCODER_BUCKETS + WIDE_BUCKETS, full_flow_frames=full)
+    replies = [{"max_chunk_tokens": limit, **synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(
+        max_chunk_tokens=limit), seconds, graphs=graphs)} for limit in CHUNK_LIMITS]
+    steps = window_step_ms(graphs, (17, 88, 144, 256) + WIDE_BUCKETS, repeats)
+    return {"seconds": seconds, "replies": replies, "steps": steps, "mode": graphs.mode}
+
+
+@contextlib.contextmanager
+def compiled_estimator(cfm, backend: str = "inductor"):
+    """The flow's estimator through ``torch.compile`` (inductor: elementwise and normalisation
+    kernels fused around the matrix products) while inside; the plain module again after.
+    (``backend='eager'``: traced whole, not compiled - the harness's check on a machine without a
+    C compiler.)"""
+    plain = cfm.estimator
+    cfm.estimator = torch.compile(plain, backend=backend, dynamic=False, fullgraph=True)
+    try:
+        yield
+    finally:
+        cfm.estimator = plain
+
+
+@torch.inference_mode()
+def compiled_flow(engine, repeats: int, frames=(17, 256), left_s: Callable[[], float] = lambda: float("inf"),
+                  backend: str = "inductor") -> dict:
+    """A lever not built into the engine, measured to size it: one unpadded flow ODE (a window of
+    ``frames``) captured as one step, with the estimator as it is vs compiled by ``torch.compile``
+    (the compiled kernels captured in the same kind of step). Compiling costs time at start-up
+    (``compile_s``: the first run) and needs Triton on CUDA. A size starts only with a minute left."""
+    from taste_speech.step_graph import StepGraph
+
+    vg, device = engine.voice_generator, engine.device
+    cfm, c = vg.flow.decoder, vg.flow.output_size
+    rows = []
+    for n in frames:
+        if left_s() < 60:
+            break
+        gen = torch.Generator().manual_seed(n)
+        mu, noise = (torch.randn(1, c, n, generator=gen).to(device) for _ in range(2))
+        spks, cond = torch.randn(1, c, generator=gen).to(device), torch.zeros(1, c, n, device=device)
+        row = {"frames": n}
+        outputs = {}
+        for name in ("plain", "compiled"):
+            with compiled_estimator(cfm, backend) if name == "compiled" else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                cfm(mu, None, spks, cond, noise)  # (compiling, for the compiled one)
+                sync(device)
+                if name == "compiled":
+                    row["compile_s"] = time.perf_counter() - t0
+                step = StepGraph(lambda: cfm(mu, None, spks, cond, noise), device, "auto", name=f"flow ODE {name}")
+                outputs[name] = step.run().clone()  # (warm-up runs and the capture)
+                times = []
+                for _ in range(repeats):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    step.run()
+                    sync(device)
+                    times.append(1000 * (time.perf_counter() - t0))
+                row[name + "_ms"] = statistics.median(times)
+                row[name + "_mode"] = step.mode
+        row["max_mel_diff"] = (outputs["compiled"] - outputs["plain"]).abs().max().item()
+        rows.append(row)
+    return {"rows": rows, "backend": backend}
 
 
 # -- parity of the two paths at this size and dtype ------------------------------------------------------
@@ -684,8 +798,8 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "levers", "pipelined_reply", "graphed_calls", "synthesis_stream_calls",
-         "call_streams_calls", "batched_calls", "eager_calls")
+PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "graphed_calls", "synthesis_stream_calls",
+         "call_streams_calls", "batched_calls", "eager_calls", "compiled_flow")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "synthesis_stream_calls": SYNTHESIS_STREAM,
               "call_streams_calls": CALL_STREAMS, "eager_calls": EAGER}
 # where each path's concurrency rows go in ``data["paths"][path.name]``
@@ -786,6 +900,16 @@ class Suite:
         self.data["levers"] = levers(self.engine_for(GRAPHED), self.args.steps)
         progress(f"levers: {rounded(self.data['levers'])}")
 
+    def part_chunk_limits(self, _name) -> None:
+        # (the engine's own steps are not used: no need to warm up a graphed engine for this part)
+        self.data["chunk_limits"] = chunk_limits(self.engine, self.args.repeats,
+                                                 seconds=12.0 if self.args.quick else 24.0)
+        progress(f"chunk limits: {rounded(self.data['chunk_limits'])}")
+
+    def part_compiled_flow(self, _name) -> None:
+        self.data["compiled_flow"] = compiled_flow(self.engine, self.args.repeats, left_s=self.left_s)
+        progress(f"compiled flow: {rounded(self.data['compiled_flow'])}")
+
     def part_pipelined_reply(self, _name) -> None:
         """The whole reply as the agent runs it, graphed: on one stream with the agent's back-pressure
         and with the LM one segment ahead, and with the synthesis stream (CUDA), in one run: an
@@ -866,6 +990,16 @@ def markdown(data: dict, command: str) -> list[str]:
                               for name in ("eager", "graphed")]) + [""]
     if "levers" in data:
         lines += lever_lines(data["levers"])
+    if "chunk_limits" in data:
+        lines += chunk_limit_lines(data["chunk_limits"])
+    if data.get("compiled_flow", {}).get("rows"):
+        lines += ["The flow's estimator compiled (`torch.compile`, inductor; not built into the engine): one "
+                  "unpadded ODE captured as one step:", ""]
+        lines += table_lines(["window frames", "as it is ms", "compiled ms", "compiled / as it is", "compile s",
+                              "largest mel difference"],
+                             [[str(r["frames"]), fmt(r["plain_ms"]), fmt(r["compiled_ms"]),
+                               f"{r['compiled_ms'] / r['plain_ms']:.2f}", f"{r['compile_s']:.0f}",
+                               f"{r['max_mel_diff']:.2g}"] for r in data["compiled_flow"]["rows"]]) + [""]
     if any(key in entry for entry in (eager, graphed) for key in ("concurrency", *CALL_KEYS.values())):
         lines += concurrency_lines(eager, graphed)
     return lines
@@ -912,6 +1046,24 @@ def lever_lines(lever: dict) -> list[str]:
                      f"{growing['rtf']:.3f}", f"{growing['rtf'] / narrow['rtf']:.2f}"])
     return (["Levers on the graphed path, each against its baseline in this run:", ""]
             + table_lines(["figure", "baseline", "ms / RTF", "lever", "ms / RTF", "lever / baseline"], rows) + [""])
+
+
+def chunk_limit_lines(limits: dict) -> list[str]:
+    replies = limits["replies"]
+    base = replies[0]
+    rows = [[f"growing to {r['max_chunk_tokens']} tokens", str(r["chunks"]), str(r["padded_flow_windows"]),
+             f"{r['rtf']:.3f}", f"{r['rtf'] / base['rtf']:.2f}"] for r in replies]
+    lines = [f"Longer steady chunks: a {limits['seconds']:.0f} s reply's synthesis, its speech tokens at hand "
+             f"('low_latency', flow and vocoder buckets up to {limits['steps'][-1]['frames']} frames; "
+             f"steps: {limits['mode']}):", ""]
+    lines += table_lines(["steady chunks", "chunks", "padded flow windows", "compute s per audio s",
+                          f"/ growing to {base['max_chunk_tokens']}"], rows)
+    lines += ["", "One step per window size (ms; flow: the whole ODE on a window of exactly that size, unpadded; "
+              "vocoder: a window one frame short of that bucket):", ""]
+    lines += table_lines(["window frames", "flow ms", "flow ms per frame", "vocoder bucket", "vocoder ms"],
+                         [[str(s["frames"]), fmt(s["flow_ms"]), f"{s['flow_ms'] / s['frames']:.2f}",
+                           str(s["vocoder_bucket"]), fmt(s["vocoder_ms"])] for s in limits["steps"]])
+    return lines + [""]
 
 
 def first_audio_lines(data: dict) -> list[str]:

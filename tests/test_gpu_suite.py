@@ -17,8 +17,9 @@ from benchmarks import gpu_suite  # noqa: E402
 
 def test_quick_tiny_run_on_cpu(tmp_path):
     out = tmp_path / "gpu_suite.md"
+    parts = [p for p in gpu_suite.PARTS if p != "compiled_flow"]  # (inductor needs a C compiler: its own test)
     assert gpu_suite.main(["--device", "cpu", "--size", "tiny", "--quick", "--dtype", "float32",
-                           "--calls", "1,2", "--out", str(out)]) == 0
+                           "--calls", "1,2", "--parts", ",".join(parts), "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     for name in ("eager", "graphed"):
         path = data["paths"][name]
@@ -65,6 +66,15 @@ def test_quick_tiny_run_on_cpu(tmp_path):
                for row in levers["flow_kernels"])
     assert [(row["frames"], row["padded"]) for row in levers["time_conditioning"]] == [(17, False), (87, True)]
     assert all(row["now_ops"] < row["baseline_ops"] and row["max_mel_diff"] < 1e-4 for row in levers["time_conditioning"])
+    # longer steady chunks: fewer of them for the same reply, each window on a bucket up to 640 frames
+    limits = data["chunk_limits"]
+    replies = limits["replies"]
+    assert [r["max_chunk_tokens"] for r in replies] == list(gpu_suite.CHUNK_LIMITS)
+    assert replies[1]["chunks"] < replies[0]["chunks"] and all(r["rtf"] > 0 for r in replies)
+    assert all(r["padded_flow_windows"] <= 1 for r in replies)
+    assert [s["frames"] for s in limits["steps"]] == [17, 88, 144, 256, 384, 512, 640]
+    assert all(s["flow_ms"] > 0 and s["vocoder_ms"] > 0 for s in limits["steps"])
+    assert limits["steps"][-1]["vocoder_bucket"] == 640
     assert not data["not_measured"] and not data["failed"]
     # a CUDA stream needs CUDA: said, not failed
     assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "synthesis_stream_calls",
@@ -86,6 +96,7 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert "| flow ODE ms (17 frames in bucket 17, unpadded) | three q/k/v products, ones mask |" in text
     assert "| flow ODE ms (87 frames in bucket 88, padded) | time conditioning in every estimator call |" in text
     assert "| graphed | 32/32 |" in text
+    assert "| growing to 200 tokens |" in text and "| 640 |" in text
     assert "batched median" in text and "Batched speech-decoder steps over the whole table" in text
     assert "Batched synthesis over the whole table: flow " in text
 
@@ -153,3 +164,19 @@ def test_concurrent_calls_are_timed_from_the_moment_their_callers_stop_speaking(
     assert at_turn_end == [3] and len(partials) == 3  # 0.8, 1.6, 2.4 s of the 3 s turn, all before its end
     assert result["stages"]["asr_after_turn"] > 0
     assert result["first_audio_ms"] < 2000.0  # the two seconds spent in turn_ends is not in it
+
+
+def test_the_compiled_flow_lever_times_both_steps_and_leaves_the_estimator_as_it_was():
+    """The torch.compile lever traced whole (fullgraph: no graph break in the estimator) with the
+    'eager' backend, so no C compiler is needed: the same mel as the plain step, timed both ways."""
+    engine = gpu_suite.build_engine("tiny", "cpu", None)
+    cfm = engine.voice_generator.flow.decoder
+    plain = cfm.estimator
+    result = gpu_suite.compiled_flow(engine, repeats=1, frames=(17,), backend="eager")
+    assert cfm.estimator is plain
+    (row,) = result["rows"]
+    assert row["frames"] == 17 and row["plain_ms"] > 0 and row["compiled_ms"] > 0
+    assert row["max_mel_diff"] < 1e-5 and row["compile_s"] > 0
+    lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "compiled_flow": result,
+                                "paths": {"eager": {}, "graphed": {}}}, "cmd")
+    assert any(line.startswith("| 17 |") for line in lines)
