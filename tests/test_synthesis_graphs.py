@@ -146,13 +146,13 @@ def test_vocoder_buckets_alone_are_exact_to_rounding(vg, utterance, policy):
 
 
 def test_windows_larger_than_every_bucket_run_the_reference_path(vg):
-    policy = EmissionPolicy.low_latency(chunk_tokens=160)  # steady windows of ~310 flow frames
+    policy = EmissionPolicy.low_latency(chunk_tokens=380)  # steady windows of ~690 flow frames
     g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, vg.flow.vocab_size, (1, 200), generator=g)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, 420), generator=g)
     speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
     graphs = SynthesisGraphs(vg, "rehearse")
-    _, reference = stream(vg, tokens, speaker, widened(policy), [50] * 4, kind="dynamic")
-    _, chunks = stream(vg, tokens, speaker, policy, [50] * 4, graphs=graphs)
+    _, reference = stream(vg, tokens, speaker, widened(policy), [60] * 7, kind="dynamic")
+    _, chunks = stream(vg, tokens, speaker, policy, [60] * 7, graphs=graphs)
     assert graphs.counts["flow", None] >= 1 and graphs.counts["vocoder", None] >= 1
     assert graphs.counts["flow", FLOW_BUCKETS[0]] >= 1  # the first chunk still used its bucket
     assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)

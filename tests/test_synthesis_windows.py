@@ -119,8 +119,10 @@ def test_long_utterances_keep_bounded_state_with_widened_windows(vg):
     policy = EmissionPolicy.low_latency(window_frames=FULL_FLOW_WINDOWS)
     state, chunks = stream(vg, tokens, speaker, policy, [40] * 30)
     assert state.finished and chunks[-1].tokens_committed == 1200
-    assert state.tokens.shape[1] <= 160 and state.mel_history.shape[-1] <= max(FULL_FLOW_WINDOWS)
-    assert max(stop - start for start, stop in state.flow_noise.windows) == max(FULL_FLOW_WINDOWS)
+    widest_tokens = max(FULL_FLOW_WINDOWS) * 256 // 441  # (441/256 frames per token)
+    assert state.tokens.shape[1] <= widest_tokens + 10 and state.mel_history.shape[-1] <= max(FULL_FLOW_WINDOWS)
+    # the longest chunks' windows fill the widest pair of sizes (which of the two: the parity of its end)
+    assert max(stop - start for start, stop in state.flow_noise.windows) in FULL_FLOW_WINDOWS[-2:]
 
 
 def test_window_frames_must_be_frame_counts():

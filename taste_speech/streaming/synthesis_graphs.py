@@ -84,15 +84,19 @@ from taste_speech.step_graph import StepGraph, resolve_mode
 # for - runs the unpadded ODE (no masked statistics: a third fewer kernels). Later windows are
 # widened to fill theirs (``EmissionPolicy.window_frames``).
 FIRST_WINDOW_FRAMES = (17, 37)
-FLOW_BUCKETS = (17, 24, 37, 48, 88, 144, 256)
+# 384-640: the windows of steady chunks that grow to 300 tokens (``EmissionPolicy.max_chunk_tokens``;
+# 20 context + 300 tokens is 551 frames). A step costs mostly its launches: on the H100 a flow step
+# took 85 ms at 256 frames and 112 ms at 640 (BENCHMARKS.md section 5), so fewer, longer windows
+# cost less per second of audio.
+FLOW_BUCKETS = (17, 24, 37, 48, 88, 144, 256, 384, 512, 640)
 # Window sizes with an unpadded ("full") step of their own: the first chunks', and pairs of adjacent
 # sizes for the widened windows - a window starts on the flow's 2-frame grid, so whether it can
 # fill a size depends on the parity of its end (``synthesis._window_start``).
-FULL_FLOW_WINDOWS = (17, 37, 87, 88, 143, 144, 255, 256)
+FULL_FLOW_WINDOWS = (17, 37, 87, 88, 143, 144, 255, 256, 383, 384, 511, 512, 639, 640)
 # Warm-up runs before a capture (``StepGraph``): the first capture of each of a bucket's
 # computations gets StepGraph's two; later row counts of it one (lazy set-up is done by then).
 REPEAT_WARMUP_RUNS = 1
-VOCODER_BUCKETS = (16, 24, 60, 92, 128, 256)
+VOCODER_BUCKETS = (16, 24, 60, 92, 128, 256, 384, 512, 640)
 # The least a vocoder step waits for the windows of its flow step's utterances: on CUDA a step's
 # host time is its launches only (the GPU still works through it), the eager work between the
 # two windows about a millisecond.

@@ -55,8 +55,10 @@ class EmissionPolicy:
         emitted (at least ``chunk_tokens``). The audio queued by then pays for waiting for the bigger
         chunk (it needs production only 1.5x faster than real time), and a step's fixed cost - its
         kernel launches on a GPU, the re-encoded left context everywhere - is paid less often per
-        second of audio. Keep context + chunk + lookahead within the largest synthesis bucket
-        (``synthesis_graphs.FLOW_BUCKETS``: 256 frames, 148 tokens) or big chunks run eagerly on a GPU.
+        second of audio (on the H100 a 24 s reply's synthesis took 0.064 s per audio second with
+        chunks growing to 100 tokens, 0.046 growing to 300: BENCHMARKS.md section 5). Keep context +
+        chunk + lookahead within the largest synthesis bucket (``synthesis_graphs.FLOW_BUCKETS``:
+        640 frames, 371 tokens) or big chunks run eagerly on a GPU.
     lookahead_tokens: right context the flow waits for before finalising a chunk's frames.
     context_tokens: left context re-encoded with every chunk; bounds the per-chunk cost.
     mel_crossfade_frames: frames of provisional mel cross-faded into the next chunk.
@@ -143,14 +145,14 @@ class EmissionPolicy:
     @classmethod
     def low_latency(cls, **overrides) -> "EmissionPolicy":
         """Emit as soon as 10 tokens (200 ms of speech) exist; no right context beyond the held-back
-        cross-fade frames; fade-in at the start; steady chunks of 25 tokens growing to 100 (2 s)."""
-        return _named(cls(name="low_latency", max_chunk_tokens=100), overrides)
+        cross-fade frames; fade-in at the start; steady chunks of 25 tokens growing to 300 (6 s)."""
+        return _named(cls(name="low_latency", max_chunk_tokens=300), overrides)
 
     @classmethod
     def quality(cls, **overrides) -> "EmissionPolicy":
         """Wait for 10 tokens of lookahead before finalising frames; longer context and cross-fades."""
         base = cls(
-            name="quality", first_chunk_tokens=12, chunk_tokens=40, max_chunk_tokens=100, lookahead_tokens=10,
+            name="quality", first_chunk_tokens=12, chunk_tokens=40, max_chunk_tokens=300, lookahead_tokens=10,
             context_tokens=30,
             mel_crossfade_frames=6, vocoder_context_frames=16, vocoder_lookahead_frames=4,
             wave_crossfade_samples=512, fade_in_ms=2.0, fade_out_ms=20.0,
