@@ -1,7 +1,7 @@
 """Streaming synthesis with steady chunks that grow (``EmissionPolicy.max_chunk_tokens``) vs fixed.
 
 Streams one utterance of random speech tokens, five at a time (as the speech decoder produces
-them), with each named regime as shipped (chunks growing to 100 tokens) and with growth off, in
+them), with each named regime as shipped (chunks growing to 300 tokens since 2026-11-27, 100 before) and with growth off, in
 one run, and prints per variant: chunks, synthesis steps per second of audio (on a GPU a step
 costs its kernel launches, whatever its size: GPU_NOTES.md), operators dispatched per second of
 audio (each at least one kernel on CUDA), compute seconds per audio second on this CPU, the first

@@ -33,8 +33,8 @@ Tables (one run each, all figures from the same process):
    ODE with its steps' time conditioning in one pass vs in every estimator call, and a reply's
    synthesis with growing chunks (the default) vs fixed 25-token chunks, and with widened windows
    vs windows as their context makes them; and (``chunk_limits``) a 24 s reply's synthesis with
-   steady chunks growing to 100 (the default), 200 and 300 tokens on buckets up to 640 frames, with
-   one flow and one vocoder step's ms per window size;
+   steady chunks growing to 100, 200 and 300 tokens (300: the default since these figures) on
+   buckets up to 640 frames, with one flow and one vocoder step's ms per window size;
 5. the whole reply as the agent runs it (``pipelined_reply``: the spoken LM, the speech decoder and
    the vocoder on three threads, as the plugin's processors run them): wall seconds per second of
    audio, graphed, with and without the synthesis stream (CUDA).
@@ -633,17 +633,21 @@ def window_step_ms(graphs, sizes, repeats: int) -> list[dict]:
 
 def chunk_limits(engine, repeats: int, seconds: float = 24.0) -> dict:
     """The lever of longer steady chunks, on the graphed path: a ``seconds`` reply's synthesis (its
-    speech tokens at hand) with 'low_latency' chunks growing to 100 tokens (the default) and further,
-    on bucketed steps with flow and vocoder buckets up to 640 frames; and what one flow and one
+    speech tokens at hand) with 'low_latency' chunks growing to 100 tokens (the default before these
+    figures), 200 and 300 (the default now), on bucketed steps with flow and vocoder buckets up to
+    640 frames; and what one flow and one
     vocoder step cost per window size. On a GPU a step costs mostly its launches, so fewer, longer
     windows should cost less per second of audio - if the step's cost grows slower than its frames."""
     from taste_speech.streaming.synthesis_graphs import (FLOW_BUCKETS, FULL_FLOW_WINDOWS, VOCODER_BUCKETS,
                                                          SynthesisGraphs)
     from taste_speech.streaming.synthesis_state import EmissionPolicy
 
-    full = FULL_FLOW_WINDOWS + tuple(f for b in WIDE_BUCKETS for f in (b - 1, b))
-    graphs = SynthesisGraphs(engine.voice_generator, flow_buckets=FLOW_BUCKETS + WIDE_BUCKETS,
-                             vocoder_buckets=VOCODER_BUCKETS + WIDE_BUCKETS, full_flow_frames=full)
+    def with_wide(sizes, wide):  # (the defaults hold the wide buckets since these figures)
+        return tuple(sorted(set(sizes) | set(wide)))
+
+    graphs = SynthesisGraphs(engine.voice_generator, flow_buckets=with_wide(FLOW_BUCKETS, WIDE_BUCKETS),
+                             vocoder_buckets=with_wide(VOCODER_BUCKETS, WIDE_BUCKETS),
+                             full_flow_frames=with_wide(FULL_FLOW_WINDOWS, [f for b in WIDE_BUCKETS for f in (b - 1, b)]))
     replies = [{"max_chunk_tokens": limit, **synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(
         max_chunk_tokens=limit), seconds, graphs=graphs)} for limit in CHUNK_LIMITS]
     steps = window_step_ms(graphs, (17, 88, 144, 256) + WIDE_BUCKETS, repeats)
