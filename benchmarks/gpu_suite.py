@@ -37,11 +37,17 @@ Tables (one run each, all figures from the same process):
    buckets up to 640 frames, with one flow and one vocoder step's ms per window size;
 5. the whole reply as the agent runs it (``pipelined_reply``: the spoken LM, the speech decoder and
    the vocoder on three threads, as the plugin's processors run them): wall seconds per second of
-   audio, graphed, with and without the synthesis stream (CUDA).
+   audio, graphed, with and without the synthesis stream (CUDA); and (``gpu_busy``, CUDA) one such
+   reply per path under the profiler: how much of its span the GPU was busy (near all of it: the
+   GPU's work bounds the reply; well below: waits between the threads and the GPU);
+6. (``compiled_flow``) the flow's estimator through ``torch.compile`` vs as it is, one unpadded ODE
+   captured as one step each (a lever not built into the engine: compiling takes about a minute
+   per shape).
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, ``chunk_limits``, ``pipelined_reply``, then the calls tables ``graphed_calls``, ``synthesis_stream_calls``,
-``call_streams_calls``, ``batched_calls``, ``eager_calls``. Each part's figures are written
+``levers``, ``chunk_limits``, ``pipelined_reply``, ``gpu_busy``, then the calls tables
+``graphed_calls``, ``synthesis_stream_calls``, ``call_streams_calls``, ``batched_calls``,
+``eager_calls``, and last ``compiled_flow``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
 (``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
@@ -320,7 +326,7 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
 
 
 def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0,
-                    pending_segments: int | None = None) -> dict:
+                    pending_segments: int | None = None, span=contextlib.nullcontext) -> dict:
     """A whole reply as the agent runs it: the spoken LM, the speech decoder and the vocoder each on
     a thread of its own, handing segments and groups of speech tokens on through queues (the
     plugin's processors do the same, with the same back-pressure: the LM waits for room before it
@@ -328,7 +334,8 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
     the speech decoder; at most ``MAX_PENDING_TOKEN_GROUPS`` groups wait for the vocoder), so that
     one segment's speech tokens are decoded while the last one's are vocoded. Wall seconds from the
     end of the turn to the reply's last audio, per second of audio; on CUDA the decoding and the
-    synthesis overlap only on separate streams (``streams='synthesis'``)."""
+    synthesis overlap only on separate streams (``streams='synthesis'``). ``span()``: a context
+    around the timed part (``timed_span``: marks it for the profiler)."""
     import queue
 
     from pipecat_taste.call import MAX_PENDING_SEGMENTS
@@ -389,19 +396,21 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
     sync(engine.device)
     if engine.synthesis_stream is not None:  # (start_speech's work on it, too)
         engine.synthesis_stream.synchronize()
-    t0 = time.perf_counter()  # the caller stopped speaking
-    if turn is not None:
-        turn.finish(audio)
-    elif asr is not None:
-        asr[path.name](audio)
-    session.conversation.add_turn(session.user_turn(audio, USER_TEXT).segment)
-    threads = [threading.Thread(target=stage(body, then), name=f"gpu-suite-{body.__name__}")
-               for body, then in ((think, segments), (speech_tokens, groups), (vocode, None))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall_s = time.perf_counter() - t0
+    with span():
+        t0 = time.perf_counter()  # the caller stopped speaking
+        if turn is not None:
+            turn.finish(audio)
+        elif asr is not None:
+            asr[path.name](audio)
+        session.conversation.add_turn(session.user_turn(audio, USER_TEXT).segment)
+        threads = [threading.Thread(target=stage(body, then), name=f"gpu-suite-{body.__name__}")
+                   for body, then in ((think, segments), (speech_tokens, groups), (vocode, None))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        sync(engine.device)
+        wall_s = time.perf_counter() - t0
     session.close()
     if out["errors"]:
         raise out["errors"][0]
@@ -409,6 +418,58 @@ def pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: n
         raise RuntimeError("the pipelined reply produced no audio")
     audio_s = out["samples"] / OUT_RATE
     return {"wall_s": wall_s, "audio_s": audio_s, "rtf": wall_s / audio_s, "first_audio_ms": 1000 * out["first_s"]}
+
+
+# -- how busy the GPU was: is the reply bound by the GPU's work, or by waits between it? --------------
+TIMED_SPAN = "gpu-suite timed span"
+
+
+def timed_span():
+    """Marks the timed part of a run for the profiler (a CPU range, on the kernels' clock)."""
+    return torch.profiler.record_function(TIMED_SPAN)
+
+
+def busy_us(intervals) -> float:
+    """The length of the union of ``(start, end)`` intervals: the time at least one of them ran."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
+
+
+def gpu_activity(events) -> dict:
+    """From profiler events: the timed span (``timed_span``) and the GPU's activity inside it -
+    ``busy_ms`` the time any kernel or copy ran, ``kernel_ms`` their summed durations (above
+    ``busy_ms`` when streams ran side by side), ``busy_share`` busy / span: near 1, the GPU's own
+    work bounds the run (only fewer or faster kernels help); well below, the GPU waited for the host
+    or for a synchronisation between the threads."""
+    from torch.autograd import DeviceType
+
+    spans = [e for e in events if e.name == TIMED_SPAN and e.device_type == DeviceType.CPU]
+    if not spans:
+        raise ValueError(f"no {TIMED_SPAN!r} range among the profiler's events: wrap the timed part in timed_span()")
+    start = min(e.time_range.start for e in spans)
+    end = max(e.time_range.end for e in spans)
+    device = [(max(e.time_range.start, start), min(e.time_range.end, end)) for e in events
+              if e.device_type == DeviceType.CUDA and e.time_range.end > start and e.time_range.start < end]
+    busy, summed = busy_us(device), sum(b - a for a, b in device)
+    span = end - start
+    return {"span_ms": span / 1000, "busy_ms": busy / 1000, "kernel_ms": summed / 1000, "device_events": len(device),
+            "busy_share": busy / span if span else 0.0, "side_by_side": summed / busy if busy else 0.0}
+
+
+def profiled_pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray) -> dict:
+    """One pipelined reply under the profiler (CPU operators and CUDA kernels; graph replays' kernels
+    included): its figures and the GPU's activity in its timed span. The profiler slows the host,
+    so the span is longer than an unprofiled reply's: the busy share is a lower bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pipelined_reply(engine, asr, path, forced, audio)  # (warm-up: captures, allocations)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        reply = pipelined_reply(engine, asr, path, forced, audio, span=timed_span)
+    return {**reply, **gpu_activity(prof.events())}
 
 
 # -- per-token and per-chunk figures --------------------------------------------------------------------
@@ -802,8 +863,9 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "graphed_calls", "synthesis_stream_calls",
-         "call_streams_calls", "batched_calls", "eager_calls", "compiled_flow")
+PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "gpu_busy",
+         "graphed_calls", "synthesis_stream_calls", "call_streams_calls", "batched_calls", "eager_calls",
+         "compiled_flow")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "synthesis_stream_calls": SYNTHESIS_STREAM,
               "call_streams_calls": CALL_STREAMS, "eager_calls": EAGER}
 # where each path's concurrency rows go in ``data["paths"][path.name]``
@@ -910,6 +972,18 @@ class Suite:
                                                  seconds=12.0 if self.args.quick else 24.0)
         progress(f"chunk limits: {rounded(self.data['chunk_limits'])}")
 
+    def part_gpu_busy(self, name) -> None:
+        """How busy the GPU was during a pipelined reply, on one stream and with the synthesis stream."""
+        if torch.device(self.args.device).type != "cuda":
+            self.data["needs_cuda"].append(name)
+            progress(f"{name}: not measured (GPU activity needs a CUDA device)")
+            return
+        busy = self.data["gpu_busy"] = {}
+        for path, key in ((GRAPHED, "one_stream"), (SYNTHESIS_STREAM, "synthesis_stream")):
+            busy[key] = profiled_pipelined_reply(self.engine_for(path), self.asr, path, self.forced, self.audio)
+            progress(f"gpu busy, {key}: {rounded(busy[key])}")
+            self.save(self.data)
+
     def part_compiled_flow(self, _name) -> None:
         self.data["compiled_flow"] = compiled_flow(self.engine, self.args.repeats, left_s=self.left_s)
         progress(f"compiled flow: {rounded(self.data['compiled_flow'])}")
@@ -996,6 +1070,15 @@ def markdown(data: dict, command: str) -> list[str]:
         lines += lever_lines(data["levers"])
     if "chunk_limits" in data:
         lines += chunk_limit_lines(data["chunk_limits"])
+    if data.get("gpu_busy"):
+        lines += ["The GPU's activity during one pipelined reply (profiled: CUDA kernels and copies in the timed "
+                  "span; busy: the time any ran; summed: their durations added, above busy where streams ran side "
+                  "by side; the profiler slows the host, so the busy share is a lower bound):", ""]
+        lines += table_lines(["path", "span ms", "GPU busy ms", "busy share", "summed kernel ms", "side by side",
+                              "device events", "wall s per audio s (profiled)"],
+                             [[key.replace("_", " "), fmt(b["span_ms"]), fmt(b["busy_ms"]), f"{b['busy_share']:.2f}",
+                               fmt(b["kernel_ms"]), f"{b['side_by_side']:.2f}", str(b["device_events"]),
+                               f"{b['rtf']:.3f}"] for key, b in data["gpu_busy"].items()]) + [""]
     if data.get("compiled_flow", {}).get("rows"):
         lines += ["The flow's estimator compiled (`torch.compile`, inductor; not built into the engine): one "
                   "unpadded ODE captured as one step:", ""]

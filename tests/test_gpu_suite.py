@@ -77,7 +77,7 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert limits["steps"][-1]["vocoder_bucket"] == 640
     assert not data["not_measured"] and not data["failed"]
     # a CUDA stream needs CUDA: said, not failed
-    assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "synthesis_stream_calls",
+    assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "gpu_busy", "synthesis_stream_calls",
                                   "call_streams_calls"]
     for key in ("pipelined", "pipelined_one_segment_ahead"):  # the agent's back-pressure, and the LM held closer
         pipelined = graphed[key]
@@ -180,3 +180,41 @@ def test_the_compiled_flow_lever_times_both_steps_and_leaves_the_estimator_as_it
     lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "compiled_flow": result,
                                 "paths": {"eager": {}, "graphed": {}}}, "cmd")
     assert any(line.startswith("| 17 |") for line in lines)
+
+
+def test_gpu_activity_is_the_union_of_the_device_events_inside_the_timed_span():
+    """Busy time counts overlapping kernels (two streams side by side) once and clips them to the
+    span; the summed durations count them each; events outside the span do not count."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    assert gpu_suite.busy_us([]) == 0
+    assert gpu_suite.busy_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+
+    def event(name, device, start, end):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event(gpu_suite.TIMED_SPAN, DeviceType.CPU, 1000, 5000),
+              event("before", DeviceType.CUDA, 0, 900),  # outside the span
+              event("flow", DeviceType.CUDA, 900, 2000),  # clipped to 1000-2000
+              event("decoder", DeviceType.CUDA, 1500, 2500),  # side by side with the flow 1500-2000
+              event("vocoder", DeviceType.CUDA, 4000, 4500),
+              event("aten::mm", DeviceType.CPU, 1000, 4000)]  # a host operator: not the GPU's
+    activity = gpu_suite.gpu_activity(events)
+    assert activity["span_ms"] == 4.0 and activity["device_events"] == 3
+    assert activity["busy_ms"] == 2.0 and activity["kernel_ms"] == 2.5
+    assert activity["busy_share"] == 0.5 and activity["side_by_side"] == 1.25
+    with pytest.raises(ValueError, match="timed_span"):
+        gpu_suite.gpu_activity(events[1:])
+
+
+def test_a_profiled_pipelined_reply_marks_its_timed_span_for_the_profiler():
+    """The profiled reply runs (on a CPU there are no device events: nothing busy) and finds its span."""
+    base = gpu_suite.build_engine("tiny", "cpu", None)
+    asr = gpu_suite.build_asr("tiny", base, "cpu", None)
+    engine = gpu_suite.path_engine(base, gpu_suite.GRAPHED)
+    with gpu_suite.ForcedReply(base.model.spoken_lm) as forced:
+        result = gpu_suite.profiled_pipelined_reply(engine, asr, gpu_suite.GRAPHED, forced, gpu_suite.user_audio())
+    assert result["audio_s"] > 1.0 and result["rtf"] == pytest.approx(result["wall_s"] / result["audio_s"])
+    assert result["span_ms"] >= 1000 * result["wall_s"] and result["device_events"] == 0 and result["busy_ms"] == 0
