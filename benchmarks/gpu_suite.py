@@ -37,7 +37,9 @@ Tables (one run each, all figures from the same process):
    buckets up to 640 frames, with one flow and one vocoder step's ms per window size;
 5. the whole reply as the agent runs it (``pipelined_reply``: the spoken LM, the speech decoder and
    the vocoder on three threads, as the plugin's processors run them): wall seconds per second of
-   audio, graphed, with and without the synthesis stream (CUDA); and (``gpu_busy``, CUDA) one such
+   audio, graphed, with and without the synthesis stream (CUDA), and (``compiled_flow_reply``,
+   CUDA) with the flow's estimator compiled (``TasteEngine(compile_flow=True)``, its start-up
+   timed); and (``gpu_busy``, CUDA) one such
    reply per path under the profiler: how much of its span the GPU was busy (near all of it: the
    GPU's work bounds the reply; well below: waits between the threads and the GPU);
 6. (``compiled_flow``) the flow's estimator through ``torch.compile`` vs as it is, one unpadded ODE
@@ -45,7 +47,7 @@ Tables (one run each, all figures from the same process):
    per shape).
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, ``chunk_limits``, ``pipelined_reply``, ``gpu_busy``, then the calls tables
+``levers``, ``chunk_limits``, ``pipelined_reply``, ``compiled_flow_reply``, ``gpu_busy``, then the calls tables
 ``graphed_calls``, ``synthesis_stream_calls``, ``call_streams_calls``, ``batched_calls``,
 ``eager_calls``, and last ``compiled_flow``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
@@ -95,6 +97,7 @@ class DecodePath:
     name: str  # 'eager' or 'graphed' (TasteEngine(decoding=...))
     batch_slots: int | None = None  # TasteEngine(batch_slots=...): None = each call steps alone
     streams: str = "default"  # TasteEngine(streams=...): which CUDA streams the work goes to
+    compile_flow: bool = False  # TasteEngine(compile_flow=...): the flow's estimator through torch.compile
 
     @property
     def cache_kind(self) -> str:
@@ -109,6 +112,7 @@ GRAPHED = DecodePath("graphed")
 BATCHED = DecodePath("graphed", batch_slots=16)  # the concurrency table only
 SYNTHESIS_STREAM = DecodePath("graphed", streams="synthesis")  # CUDA only
 CALL_STREAMS = DecodePath("graphed", streams="calls")  # CUDA only, the concurrency table only
+COMPILED_FLOW = DecodePath("graphed", streams="synthesis", compile_flow=True)  # CUDA only (Triton)
 
 
 def sync(device) -> None:
@@ -240,8 +244,10 @@ def path_engine(engine, path: DecodePath):
     before = torch.cuda.memory_allocated() if cuda else 0
     engine = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
                          device=engine.device, asr=None, decoding=path.name, batch_slots=path.batch_slots,
-                         streams=path.streams)
+                         streams=path.streams, compile_flow=path.compile_flow)
+    started = time.perf_counter()
     engine.warm_up()
+    engine.warm_up_s = time.perf_counter() - started  # (captures; with compile_flow, the compilations too)
     # what the path sets aside before any call (batch slots, synthesis graphs): part of its calls' memory
     engine.upfront_bytes = torch.cuda.memory_allocated() - before if cuda else 0
     return engine
@@ -863,7 +869,7 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "gpu_busy",
+PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "compiled_flow_reply", "gpu_busy",
          "graphed_calls", "synthesis_stream_calls", "call_streams_calls", "batched_calls", "eager_calls",
          "compiled_flow")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "synthesis_stream_calls": SYNTHESIS_STREAM,
@@ -971,6 +977,21 @@ class Suite:
         self.data["chunk_limits"] = chunk_limits(self.engine, self.args.repeats,
                                                  seconds=12.0 if self.args.quick else 24.0)
         progress(f"chunk limits: {rounded(self.data['chunk_limits'])}")
+
+    def part_compiled_flow_reply(self, name) -> None:
+        """The pipelined reply with the flow's estimator compiled (``TasteEngine(compile_flow=True)``,
+        with the synthesis stream: compare with that row), and the engine's start-up with it."""
+        if torch.device(self.args.device).type != "cuda":
+            self.data["needs_cuda"].append(name)
+            progress(f"{name}: not measured (torch.compile's kernels here need Triton on a CUDA device)")
+            return
+        engine = self.engine_for(COMPILED_FLOW)
+        pipelined_reply(engine, self.asr, COMPILED_FLOW, self.forced, self.audio)  # (warm-up)
+        runs = sorted((pipelined_reply(engine, self.asr, COMPILED_FLOW, self.forced, self.audio)
+                       for _ in range(self.args.repeats)), key=lambda r: r["rtf"])
+        entry = self.data["paths"]["graphed"]["pipelined_compiled_flow"] = runs[(len(runs) - 1) // 2]
+        entry["warm_up_s"] = engine.warm_up_s
+        progress(f"pipelined_compiled_flow: {rounded(entry)}")
 
     def part_gpu_busy(self, name) -> None:
         """How busy the GPU was during a pipelined reply, on one stream and with the synthesis stream."""
@@ -1214,7 +1235,9 @@ def pipelined_lines(graphed: dict) -> list[str]:
     rows = [[label, f"{graphed[key]['rtf']:.3f}", f"{graphed[key]['audio_s']:.1f}", fmt(graphed[key]["first_audio_ms"])]
             for key, label in (("pipelined", "graphed, one stream"),
                                ("pipelined_one_segment_ahead", "graphed, one stream, the LM one segment ahead"),
-                               ("pipelined_synthesis_stream", "graphed, synthesis stream (streams='synthesis')"))
+                               ("pipelined_synthesis_stream", "graphed, synthesis stream (streams='synthesis')"),
+                               ("pipelined_compiled_flow", "graphed, synthesis stream, the flow's estimator compiled "
+                                "(compile_flow=True)"))
             if key in graphed]
     if graphed.get("first_audio", {}).get("rtf") is not None:  # the same reply, every stage in turn on one thread
         first = graphed["first_audio"]

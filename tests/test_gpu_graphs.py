@@ -208,6 +208,35 @@ def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a)
     assert not graphs.fallback_reasons(), graphs.fallback_reasons()  # every bucket was captured
 
 
+def test_compiled_flow_steps_are_captured_and_give_the_plain_steps_chunks(voice_generator_tiny_a):
+    """SynthesisGraphs(compile_flow=True): the estimator compiled by inductor (Triton kernels, shapes
+    dynamic) inside captured steps - every bucket captured, the chunks the plain captured steps'
+    up to the fused kernels' rounding (on the H100 at full size, 0.0009 of mel)."""
+    from taste_speech.streaming.synthesis import speak, start_speaking
+    from taste_speech.streaming.synthesis_graphs import SynthesisGraphs
+    from taste_speech.voice_generator import VoiceGenerator
+
+    vg = VoiceGenerator.from_golden_dir(voice_generator_tiny_a).to("cuda")
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, vg.flow.vocab_size, (1, 90), generator=g)
+    speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
+    out = {}
+    for name, graphs in (("plain", SynthesisGraphs(vg, "graph")), ("compiled", SynthesisGraphs(vg, "graph",
+                                                                                              compile_flow=True))):
+        state = start_speaking(vg, speaker, "low_latency", out_sampling_rate=22050,
+                               generator=torch.Generator().manual_seed(0), graphs=graphs)
+        chunks = []
+        for i in range(0, 90, 5):
+            chunks += speak(vg, state, tokens[:, i:i + 5])
+        out[name] = chunks + speak(vg, state, final=True)
+        assert graphs.mode == "graph" and not graphs.fallback_reasons(), graphs.fallback_reasons()
+    assert len(out["compiled"]) == len(out["plain"]) >= 3
+    for ref, got in zip(out["plain"], out["compiled"]):
+        assert got.audio.shape == ref.audio.shape
+        torch.testing.assert_close(got.mel, ref.mel, atol=1e-2, rtol=0)
+        torch.testing.assert_close(got.audio, ref.audio, atol=1e-2, rtol=0)
+
+
 def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks(voice_generator_tiny_a):
     """Three utterances spoken from three threads through one SynthesisGraphs with rows=4 (every
     bucket and row count captured up front, one shared graph pool): the windows that meet run as

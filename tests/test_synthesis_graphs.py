@@ -547,3 +547,29 @@ def test_windows_of_one_bucket_share_one_step_whatever_their_parity(vg, sizes, s
         {(size, key) for size, keys in steps_before.items() for key in keys}
     assert new_steps == {(step[0], (2, step[1]))}, new_steps
     assert graphs.padded_windows["flow"] == (0 if step[1] else 2)  # (alone, each ran its unpadded step)
+
+
+# -- the compiled estimator (opt-in) ---------------------------------------------------------------------
+def test_compiled_flow_steps_give_the_same_chunks_with_one_graph_for_every_window_size(vg, utterance):
+    """``compile_flow``: the flow steps call the estimator through torch.compile, its shapes dynamic,
+    so one traced graph serves the first chunk's unpadded window and every later size (here the
+    'eager' backend: the tracing without inductor's C compiler). The chunks equal the plain steps'."""
+    from torch._dynamo.utils import counters
+
+    tokens, speaker = utterance
+    _, reference = stream(vg, tokens, speaker, "low_latency", [30] * 3, graphs=SynthesisGraphs(vg, "rehearse"))
+    counters.clear()
+    graphs = SynthesisGraphs(vg, "rehearse", compile_flow="eager")
+    _, chunks = stream(vg, tokens, speaker, "low_latency", [30] * 3, graphs=graphs)
+    assert_same_chunks(reference, chunks, 1e-6, 1e-6)
+    sizes = {size for (stage, size), _ in graphs.counts.items() if stage == "flow"}
+    assert len(sizes) >= 3, sizes  # several window sizes ...
+    assert counters["stats"]["unique_graphs"] <= 2  # ... one graph each for the unpadded and the padded steps
+    assert vg.flow.decoder.estimator is not graphs._estimator  # the voice generator's own stays plain
+
+
+def test_compile_flow_is_checked():
+    with pytest.raises(ValueError, match="compile_flow must be True, False or a torch.compile backend"):
+        SynthesisGraphs(torch.nn.Linear(1, 1), compile_flow=1)
+    with pytest.raises(ValueError, match="repeat_warmup_runs >= 1"):
+        SynthesisGraphs(torch.nn.Linear(1, 1), compile_flow=True, repeat_warmup_runs=0)

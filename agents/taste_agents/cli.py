@@ -45,7 +45,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="CUDA streams: default (one), synthesis (every call's flow and vocoder work on a stream "
                              "of its own beside the decoding, so that calls' token steps stop waiting for flow "
                              "steps), or calls (that, and each call's other work on a stream of the call's own); "
-                             "opt-in, not yet measured on a GPU - docs/GPU.md")
+                             "opt-in: on the H100 eight calls ending at once got their first audio in at most 1077 ms "
+                             "with calls against 1348 ms with default, one call alone 183 against 159 ms - "
+                             "BENCHMARKS.md section 5, docs/GPU.md")
+    parser.add_argument("--compile-flow", action="store_true",
+                        help="run the flow's estimator through torch.compile inside the static synthesis path's steps "
+                             "(CUDA: about 0.7-0.8 of a flow step's time on the H100, a minute or two more at "
+                             "start-up, Triton needed) - docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")
@@ -186,7 +192,8 @@ def load_engine(args, say):
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),
                                          batch_slots=getattr(args, "batch_slots", "auto"),
-                                         streams=getattr(args, "streams", "default"))
+                                         streams=getattr(args, "streams", "default"),
+                                         compile_flow=getattr(args, "compile_flow", False))
     # the fast path captures its shared synthesis graphs here, not in the first call, and an ASR
     # workspace for each call a server may hold at once
     engine.warm_up(calls=getattr(args, "max_calls", 1))

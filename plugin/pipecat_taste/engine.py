@@ -163,7 +163,8 @@ class TasteEngine:
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
                  asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                 batch_slots: int | str | None = "auto", merge_lora: bool = True, streams: str = "default"):
+                 batch_slots: int | str | None = "auto", merge_lora: bool = True, streams: str = "default",
+                 compile_flow: bool = False):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
         own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
         running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
@@ -179,8 +180,11 @@ class TasteEngine:
         on training). ``streams`` (see ``STREAMS``): 'default' (every thread's work on the device's
         default stream), or on CUDA 'synthesis' (every call's flow and vocoder work on one stream
         of its own, beside the decoding) or 'calls' (that, and each call's other work on a stream of
-        the call's own)."""
-        _check_options(asr, decoding, parallel_jobs, batch_slots, streams)
+        the call's own). ``compile_flow``: the flow's estimator through ``torch.compile`` inside the
+        static synthesis path's steps (``SynthesisGraphs(compile_flow=True)``: about 0.7-0.8 of a
+        flow step's time on the H100, a minute or two more at start-up, Triton needed); off by
+        default."""
+        _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow)
         _check_streams_device(streams, next(voice_generator.parameters()).device)
         if merge_lora:
             model.spoken_lm.merge_lora()
@@ -192,7 +196,7 @@ class TasteEngine:
         self.checkpoint_dir = checkpoint_dir
         self.device = device
         self.decoding, self.cache_kind = decoding, DECODING[decoding]
-        self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind)
+        self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind, compile_flow)
         self.streams = streams
         self.synthesis_stream = _new_stream(next(voice_generator.parameters()).device) if streams != "default" else None
         if self.synthesis_stream is not None:  # what this thread did to the weights (merging the LoRA) comes first
@@ -211,7 +215,7 @@ class TasteEngine:
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
                         asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto",
                         batch_slots: int | str | None = "auto", merge_lora: bool = True,
-                        streams: str = "default") -> "TasteEngine":
+                        streams: str = "default", compile_flow: bool = False) -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (``default_asr``: the checkpoint's own Whisper)."""
@@ -223,7 +227,7 @@ class TasteEngine:
 
         if isinstance(asr, os.PathLike):
             asr = os.fspath(asr)
-        _check_options(asr, decoding, parallel_jobs, batch_slots, streams)  # before the weights load (minutes, for the real one)
+        _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow)  # before the weights load (minutes, for the real one)
         if isinstance(asr, str) and asr != "auto":
             from pipecat_taste.asr import check_whisper_name
 
@@ -254,7 +258,7 @@ class TasteEngine:
                     "TranscriptionFrames") from exc
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
                    decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots, merge_lora=merge_lora,
-                   streams=streams)
+                   streams=streams, compile_flow=compile_flow)
 
     @property
     def max_turn_seconds(self) -> float:
@@ -324,7 +328,8 @@ class TasteEngine:
                 self.asr.warm_up()
 
 
-def _check_options(asr, decoding: str, parallel_jobs, batch_slots, streams: str = "default") -> None:
+def _check_options(asr, decoding: str, parallel_jobs, batch_slots, streams: str = "default",
+                   compile_flow: bool = False) -> None:
     if decoding not in DECODING:
         raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
     for name, value in (("parallel_jobs", parallel_jobs), ("batch_slots", batch_slots)):
@@ -338,6 +343,11 @@ def _check_options(asr, decoding: str, parallel_jobs, batch_slots, streams: str 
     if streams == "calls" and batch_slots not in (None, "auto"):
         raise ValueError("streams='calls' cannot be combined with batch_slots: a batched step runs the rows of several "
                          "calls, each written on its call's stream; use streams='synthesis' with batch slots")
+    if not isinstance(compile_flow, bool):
+        raise ValueError(f"compile_flow must be True or False, got {compile_flow!r}")
+    if compile_flow and decoding == "eager":
+        raise ValueError("compile_flow compiles the flow steps of the static synthesis path, which decoding='eager' "
+                         "does not take: use decoding='auto' (on CUDA) or 'graphed', or compile_flow=False")
 
 
 def _compute_gate(parallel_jobs: int | str | None, device: str):
@@ -388,20 +398,25 @@ def _tower_encoder(model, decoding: str):
 CUDA_SYNTHESIS_ROWS = 8
 
 
-def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
+def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str, compile_flow: bool = False):
     """The calls' shared flow and vocoder steps on the static synthesis path, batching the windows
     of up to ``slots`` calls (``CUDA_SYNTHESIS_ROWS`` on CUDA without slots); None: the voice
-    generator's own (one window per step: a CPU's static path, where a step costs its rows) or eager."""
+    generator's own (one window per step: a CPU's static path, where a step costs its rows) or eager.
+    ``compile_flow``: their flow steps run the estimator compiled (then never the voice generator's own)."""
     from taste_speech.streaming.synthesis_graphs import SynthesisGraphs, resolve_kind
 
     device = next(voice_generator.parameters()).device
     if resolve_kind(cache_kind, device) != "static":
+        if compile_flow:
+            raise ValueError("compile_flow compiles the flow steps of the static synthesis path, which this engine does "
+                             f"not take (decoding {cache_kind!r} on {device.type}): use decoding='auto' on CUDA or "
+                             "'graphed', or compile_flow=False")
         return None
     if slots is None:
-        if device.type != "cuda":
+        if device.type != "cuda" and not compile_flow:
             return None
-        slots = CUDA_SYNTHESIS_ROWS
-    return SynthesisGraphs(voice_generator, rows=slots)
+        slots = CUDA_SYNTHESIS_ROWS if device.type == "cuda" else 1
+    return SynthesisGraphs(voice_generator, rows=slots, compile_flow=compile_flow)
 
 
 # Which CUDA streams the engine's work goes to. On one stream a call's host syncs - every token's
@@ -414,8 +429,10 @@ def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str):
 #   calls      that, and each call's other work (ASR, audio tower, spoken LM, speech decoder) on a
 #              stream of the call's own: one call's syncs wait for its own work only, and the GPU
 #              runs the calls' small kernels side by side
-# Both are opt-in until measured on a GPU (``python -m benchmarks.gpu_suite``, parts
-# ``synthesis_stream_calls`` and ``call_streams_calls`` beside ``graphed_calls``).
+# Both are opt-in. Measured on the H100 (``python -m benchmarks.gpu_suite``, parts ``graphed_calls``,
+# ``synthesis_stream_calls``, ``call_streams_calls``; BENCHMARKS.md section 5): eight calls ending at
+# once got their first audio in at most 1348 ms (default), 1127 ms (synthesis), 1077 ms (calls); one
+# call alone 159, 244 and 183 ms.
 STREAMS = ("default", "synthesis", "calls")
 
 

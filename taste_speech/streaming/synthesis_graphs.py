@@ -172,9 +172,10 @@ class _FlowBucket(_Bucket):
     """The flow's ODE on ``frames``-frame windows: mu, cond, noise (rows, 80, frames), spks (rows, 80)."""
 
     def __init__(self, flow, frames: int, rows: int, device, dtype, mode: str, pool=None, full_rows: int = 0,
-                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS):
+                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS, estimator=None):
         super().__init__("flow ODE", frames, device, mode, pool, full_rows, repeat_warmup_runs)
         self.flow = flow
+        self.estimator = estimator  # None: the flow's own; else e.g. the compiled one
         c = flow.output_size
         self.mu = torch.zeros(rows, c, frames, device=device, dtype=dtype)
         self.cond = torch.zeros_like(self.mu)
@@ -185,7 +186,7 @@ class _FlowBucket(_Bucket):
     def _compute(self, n: int, full: bool) -> torch.Tensor:
         # a full step has no padding: no mask (its multiplications by ones are left out)
         return self.flow.decoder(self.mu[:n], None if full else self.mask[:n], self.spks[:n], self.cond[:n],
-                                 self.noise[:n], padded=not full)
+                                 self.noise[:n], padded=not full, estimator=self.estimator)
 
     def _put_row(self, row: int, mu, spks, cond, noise) -> None:
         r = slice(row, row + 1)
@@ -240,7 +241,7 @@ class SynthesisGraphs:
                  vocoder_buckets: Iterable[int] = VOCODER_BUCKETS, rows: int = 1, gather: float = 0.5,
                  full_flow_frames: Optional[Iterable[int]] = None,
                  batched_full_frames: Optional[Iterable[int]] = FIRST_WINDOW_FRAMES,
-                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS):
+                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS, compile_flow: bool | str = False):
         """Bucketed steps for ``vg`` on its current device. ``graph_mode`` (see ``step_graph``):
         'auto' captures CUDA graphs on CUDA and runs the padded steps eagerly elsewhere; 'eager' and
         'rehearse' (the capture protocol without a graph) work on any device. ``rows``: the most
@@ -254,7 +255,14 @@ class SynthesisGraphs:
         holds it. ``batched_full_frames``: the ``full_flow_frames`` sizes whose unpadded step also
         runs several windows at once (None: all of them); windows of the others share their
         bucket's padded step when they come together. ``repeat_warmup_runs``: warm-up runs before
-        capturing a computation a bucket already captured at another row count."""
+        capturing a computation a bucket already captured at another row count. ``compile_flow``:
+        run the flow's estimator inside the steps through ``torch.compile`` (True: inductor; a
+        string: that backend), shapes dynamic so that one compilation serves every bucket and row
+        count (two: padded and unpadded steps). On the H100 a compiled estimator took an unpadded
+        ODE step from 52 to 41 ms (17 frames) and from 84 to 58 ms (256 frames), compiled for
+        static shapes (BENCHMARKS.md section 5); compiling costs about a minute per compilation at
+        start-up (inductor keeps its results on disk for the next start) and needs Triton on CUDA.
+        Off by default."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
         if not 0 <= gather <= 1:
@@ -278,6 +286,11 @@ class SynthesisGraphs:
         if isinstance(repeat_warmup_runs, bool) or not isinstance(repeat_warmup_runs, int) or repeat_warmup_runs < 0:
             raise ValueError(f"repeat_warmup_runs must be an integer >= 0, got {repeat_warmup_runs!r}")
         self.repeat_warmup_runs = repeat_warmup_runs
+        if not isinstance(compile_flow, (bool, str)) or compile_flow == "":
+            raise ValueError(f"compile_flow must be True, False or a torch.compile backend name, got {compile_flow!r}")
+        if compile_flow and repeat_warmup_runs < 1:  # compiling launches work a capture must not record
+            raise ValueError("compile_flow needs repeat_warmup_runs >= 1: a step compiles in its warm-up runs")
+        self.compile_flow = compile_flow
         self.counts: Counter = Counter()  # windows per ('flow' | 'vocoder', bucket frames or None = eager fallback)
         self.padded_frames: Counter = Counter()  # padding frames computed per stage (how much padding occurred)
         self.padded_windows: Counter = Counter()  # windows per stage that ran a padded (masked) step
@@ -514,7 +527,7 @@ class SynthesisGraphs:
         if size not in self._flow:
             full_rows = self.rows if size in self.batched_full_frames else int(size in self.full_flow_frames)
             self._flow[size] = _FlowBucket(self.vg.flow, size, self.rows, self._device, self._dtype, self._mode,
-                                           self._pool, full_rows, self.repeat_warmup_runs)
+                                           self._pool, full_rows, self.repeat_warmup_runs, self._estimator)
         return self._flow[size]
 
     def _vocoder_bucket(self, size: int) -> _VocoderBucket:
@@ -534,6 +547,11 @@ class SynthesisGraphs:
         self._mode = resolve_mode(self.graph_mode, self._device)
         # one pool for every graph: their steps never overlap and their outputs are copied out at once
         self._pool = torch.cuda.graph_pool_handle() if self._mode == "graph" else None
+        self._estimator = None
+        if self.compile_flow:
+            backend = "inductor" if self.compile_flow is True else self.compile_flow
+            self._estimator = torch.compile(self.vg.flow.decoder.estimator, backend=backend, dynamic=True,
+                                            fullgraph=True)
         self._flow: dict[int, _FlowBucket] = {}
         self._vocoder: dict[int, _VocoderBucket] = {}
 

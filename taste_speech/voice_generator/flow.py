@@ -13,7 +13,7 @@ mu's shape): pass ``noise`` to inject it, or a ``torch.Generator``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -96,21 +96,23 @@ class ConditionalCFM(nn.Module):
         return 1 - torch.cos(t * 0.5 * torch.pi)
 
     def velocity(self, x, mask, mu, t, spks, cond, trace: Optional[dict] = None, padded: bool = False,
-                 time_shifts: Optional[list] = None) -> torch.Tensor:
-        """CFG-combined estimator output at time t (``padded``, ``time_shifts``: see the estimator)."""
+                 time_shifts: Optional[list] = None, estimator: Optional[Callable] = None) -> torch.Tensor:
+        """CFG-combined estimator output at time t (``padded``, ``time_shifts``: see the estimator;
+        ``estimator``: what to call instead of ``self.estimator``, e.g. a compiled one)."""
         rate = self.inference_cfg_rate
+        estimator = self.estimator if estimator is None else estimator
         if rate <= 0:
-            return self.estimator(x, mask, mu, t, spks, cond, padded, time_shifts)
+            return estimator(x, mask, mu, t, spks, cond, padded, time_shifts)
         if self.batch_cfg:
-            both = self.estimator(
+            both = estimator(
                 torch.cat([x, x]), None if mask is None else torch.cat([mask, mask]), torch.cat([mu, torch.zeros_like(mu)]), t,
                 torch.cat([spks, torch.zeros_like(spks)]), torch.cat([cond, torch.zeros_like(cond)]), padded, time_shifts,
             )
             v_cond, v_uncond = both.chunk(2)
         else:
-            v_cond = self.estimator(x, mask, mu, t, spks, cond, padded, time_shifts)
-            v_uncond = self.estimator(x, mask, torch.zeros_like(mu), t, torch.zeros_like(spks), torch.zeros_like(cond),
-                                      padded, time_shifts)
+            v_cond = estimator(x, mask, mu, t, spks, cond, padded, time_shifts)
+            v_uncond = estimator(x, mask, torch.zeros_like(mu), t, torch.zeros_like(spks), torch.zeros_like(cond),
+                                 padded, time_shifts)
         if trace is not None:
             trace.setdefault("est_cond", []).append(v_cond)
             trace.setdefault("est_uncond", []).append(v_uncond)
@@ -118,13 +120,15 @@ class ConditionalCFM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, mu, mask, spks, cond, noise: torch.Tensor, trace: Optional[dict] = None,
-                padded: bool = False) -> torch.Tensor:
+                padded: bool = False, estimator: Optional[Callable] = None) -> torch.Tensor:
         """Integrate from ``x_0 = noise * temperature`` to t = 1. All (B, 80, T) except mask (B, 1, T),
         which may be None where every frame is valid (no multiplications by ones: fewer kernels).
 
         ``padded``: the frames where mask is 0 are padding after the sequence end (a fixed-shape
         window); the valid frames come out as without it. The loop has no host synchronisation and
-        no data-dependent shapes, so it can be captured whole as a CUDA graph."""
+        no data-dependent shapes, so it can be captured whole as a CUDA graph. ``estimator``: called
+        in place of ``self.estimator`` (the same module compiled, say); the time conditioning stays
+        ``self.estimator``'s."""
         x = noise * self.temperature
         t_span = self.t_span(mu.device)
         # The steps' times first: t accumulates in float32 and dt is recomputed from the schedule,
@@ -143,7 +147,7 @@ class ConditionalCFM(nn.Module):
             trace.update(t_span=t_span, t_used=times, dt_used=deltas, ode_states=[x])
         for step, (t, dt) in enumerate(zip(times, deltas)):
             step_shifts = None if shifts is None else [shift[step:step + 1] for shift in shifts]
-            x = x + dt * self.velocity(x, mask, mu, t, spks, cond, trace, padded, step_shifts)
+            x = x + dt * self.velocity(x, mask, mu, t, spks, cond, trace, padded, step_shifts, estimator)
             if trace is not None:
                 trace["ode_states"].append(x)
         return x
