@@ -43,13 +43,13 @@ Tables (one run each, all figures from the same process):
    reply per path under the profiler: how much of its span the GPU was busy (near all of it: the
    GPU's work bounds the reply; well below: waits between the threads and the GPU);
 6. (``compiled_flow``) the flow's estimator through ``torch.compile`` vs as it is, one unpadded ODE
-   captured as one step each (a lever not built into the engine: compiling takes about a minute
-   per shape).
+   captured as one step each, compiled for that one static shape (the engine's opt-in
+   ``compile_flow`` compiles with dynamic shapes: ``compiled_flow_reply``); about a minute per shape.
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, ``chunk_limits``, ``pipelined_reply``, ``compiled_flow_reply``, ``gpu_busy``, then the calls tables
-``graphed_calls``, ``synthesis_stream_calls``, ``call_streams_calls``, ``batched_calls``,
-``eager_calls``, and last ``compiled_flow``. Each part's figures are written
+``levers``, ``chunk_limits``, ``pipelined_reply``, then the calls tables ``graphed_calls``,
+``synthesis_stream_calls``, ``call_streams_calls``, ``batched_calls``, ``eager_calls``, and last
+what compiles or profiles: ``compiled_flow_reply``, ``gpu_busy``, ``compiled_flow``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
 (``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
@@ -113,6 +113,7 @@ BATCHED = DecodePath("graphed", batch_slots=16)  # the concurrency table only
 SYNTHESIS_STREAM = DecodePath("graphed", streams="synthesis")  # CUDA only
 CALL_STREAMS = DecodePath("graphed", streams="calls")  # CUDA only, the concurrency table only
 COMPILED_FLOW = DecodePath("graphed", streams="synthesis", compile_flow=True)  # CUDA only (Triton)
+COMPILE_S = 240  # the least time left for a part that compiles the flow (about a minute per compilation)
 
 
 def sync(device) -> None:
@@ -458,8 +459,11 @@ def gpu_activity(events) -> dict:
         raise ValueError(f"no {TIMED_SPAN!r} range among the profiler's events: wrap the timed part in timed_span()")
     start = min(e.time_range.start for e in spans)
     end = max(e.time_range.end for e in spans)
+    # (a record_function range shows on the GPU's side too, as a user annotation spanning the kernels
+    # launched inside it: not work of its own)
     device = [(max(e.time_range.start, start), min(e.time_range.end, end)) for e in events
-              if e.device_type == DeviceType.CUDA and e.time_range.end > start and e.time_range.start < end]
+              if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+              and e.time_range.end > start and e.time_range.start < end]
     busy, summed = busy_us(device), sum(b - a for a, b in device)
     span = end - start
     return {"span_ms": span / 1000, "busy_ms": busy / 1000, "kernel_ms": summed / 1000, "device_events": len(device),
@@ -664,8 +668,8 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
     return out
 
 
-# Steady chunks longer than the default's 100 tokens need flow and vocoder windows beyond the default
-# buckets' 256 frames: a 200-token chunk's flow window is about 380 frames, a 300-token one's 550.
+# Steady chunks longer than 100 tokens (the default before these figures) need flow and vocoder windows
+# beyond 256 frames: a 200-token chunk's flow window is about 380 frames, a 300-token one's 550.
 CHUNK_LIMITS = (100, 200, 300)
 WIDE_BUCKETS = (384, 512, 640)
 
@@ -673,17 +677,19 @@ WIDE_BUCKETS = (384, 512, 640)
 @torch.inference_mode()
 def window_step_ms(graphs, sizes, repeats: int) -> list[dict]:
     """Median ms of one flow step (the whole ODE, unpadded: a window of exactly a full size) and one
-    vocoder step (a window one frame short of a bucket) per window size: the cost per window as it grows."""
+    vocoder step (a window one frame shorter than that size, in the smallest vocoder bucket holding
+    it) per window size: the cost per window as it grows."""
     vg, device = graphs.vg, graphs.device
     c, n_mel, spf = vg.flow.output_size, vg.hift.conv_pre.in_channels, vg.hift.samples_per_frame
     rows = []
     for frames in sizes:
         mu = torch.randn(1, c, frames, device=device)
         spks = torch.randn(1, c, device=device)
+        cond, noise = torch.zeros_like(mu), torch.randn_like(mu)
         mel = torch.randn(1, n_mel, frames - 1, device=device)
         source = torch.zeros(1, 1, (frames - 1) * spf, device=device)
         row = {"frames": frames, "vocoder_bucket": graphs.bucket_for("vocoder", frames - 1)}
-        for stage, run in (("flow_ms", lambda: graphs.flow(mu, spks, torch.zeros_like(mu), torch.randn_like(mu))),
+        for stage, run in (("flow_ms", lambda: graphs.flow(mu, spks, cond, noise)),
                            ("vocoder_ms", lambda: graphs.vocoder(mel, source))):
             run()  # capture
             times = []
@@ -738,10 +744,10 @@ def compiled_estimator(cfm, backend: str = "inductor"):
 @torch.inference_mode()
 def compiled_flow(engine, repeats: int, frames=(17, 256), left_s: Callable[[], float] = lambda: float("inf"),
                   backend: str = "inductor") -> dict:
-    """A lever not built into the engine, measured to size it: one unpadded flow ODE (a window of
-    ``frames``) captured as one step, with the estimator as it is vs compiled by ``torch.compile``
-    (the compiled kernels captured in the same kind of step). Compiling costs time at start-up
-    (``compile_s``: the first run) and needs Triton on CUDA. A size starts only with a minute left."""
+    """The lever of ``compile_flow`` with static shapes (the engine's are dynamic): one unpadded
+    flow ODE (a window of ``frames``) captured as one step, with the estimator as it is vs compiled
+    by ``torch.compile`` (the compiled kernels captured in the same kind of step). Compiling costs
+    time (``compile_s``: the first run) and needs Triton on CUDA. A size starts only with a minute left."""
     from taste_speech.step_graph import StepGraph
 
     vg, device = engine.voice_generator, engine.device
@@ -869,9 +875,9 @@ def table_lines(header, rows) -> list[str]:
 STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speech_decoder", "synthesis")
 # The parts in the order they run: what the targets need most comes first, so that a run stopped by
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
-PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "compiled_flow_reply", "gpu_busy",
-         "graphed_calls", "synthesis_stream_calls", "call_streams_calls", "batched_calls", "eager_calls",
-         "compiled_flow")
+PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "graphed_calls",
+         "synthesis_stream_calls", "call_streams_calls", "batched_calls", "eager_calls", "compiled_flow_reply",
+         "gpu_busy", "compiled_flow")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "synthesis_stream_calls": SYNTHESIS_STREAM,
               "call_streams_calls": CALL_STREAMS, "eager_calls": EAGER}
 # where each path's concurrency rows go in ``data["paths"][path.name]``
@@ -903,6 +909,10 @@ class Suite:
     def __init__(self, args, save=lambda data: None):
         self.args, self.save = args, save
         self.started = time.perf_counter()
+        if "gpu_busy" in args.parts and torch.device(args.device).type == "cuda":
+            # the profiler must have been set up before the first CUDA graph is captured, or profiling
+            # replays of graphs captured earlier can fault (PyTorch issue 75504)
+            torch.profiler._utils._init_for_cuda_graphs()
         dtype = None if args.dtype == "float32" else args.dtype
         self.engine = build_engine(args.size, args.device, dtype)
         self.asr = build_asr(args.size, self.engine, args.device, dtype)
@@ -984,6 +994,10 @@ class Suite:
         if torch.device(self.args.device).type != "cuda":
             self.data["needs_cuda"].append(name)
             progress(f"{name}: not measured (torch.compile's kernels here need Triton on a CUDA device)")
+            return
+        if self.left_s() < COMPILE_S:  # (its engine compiles at start-up: a part past the budget)
+            self.data["not_measured"].append(name)
+            progress(f"{name}: not measured (compiling needs about {COMPILE_S} s, {self.left_s():.0f} s left)")
             return
         engine = self.engine_for(COMPILED_FLOW)
         pipelined_reply(engine, self.asr, COMPILED_FLOW, self.forced, self.audio)  # (warm-up)
@@ -1101,8 +1115,8 @@ def markdown(data: dict, command: str) -> list[str]:
                                fmt(b["kernel_ms"]), f"{b['side_by_side']:.2f}", str(b["device_events"]),
                                f"{b['rtf']:.3f}"] for key, b in data["gpu_busy"].items()]) + [""]
     if data.get("compiled_flow", {}).get("rows"):
-        lines += ["The flow's estimator compiled (`torch.compile`, inductor; not built into the engine): one "
-                  "unpadded ODE captured as one step:", ""]
+        lines += ["The flow's estimator compiled (`torch.compile`, inductor, static shapes; the engine's opt-in "
+                  "`compile_flow` compiles with dynamic shapes): one unpadded ODE captured as one step:", ""]
         lines += table_lines(["window frames", "as it is ms", "compiled ms", "compiled / as it is", "compile s",
                               "largest mel difference"],
                              [[str(r["frames"]), fmt(r["plain_ms"]), fmt(r["compiled_ms"]),
@@ -1167,7 +1181,7 @@ def chunk_limit_lines(limits: dict) -> list[str]:
     lines += table_lines(["steady chunks", "chunks", "padded flow windows", "compute s per audio s",
                           f"/ growing to {base['max_chunk_tokens']}"], rows)
     lines += ["", "One step per window size (ms; flow: the whole ODE on a window of exactly that size, unpadded; "
-              "vocoder: a window one frame short of that bucket):", ""]
+              "vocoder: a window one frame shorter, in the vocoder bucket shown):", ""]
     lines += table_lines(["window frames", "flow ms", "flow ms per frame", "vocoder bucket", "vocoder ms"],
                          [[str(s["frames"]), fmt(s["flow_ms"]), f"{s['flow_ms'] / s['frames']:.2f}",
                            str(s["vocoder_bucket"]), fmt(s["vocoder_ms"])] for s in limits["steps"]])

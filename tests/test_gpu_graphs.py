@@ -220,6 +220,10 @@ def test_compiled_flow_steps_are_captured_and_give_the_plain_steps_chunks(voice_
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, vg.flow.vocab_size, (1, 90), generator=g)
     speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     out = {}
     for name, graphs in (("plain", SynthesisGraphs(vg, "graph")), ("compiled", SynthesisGraphs(vg, "graph",
                                                                                               compile_flow=True))):
@@ -231,6 +235,7 @@ def test_compiled_flow_steps_are_captured_and_give_the_plain_steps_chunks(voice_
         out[name] = chunks + speak(vg, state, final=True)
         assert graphs.mode == "graph" and not graphs.fallback_reasons(), graphs.fallback_reasons()
     assert len(out["compiled"]) == len(out["plain"]) >= 3
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2  # the compiled estimator ran (once per step kind)
     for ref, got in zip(out["plain"], out["compiled"]):
         assert got.audio.shape == ref.audio.shape
         torch.testing.assert_close(got.mel, ref.mel, atol=1e-2, rtol=0)

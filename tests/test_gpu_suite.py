@@ -192,15 +192,18 @@ def test_gpu_activity_is_the_union_of_the_device_events_inside_the_timed_span():
     assert gpu_suite.busy_us([]) == 0
     assert gpu_suite.busy_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
 
-    def event(name, device, start, end):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    def event(name, device, start, end, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=annotation)
 
     events = [event(gpu_suite.TIMED_SPAN, DeviceType.CPU, 1000, 5000),
               event("before", DeviceType.CUDA, 0, 900),  # outside the span
               event("flow", DeviceType.CUDA, 900, 2000),  # clipped to 1000-2000
               event("decoder", DeviceType.CUDA, 1500, 2500),  # side by side with the flow 1500-2000
               event("vocoder", DeviceType.CUDA, 4000, 4500),
-              event("aten::mm", DeviceType.CPU, 1000, 4000)]  # a host operator: not the GPU's
+              event("aten::mm", DeviceType.CPU, 1000, 4000),  # a host operator: not the GPU's
+              # the span's own range on the GPU's side (from its first to its last kernel): not work
+              event(gpu_suite.TIMED_SPAN, DeviceType.CUDA, 1000, 4500, annotation=True)]
     activity = gpu_suite.gpu_activity(events)
     assert activity["span_ms"] == 4.0 and activity["device_events"] == 3
     assert activity["busy_ms"] == 2.0 and activity["kernel_ms"] == 2.5

@@ -411,25 +411,24 @@ def test_cuda_streams_are_refused_off_cuda_and_with_batch_slots_before_the_weigh
     assert TasteCall(engine).stream is None
 
 
-def test_compile_flow_takes_the_static_synthesis_path_and_is_refused_where_there_is_none(engine, monkeypatch):
-    """compile_flow=True gives the engine shared synthesis steps that run the estimator compiled
-    (on a CPU with decoding='graphed': one row, as there is no GPU to share a step on); with
-    decoding='eager' there are no such steps, and a wrong value is refused before the weights load."""
+def test_compile_flow_is_refused_off_cuda_and_with_eager_decoding_before_the_weights_load(engine, monkeypatch):
+    """compile_flow=True compiles the captured flow steps of the static synthesis path: a CPU
+    engine has none (its synthesis is the eager path), nor has decoding='eager' - clear errors,
+    raised before the weights load; the default compiles nothing."""
     from taste_speech.modeling_taste import TasteForCausalLM
 
     parts = (engine.model, engine.processor, engine.voice_generator)
-    compiled = TasteEngine(*parts, decoding="graphed", compile_flow=True)
-    assert compiled.synthesis_graphs.compile_flow is True and compiled.synthesis_graphs.rows == 1
-    assert compiled.synthesis_graphs.vg is engine.voice_generator
-    assert engine.synthesis_graphs is None  # (the default engine on a CPU: the eager path, nothing compiled)
+    with pytest.raises(ValueError, match="compile_flow=True needs a CUDA device"):
+        TasteEngine(*parts, decoding="graphed", compile_flow=True)
+    assert engine.synthesis_graphs is None  # (the default engine on a CPU: the eager path)
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded before the option was checked")
 
     monkeypatch.setattr(TasteForCausalLM, "from_pretrained", no_load)
+    with pytest.raises(ValueError, match="compile_flow=True needs a CUDA device"):
+        TasteEngine.from_pretrained(None, device="cpu", compile_flow=True)
     with pytest.raises(ValueError, match="decoding='eager' does not take"):
-        TasteEngine.from_pretrained(None, device="cpu", decoding="eager", compile_flow=True)
+        TasteEngine.from_pretrained(None, device="cuda", decoding="eager", compile_flow=True)
     with pytest.raises(ValueError, match="compile_flow must be True or False"):
         TasteEngine.from_pretrained(None, device="cpu", compile_flow="yes")
-    with pytest.raises(ValueError, match="static synthesis path, which this engine does not take"):
-        TasteEngine(*parts, decoding="auto", compile_flow=True)  # (auto on a CPU: the eager path)

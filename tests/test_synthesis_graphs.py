@@ -558,13 +558,15 @@ def test_compiled_flow_steps_give_the_same_chunks_with_one_graph_for_every_windo
 
     tokens, speaker = utterance
     _, reference = stream(vg, tokens, speaker, "low_latency", [30] * 3, graphs=SynthesisGraphs(vg, "rehearse"))
+    torch._dynamo.reset()  # (no graph left from elsewhere: the count below is this test's)
     counters.clear()
     graphs = SynthesisGraphs(vg, "rehearse", compile_flow="eager")
     _, chunks = stream(vg, tokens, speaker, "low_latency", [30] * 3, graphs=graphs)
     assert_same_chunks(reference, chunks, 1e-6, 1e-6)
     sizes = {size for (stage, size), _ in graphs.counts.items() if stage == "flow"}
     assert len(sizes) >= 3, sizes  # several window sizes ...
-    assert counters["stats"]["unique_graphs"] <= 2  # ... one graph each for the unpadded and the padded steps
+    # ... one graph each for the unpadded and the padded steps (and the compiled estimator was used)
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
     assert vg.flow.decoder.estimator is not graphs._estimator  # the voice generator's own stays plain
 
 

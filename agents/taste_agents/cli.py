@@ -50,8 +50,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "BENCHMARKS.md section 5, docs/GPU.md")
     parser.add_argument("--compile-flow", action="store_true",
                         help="run the flow's estimator through torch.compile inside the static synthesis path's steps "
-                             "(CUDA: about 0.7-0.8 of a flow step's time on the H100, a minute or two more at "
-                             "start-up, Triton needed) - docs/GPU.md")
+                             "(CUDA, Triton needed, a minute or two more at start-up; compiled for one static shape "
+                             "it took a flow step to 0.70-0.78 of its time on the H100, the engine's dynamic shapes "
+                             "are not yet measured) - docs/GPU.md")
     parser.add_argument("--prompt-format", default="instruct", choices=["instruct", "continuation", "dialogue"],
                         help="how turns reach the LM (instruct: role labels, works with V0; dialogue needs a "
                              "fine-tuned checkpoint)")

@@ -181,11 +181,12 @@ class TasteEngine:
         default stream), or on CUDA 'synthesis' (every call's flow and vocoder work on one stream
         of its own, beside the decoding) or 'calls' (that, and each call's other work on a stream of
         the call's own). ``compile_flow``: the flow's estimator through ``torch.compile`` inside the
-        static synthesis path's steps (``SynthesisGraphs(compile_flow=True)``: about 0.7-0.8 of a
-        flow step's time on the H100, a minute or two more at start-up, Triton needed); off by
-        default."""
+        static synthesis path's steps (``SynthesisGraphs(compile_flow=True)``; CUDA only, Triton
+        needed, a minute or two more at start-up). Compiled for one static shape it took a flow
+        step to 0.70-0.78 of its time on the H100; the engine compiles with dynamic shapes, not yet
+        measured there. Off by default."""
         _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow)
-        _check_streams_device(streams, next(voice_generator.parameters()).device)
+        _check_device_options(streams, compile_flow, next(voice_generator.parameters()).device)
         if merge_lora:
             model.spoken_lm.merge_lora()
         device_name = str(next(model.parameters()).device)
@@ -233,7 +234,7 @@ class TasteEngine:
 
             asr = check_whisper_name(asr)  # a mistyped path fails now, not after the weights
         device = str(resolve_device(device))  # 'auto' -> 'cuda' or 'cpu', once for every part
-        _check_streams_device(streams, device)  # (before the weights load, too)
+        _check_device_options(streams, compile_flow, device)  # (before the weights load, too)
         if name_or_path is None:
             from taste_speech.tiny import default_tiny_checkpoint
 
@@ -402,20 +403,16 @@ def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str, compi
     """The calls' shared flow and vocoder steps on the static synthesis path, batching the windows
     of up to ``slots`` calls (``CUDA_SYNTHESIS_ROWS`` on CUDA without slots); None: the voice
     generator's own (one window per step: a CPU's static path, where a step costs its rows) or eager.
-    ``compile_flow``: their flow steps run the estimator compiled (then never the voice generator's own)."""
+    ``compile_flow``: their flow steps run the estimator compiled (CUDA: ``_check_device_options``)."""
     from taste_speech.streaming.synthesis_graphs import SynthesisGraphs, resolve_kind
 
     device = next(voice_generator.parameters()).device
     if resolve_kind(cache_kind, device) != "static":
-        if compile_flow:
-            raise ValueError("compile_flow compiles the flow steps of the static synthesis path, which this engine does "
-                             f"not take (decoding {cache_kind!r} on {device.type}): use decoding='auto' on CUDA or "
-                             "'graphed', or compile_flow=False")
         return None
     if slots is None:
-        if device.type != "cuda" and not compile_flow:
+        if device.type != "cuda":
             return None
-        slots = CUDA_SYNTHESIS_ROWS if device.type == "cuda" else 1
+        slots = CUDA_SYNTHESIS_ROWS
     return SynthesisGraphs(voice_generator, rows=slots, compile_flow=compile_flow)
 
 
@@ -436,10 +433,15 @@ def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str, compi
 STREAMS = ("default", "synthesis", "calls")
 
 
-def _check_streams_device(streams: str, device) -> None:
-    if streams != "default" and not str(device).startswith("cuda"):
+def _check_device_options(streams: str, compile_flow: bool, device) -> None:
+    """The options that only CUDA has, against the engine's (resolved) device."""
+    cuda = str(device).startswith("cuda")
+    if streams != "default" and not cuda:
         raise ValueError(f"streams={streams!r} needs a CUDA device (streams are CUDA's), not {device}: "
                          "use streams='default' there")
+    if compile_flow and not cuda:  # (a CPU takes the eager synthesis path: nothing there to compile)
+        raise ValueError(f"compile_flow=True needs a CUDA device (it compiles the captured flow steps of the "
+                         f"static synthesis path), not {device}: leave it off there")
 
 
 def _new_stream(device, other_than=None):
