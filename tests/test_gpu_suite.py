@@ -77,8 +77,8 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert limits["steps"][-1]["vocoder_bucket"] == 640
     assert not data["not_measured"] and not data["failed"]
     # a CUDA stream needs CUDA: said, not failed
-    assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "compiled_flow_reply", "gpu_busy",
-                                  "synthesis_stream_calls", "call_streams_calls"]
+    assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "synthesis_stream_calls",
+                                  "call_streams_calls", "compiled_flow_reply", "gpu_busy"]
     for key in ("pipelined", "pipelined_one_segment_ahead"):  # the agent's back-pressure, and the LM held closer
         pipelined = graphed[key]
         assert pipelined["audio_s"] > 1.0 and 0 < pipelined["first_audio_ms"] < 1000 * pipelined["wall_s"]
