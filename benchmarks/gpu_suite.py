@@ -113,7 +113,7 @@ BATCHED = DecodePath("graphed", batch_slots=16)  # the concurrency table only
 SYNTHESIS_STREAM = DecodePath("graphed", streams="synthesis")  # CUDA only
 CALL_STREAMS = DecodePath("graphed", streams="calls")  # CUDA only, the concurrency table only
 COMPILED_FLOW = DecodePath("graphed", streams="synthesis", compile_flow=True)  # CUDA only (Triton)
-COMPILE_S = 240  # the least time left for a part that compiles the flow (about a minute per compilation)
+COMPILE_S = 150  # the least time left for a part that compiles the flow (about a minute per compilation)
 
 
 def sync(device) -> None:
