@@ -679,6 +679,8 @@ def window_step_ms(graphs, sizes, repeats: int) -> list[dict]:
     """Median ms of one flow step (the whole ODE, unpadded: a window of exactly a full size) and one
     vocoder step (a window one frame shorter than that size, in the smallest vocoder bucket holding
     it) per window size: the cost per window as it grows."""
+    from benchmarks.bench_first_chunk_flow import median_ms
+
     vg, device = graphs.vg, graphs.device
     c, n_mel, spf = vg.flow.output_size, vg.hift.conv_pre.in_channels, vg.hift.samples_per_frame
     rows = []
@@ -692,14 +694,7 @@ def window_step_ms(graphs, sizes, repeats: int) -> list[dict]:
         for stage, run in (("flow_ms", lambda: graphs.flow(mu, spks, cond, noise)),
                            ("vocoder_ms", lambda: graphs.vocoder(mel, source))):
             run()  # capture
-            times = []
-            for _ in range(repeats):
-                sync(device)
-                t0 = time.perf_counter()
-                run()
-                sync(device)
-                times.append(1000 * (time.perf_counter() - t0))
-            row[stage] = statistics.median(times)
+            row[stage] = median_ms(run, torch.device(device), repeats)
         rows.append(row)
     return rows
 
@@ -748,6 +743,7 @@ def compiled_flow(engine, repeats: int, frames=(17, 256), left_s: Callable[[], f
     flow ODE (a window of ``frames``) captured as one step, with the estimator as it is vs compiled
     by ``torch.compile`` (the compiled kernels captured in the same kind of step). Compiling costs
     time (``compile_s``: the first run) and needs Triton on CUDA. A size starts only with a minute left."""
+    from benchmarks.bench_first_chunk_flow import median_ms
     from taste_speech.step_graph import StepGraph
 
     vg, device = engine.voice_generator, engine.device
@@ -770,14 +766,7 @@ def compiled_flow(engine, repeats: int, frames=(17, 256), left_s: Callable[[], f
                     row["compile_s"] = time.perf_counter() - t0
                 step = StepGraph(lambda: cfm(mu, None, spks, cond, noise), device, "auto", name=f"flow ODE {name}")
                 outputs[name] = step.run().clone()  # (warm-up runs and the capture)
-                times = []
-                for _ in range(repeats):
-                    sync(device)
-                    t0 = time.perf_counter()
-                    step.run()
-                    sync(device)
-                    times.append(1000 * (time.perf_counter() - t0))
-                row[name + "_ms"] = statistics.median(times)
+                row[name + "_ms"] = median_ms(step.run, torch.device(device), repeats)
                 row[name + "_mode"] = step.mode
         row["max_mel_diff"] = (outputs["compiled"] - outputs["plain"]).abs().max().item()
         rows.append(row)
