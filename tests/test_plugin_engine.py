@@ -5,6 +5,7 @@ different threads; these tests pin it to the library's own ``taste_detokenize_st
 tokens, same audio, bit for bit), so a change in the library shows up here first."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -184,6 +185,43 @@ def speak_reply(session, turn):
     """Text, speech tokens and audio of one whole reply through the session's three stages."""
     segments, _ = reply_segments(session, turn, n_words=99)
     return [s.text for s in segments], *speak_segments(session, segments)
+
+
+def test_calls_that_start_speaking_together_share_their_first_flow_step(engine, hello):
+    """Two calls' replies start speaking at once (``start_speech`` announces each to the engine's
+    shared synthesis steps); their first chunks' flow windows come 40 ms apart, yet run as one
+    step, and each call gets the audio it gets alone."""
+    batched = TasteEngine(engine.model, engine.processor, engine.voice_generator,
+                          checkpoint_dir=engine.checkpoint_dir, batch_slots=2, decoding="graphed")
+    batched.warm_up()
+    batched.synthesis_graphs._first_step_s = 10.0  # (the wait must end because the other came)
+    calls = []
+    for seed in (0, 1):
+        session = batched.new_session(GenerationSettings(max_reply_tokens=8, seed=seed, text_top_p=0.0))
+        segments, _ = reply_segments(session, session.user_turn(hello.audio, hello.text), n_words=99)
+        calls.append((session, segments))
+    alone = []
+    for session, segments in calls:
+        state = session.start_speech(16000)
+        tokens = [t for e in segments for group in session.speech_tokens(state, e.segment) for t in group]
+        alone.append((tokens, np.concatenate(session.vocode(state, tokens, final=True))))
+    # the same calls again (their voices' random streams anew), both announced before either speaks
+    again = [batched.new_session(GenerationSettings(max_reply_tokens=8, seed=seed, text_top_p=0.0)) for seed in (0, 1)]
+    states = [session.start_speech(16000) for session in again]
+    audio = [None, None]
+
+    def speak(i):
+        time.sleep(0.04 * i)
+        audio[i] = np.concatenate(again[i].vocode(states[i], alone[i][0], final=True))
+
+    graphs = batched.synthesis_graphs
+    before = dict(graphs.first_batches)
+    run_in_threads(speak, [(0,), (1,)])
+    assert graphs.first_batches[2] == before.get(2, 0) + 1, graphs.first_batches
+    for got, (_, expected) in zip(audio, alone):
+        assert got.shape == expected.shape and np.abs(got - expected).max() < 2e-4
+    for session in [c[0] for c in calls] + again:
+        session.close()
 
 
 def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engine, hello):

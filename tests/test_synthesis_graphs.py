@@ -15,6 +15,7 @@ A padding leak (a missing mask) changes the mel by 0.1-2 and the audio by far mo
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import time
 from dataclasses import replace
@@ -336,6 +337,104 @@ def test_a_new_window_does_not_wait_for_an_utterance_that_was_dropped(vg):
     assert not graphs._awaited["flow"]  # and the dropped one is not awaited again
 
 
+def announced(vg, graphs, n, seed):
+    """``n`` utterances (own tokens and voices) started on ``graphs``: announced, nothing spoken yet."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        tokens = torch.randint(0, vg.flow.vocab_size, (1, 40), generator=g)
+        speaker = torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)
+        state = start_speaking(vg, speaker, "low_latency", out_sampling_rate=22050,
+                               generator=torch.Generator().manual_seed(0), graphs=graphs)  # (as stream())
+        out.append((tokens, speaker, state))
+    return out
+
+
+def test_utterances_that_start_speaking_together_share_their_first_flow_step(vg):
+    """Three calls start speaking at once; their first windows come 30 ms apart (their speech
+    decoders finish at different times). The first one waits for the others' (they were announced
+    by start_speaking), so the three first chunks take one flow step - on a GPU the cost of one,
+    not three - and each utterance still gets the chunks it gets alone."""
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=1.0)
+    graphs._first_step_s = 10.0  # (a long limit: the wait must end because they came, not because it ran out)
+    utterances = announced(vg, graphs, 3, seed=21)
+    references = [stream(vg, tokens, speaker, widened("low_latency"), [4] * 10, kind="dynamic")[1]
+                  for tokens, speaker, _ in utterances]
+    results = [None] * 3
+
+    def speak_one(i):
+        tokens, _, state = utterances[i]
+        time.sleep(0.03 * i)
+        results[i] = speak_in_pieces(vg, state, tokens, [4] * 10)
+
+    started = time.monotonic()
+    run_in_threads(speak_one, [(i,) for i in range(3)])
+    assert time.monotonic() - started < 5  # the first window stopped waiting when the last came
+    for reference, chunks in zip(references, results):
+        assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
+    assert graphs.first_batches == {3: 1}, graphs.first_batches
+    first = graphs.stats()["first_windows"]
+    assert (first["windows"], first["steps"], first["mean_batch"], first["waits"]) == (3, 1, 3.0, 1)
+    assert 40 <= first["waited_ms"] < 5000  # it waited for the last one, 60 ms after it
+    assert not graphs._starting and not graphs._queue and not graphs._stepping
+
+
+def test_a_call_speaking_alone_never_waits_for_its_first_window(vg):
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4)
+    graphs._first_step_s = 5.0
+    [(tokens, _, state)] = announced(vg, graphs, 1, seed=22)
+
+    def no_waiting(timeout=None):
+        raise AssertionError(f"the step waited (up to {timeout} s) though no other utterance was starting")
+
+    graphs._lock.wait = no_waiting  # one thread: a step waits only in the gathering
+    chunks = speak_in_pieces(vg, state, tokens, [40])
+    assert len(chunks) >= 2 and graphs.first_batches == {1: 1} and graphs.first_waits == 0
+
+
+def test_an_utterance_announced_but_never_spoken_costs_one_bounded_wait(vg):
+    """A reply that started speaking and was cut before its first window (a barge-in) keeps its
+    state alive for a while: the next first window waits for it at most ``first_gather`` steps,
+    and no first window waits for it again."""
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4, first_gather=2.0)
+    graphs._first_step_s = 0.05
+    silent, newcomer = announced(vg, graphs, 2, seed=23)
+    started = time.monotonic()
+    first = speak(vg, newcomer[2], newcomer[0][:, :20])
+    waited = time.monotonic() - started
+    assert first and 0.09 <= graphs.first_wait_s <= waited < 5  # two first-window steps of 50 ms
+    assert graphs.first_waits == 1 and not graphs._starting
+    [(tokens, _, state)] = announced(vg, graphs, 1, seed=24)  # a later reply: nobody else is starting
+    assert speak(vg, state, tokens[:, :20]) and graphs.first_waits == 1
+    assert silent[2].chunks_emitted == 0
+
+
+def test_an_utterance_dropped_before_its_first_window_is_not_waited_for(vg):
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4)
+    graphs._first_step_s = 5.0
+    dropped, (tokens, _, state) = announced(vg, graphs, 2, seed=25)
+    del dropped  # the reply's state is gone (its call ended)
+    gc.collect()
+
+    def no_waiting(timeout=None):
+        raise AssertionError(f"the step waited (up to {timeout} s) for an utterance that no longer exists")
+
+    graphs._lock.wait = no_waiting
+    assert speak(vg, state, tokens[:, :20]) and graphs.first_batches == {1: 1} and not graphs._starting
+
+
+def test_first_gather_is_checked_and_one_row_announces_nothing(vg):
+    for bad in (-1, True, float("nan"), "1"):
+        with pytest.raises(ValueError, match="first_gather must be a number"):
+            SynthesisGraphs(vg, rows=2, first_gather=bad)
+    graphs = SynthesisGraphs(vg, "rehearse", rows=1)
+    announced(vg, graphs, 2, seed=26)
+    assert not graphs._starting  # one window a step: nothing to gather
+    graphs = SynthesisGraphs(vg, "rehearse", rows=2, first_gather=0)
+    announced(vg, graphs, 2, seed=26)
+    assert not graphs._starting
+
+
 def test_a_failing_step_fails_its_windows_and_the_next_steps_still_run(vg, utterance):
     tokens, speaker = utterance
     graphs = SynthesisGraphs(vg, "eager", rows=2)
@@ -371,6 +470,7 @@ def test_warm_up_prepares_every_row_count_without_counting_windows(vg):
     assert sorted(graphs._flow[88].steps) == [(1, False), (1, True), (2, False), (3, False)]
     assert sorted(graphs._flow[87].steps) == [(1, True)]
     assert not graphs.counts and graphs.stats()["flow"] == {"windows": 0, "steps": 0, "mean_batch": None}
+    assert graphs._first_step_s > 0  # a first window's step alone, timed: how long first windows wait
     with pytest.raises(ValueError, match="rows must be an integer >= 1"):
         SynthesisGraphs(vg, rows=0)
     with pytest.raises(ValueError, match="gather must be a fraction"):
@@ -399,13 +499,15 @@ def test_a_computation_captured_again_at_another_row_count_warms_up_once(vg, mon
         return dict(runs)
 
     now = warm()
-    # largest row count first: its captures are each computation's first
+    # largest row count first: its captures are each computation's first; then the first window's
+    # step alone once more, timed (how long first windows wait for other calls')
     assert now == {(17, 4, False): 3, (17, 4, True): 3, (17, 2, False): 2, (17, 2, True): 2,
-                   (17, 1, False): 2, (17, 1, True): 2,
+                   (17, 1, False): 2, (17, 1, True): 2 + 1,
                    (88, 4, False): 3, (88, 2, False): 2, (88, 1, False): 2, (88, 1, True): 3}
     before = warm(batched_full_frames=None, repeat_warmup_runs=2)  # every unpadded size batched, two runs each
-    assert set(before) - set(now) == {(88, 4, True), (88, 2, True)} and set(before.values()) == {3}
-    assert sum(now.values()) == 24 and sum(before.values()) == 36
+    assert set(before) - set(now) == {(88, 4, True), (88, 2, True)}
+    assert set(before.values()) == {3, 4} and before[17, 1, True] == 3 + 1
+    assert sum(now.values()) == 24 + 1 and sum(before.values()) == 36 + 1
     with pytest.raises(ValueError, match="repeat_warmup_runs must be an integer >= 0"):
         SynthesisGraphs(vg, repeat_warmup_runs=-1)
 

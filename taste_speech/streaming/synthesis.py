@@ -145,7 +145,7 @@ def start_speaking(
         import soxr
 
         resampler = soxr.ResampleStream(SOURCE_RATE, out_sampling_rate, 1, dtype="float32", quality="HQ")
-    return SynthesisState(
+    state = SynthesisState(
         policy=policy,
         out_sampling_rate=out_sampling_rate,
         spks=spks,
@@ -158,6 +158,9 @@ def start_speaking(
         window_frames=_window_frames(policy, graphs),
         tokens=torch.zeros(1, 0, dtype=torch.long, device=device),
     )
+    if graphs is not None:  # its first window comes soon: other new utterances' first windows wait for it
+        graphs.expect_first_window(state)
+    return state
 
 
 def _window_frames(policy: EmissionPolicy, graphs: Optional[SynthesisGraphs]) -> tuple[int, ...]:

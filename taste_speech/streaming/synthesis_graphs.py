@@ -53,6 +53,17 @@ so calls that speak at the same time stop queueing behind each other. Each bucke
 rows of static buffers and a step (a graph) per row count n = 1, 2, 4 ... rows; idle rows inside
 a step hold a harmless window. ``rows=1`` runs every window alone, in order of arrival.
 
+First windows are gathered on purpose. On a GPU a step's host part is only its launches, so
+windows that the calls make a few milliseconds apart never find each other in the queue: eight
+calls whose callers stopped speaking together ran eight first-window steps one after another
+(BENCHMARKS.md section 5: a flow step of 50-65 ms each, the largest part of their first audio). So
+``start_speaking`` announces each new utterance (``expect_first_window``), and a step whose
+oldest window is an utterance's first waits for the first windows of the other announced
+utterances - at most ``first_gather`` times a first-window step's time (measured on the device:
+waiting longer would cost the early ones more than a step of its own costs the late one). An
+utterance that does not come in time (its reply was cut, or its speech decoding is slow) is not
+waited for again, and one garbage collected is not waited for at all. A call alone never waits.
+
 Lifecycle: a :class:`SynthesisGraphs` belongs to one voice generator on one device and holds the
 static buffers and graphs of the buckets used so far. ``start_speaking`` takes one explicitly,
 or uses :func:`shared_graphs` (one per voice generator, ``rows=1``, created on first use). On
@@ -68,8 +79,10 @@ voice generator is detected and the buckets are rebuilt.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
+import weakref
 from collections import Counter
 from typing import Iterable, Optional
 
@@ -227,12 +240,13 @@ class _VocoderBucket(_Bucket):
 class _Window:
     """One call's window waiting for a step: its stage, bucket (None: too large, eager) and inputs."""
 
-    __slots__ = ("stage", "bucket", "inputs", "owner", "more", "output")
+    __slots__ = ("stage", "bucket", "inputs", "owner", "more", "first", "output")
 
     def __init__(self, stage: str, bucket: Optional[int], inputs: tuple, owner=None, more: bool = False):
         self.stage, self.bucket, self.inputs = stage, bucket, inputs
         self.owner = owner  # the utterance (its SynthesisState), or None
         self.more = more  # (vocoder) the owner's next flow window follows at once
+        self.first = False  # (flow) the first window of an announced utterance
         self.output = None  # the result, or the exception the step raised
 
 
@@ -241,7 +255,8 @@ class SynthesisGraphs:
                  vocoder_buckets: Iterable[int] = VOCODER_BUCKETS, rows: int = 1, gather: float = 0.5,
                  full_flow_frames: Optional[Iterable[int]] = None,
                  batched_full_frames: Optional[Iterable[int]] = FIRST_WINDOW_FRAMES,
-                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS, compile_flow: bool | str = False):
+                 repeat_warmup_runs: int = REPEAT_WARMUP_RUNS, compile_flow: bool | str = False,
+                 first_gather: float = 1.0):
         """Bucketed steps for ``vg`` on its current device. ``graph_mode`` (see ``step_graph``):
         'auto' captures CUDA graphs on CUDA and runs the padded steps eagerly elsewhere; 'eager' and
         'rehearse' (the capture protocol without a graph) work on any device. ``rows``: the most
@@ -262,7 +277,10 @@ class SynthesisGraphs:
         ODE step from 52 to 41 ms (17 frames) and from 84 to 58 ms (256 frames), compiled for
         static shapes (BENCHMARKS.md section 5); compiling costs about a minute per compilation at
         start-up (inductor keeps its results on disk for the next start) and needs Triton on CUDA.
-        Off by default."""
+        Off by default. ``first_gather``: how long an utterance's first flow window waits for the
+        first windows of the other utterances announced by ``start_speaking``, as a multiple of a
+        first-window step's time (``warm_up`` measures it on the device, later first steps update
+        it; 0: no waiting)."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
         if not 0 <= gather <= 1:
@@ -291,16 +309,27 @@ class SynthesisGraphs:
         if compile_flow and repeat_warmup_runs < 1:  # compiling launches work a capture must not record
             raise ValueError("compile_flow needs repeat_warmup_runs >= 1: a step compiles in its warm-up runs")
         self.compile_flow = compile_flow
+        if isinstance(first_gather, bool) or not isinstance(first_gather, (int, float)) or \
+                not math.isfinite(first_gather) or first_gather < 0:
+            raise ValueError(f"first_gather must be a number of first-window steps >= 0, got {first_gather!r}")
+        self.first_gather = float(first_gather)
         self.counts: Counter = Counter()  # windows per ('flow' | 'vocoder', bucket frames or None = eager fallback)
         self.padded_frames: Counter = Counter()  # padding frames computed per stage (how much padding occurred)
         self.padded_windows: Counter = Counter()  # windows per stage that ran a padded (masked) step
         self.batches: Counter = Counter()  # steps per ('flow' | 'vocoder', windows in the step)
+        self.first_batches: Counter = Counter()  # first-window flow steps per first windows in the step
+        self.first_waits = 0  # first-window steps that waited for other utterances' first windows
+        self.first_wait_s = 0.0  # and how long they waited in all
         self._queue: list[_Window] = []
         self._lock = threading.Condition()
         self._stepping = False  # a thread is running a step (or capturing)
         # id(owner) of the utterances whose next window of each stage is due at once
         self._awaited: dict[str, set[int]] = {"flow": set(), "vocoder": set()}
         self._flow_step_s = 0.0  # the last flow step's time
+        # id(utterance) -> weakref: announced utterances whose first flow window has not come yet
+        self._starting: dict[int, weakref.ref] = {}
+        self._first_step_s = 0.0  # a first-window step's time on the device (how long first windows wait)
+        self._first_timing = None  # CUDA: (start, end) events of the last first-window step, read when done
         self._fingerprint = None
         self._reset()
 
@@ -339,7 +368,20 @@ class SynthesisGraphs:
                 windows = sum(n * c for (s, n), c in self.batches.items() if s == stage)
                 out[stage] = {"windows": windows, "steps": steps,
                               "mean_batch": round(windows / steps, 3) if steps else None}
+            steps = sum(self.first_batches.values())
+            windows = sum(n * c for n, c in self.first_batches.items())
+            out["first_windows"] = {"windows": windows, "steps": steps,
+                                    "mean_batch": round(windows / steps, 3) if steps else None,
+                                    "waits": self.first_waits, "waited_ms": round(1000 * self.first_wait_s, 1)}
             return out
+
+    def expect_first_window(self, owner) -> None:
+        """Announce a new utterance (``start_speaking`` does): the first flow window of another
+        utterance then waits a little for this one's (module docstring). Held weakly."""
+        if self.rows == 1 or not self.first_gather:  # nothing to gather for
+            return
+        with self._lock:
+            self._starting[id(owner)] = weakref.ref(owner)
 
     def flow(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor,
              owner=None) -> torch.Tensor:
@@ -385,6 +427,22 @@ class SynthesisGraphs:
                 for size in sorted({self.bucket_for("vocoder", f) for f in vocoder_frames} - {None}, reverse=True):
                     short = max(1, size - 1)
                     self._vocoder_bucket(size).run([(zeros(1, n_mel, short), zeros(1, 1, short * spf))] * n, n)
+            self._time_first_step(flow_window)
+
+    def _time_first_step(self, flow_window) -> None:
+        """(Warm-up.) A first window's step alone, timed on the device: how long first windows wait
+        for other utterances' (``first_gather``) until live first steps are measured."""
+        sizes = [f for f in FIRST_WINDOW_FRAMES if f in self._flow and (1, True) in self._flow[f].steps]
+        if not sizes or self.rows == 1:
+            return
+        cuda = self._device.type == "cuda"
+        if cuda:
+            torch.cuda.current_stream(self._device).synchronize()
+        started = time.perf_counter()
+        self._flow[sizes[0]].run([flow_window(sizes[0])], 1)
+        if cuda:
+            torch.cuda.current_stream(self._device).synchronize()
+        self._first_step_s = time.perf_counter() - started
 
     def __deepcopy__(self, memo):
         return self  # scratch buffers and graphs, no per-utterance state: a copied state shares them
@@ -395,6 +453,8 @@ class SynthesisGraphs:
         """Queue the window; the first thread to find no step running runs steps until its own
         window is done (serving the windows it batches with), the others wait for theirs."""
         with self._lock:
+            if window.stage == "flow" and self._starting.pop(id(window.owner), None) is not None:
+                window.first = True
             self._queue.append(window)
             self._lock.notify_all()  # a step may be gathering its windows
             while window.output is None:
@@ -409,10 +469,10 @@ class SynthesisGraphs:
                     self._lock.release()
                     started = time.perf_counter()
                     try:
-                        self._run(batch)
+                        timing = self._timed_run(batch)
                     finally:
                         self._lock.acquire()
-                    self._after_step(batch, time.perf_counter() - started)
+                    self._after_step(batch, time.perf_counter() - started, timing)
                 finally:
                     self._stepping = False
                     self._lock.notify_all()
@@ -423,9 +483,13 @@ class SynthesisGraphs:
     def _gather_windows(self) -> None:
         """(Lock held.) Wait until every utterance awaited by the oldest window's stage has its
         window queued, or ``gather`` x the last flow step's time has passed (at least
-        ``MIN_GATHER_S``). Once per step: an utterance that did not come is not waited for again."""
+        ``MIN_GATHER_S``). Once per step: an utterance that did not come is not waited for again.
+        An utterance's first window waits for the other new utterances' instead."""
         oldest = self._queue[0]
         stage = oldest.stage
+        if oldest.first:
+            self._gather_first_windows(oldest)
+            return
         awaited = self._awaited[stage]
         # Wait only within a round: when the oldest window is one of the awaited utterances'. A
         # window from elsewhere (a new reply's first chunk) waits for nobody - an awaited
@@ -441,11 +505,60 @@ class SynthesisGraphs:
             self._lock.wait(left)
         awaited.clear()
 
-    def _after_step(self, batch: list[_Window], seconds: float) -> None:
+    def _gather_first_windows(self, oldest: _Window) -> None:
+        """(Lock held.) Wait until the announced utterances have queued their first windows (or
+        the bucket's rows are full), at most ``first_gather`` first-window steps. Those that did
+        not come are forgotten: their first windows will wait for nobody."""
+        self._forget_dropped()
+        if self._starting and oldest.bucket is not None and self.first_gather:
+            started = time.perf_counter()
+            deadline = started + self.first_gather * self._first_step_seconds()
+            while self._starting and (left := deadline - time.perf_counter()) > 0:
+                if sum(w.first and w.bucket == oldest.bucket for w in self._queue) >= self.rows:
+                    break
+                self._lock.wait(left)
+                self._forget_dropped()
+            self.first_waits += 1
+            self.first_wait_s += time.perf_counter() - started
+        self._starting.clear()
+
+    def _forget_dropped(self) -> None:
+        """(Lock held.) Announced utterances that were garbage collected will never come."""
+        for key in [key for key, ref in self._starting.items() if ref() is None]:
+            del self._starting[key]
+
+    def _timed_run(self, batch: list[_Window]):
+        """``_run``, and for a step of first windows on CUDA its (start, end) events (the step's
+        time on the GPU; the host only launches it), else None."""
+        if not (batch[0].first and self._device.type == "cuda"):
+            self._run(batch)
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._run(batch)
+        end.record()
+        return start, end
+
+    def _first_step_seconds(self) -> float:
+        """(Lock held.) The last first-window step's time: on CUDA its GPU time, once it has run."""
+        if self._first_timing is not None and self._first_timing[1].query():
+            start, end = self._first_timing
+            self._first_step_s = start.elapsed_time(end) / 1000
+            self._first_timing = None
+        return self._first_step_s
+
+    def _after_step(self, batch: list[_Window], seconds: float, timing=None) -> None:
         """(Lock held.) Statistics; the utterances whose next window (of the other stage) is due at
-        once are awaited by the next step of that stage."""
+        once are awaited by the next step of that stage. ``seconds``: the step's host time;
+        ``timing``: its CUDA events (``_timed_run``)."""
         stage = batch[0].stage
         self.batches[stage, len(batch)] += 1
+        if batch[0].first:
+            self.first_batches[sum(w.first for w in batch)] += 1
+            if timing is not None:
+                self._first_timing = timing
+            else:
+                self._first_step_s = seconds
         for w in batch:
             if w.owner is None or isinstance(w.output, BaseException):
                 continue
