@@ -285,6 +285,7 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
     turn = asr_while_speaking(asr[path.name], audio) if asr is not None else None
     if turn_ends is not None:
         turn_ends()
+    session.turn_ended()  # (as the agent's turn capture does: a tower pass of several calls waits for this one)
     clock = Clock(device)
     if asr is not None:
         asr_after_turn(asr[path.name], turn, audio, clock)

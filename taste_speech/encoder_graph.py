@@ -1,73 +1,225 @@
-"""The audio tower's Whisper encoder as one captured step (a CUDA graph on CUDA).
+"""The audio tower's Whisper encoder as one captured step (a CUDA graph on CUDA), shared by the calls.
 
 The encoder always runs at one shape - the turn's log-mel right-padded to the whole window (30 s,
 3000 frames, for the published model) - so it needs no buckets: one graph serves every turn. Eager
 it is ~500 launches and launch-bound on a GPU (``GPU_NOTES.md``: 16 ms for Whisper-large-v3's
 encoder, the same for 3 s or 30 s of audio); replayed, what is left is the GPU's own work.
 
-An :class:`EncoderGraph` belongs to one audio tower on one device and holds the static input
-buffer and the step; calls share it (one turn at a time: a lock around copy-in, replay, copy-out;
-on CUDA each turn also waits for the last one's queued kernels, which calls running on streams of
-their own do not wait for otherwise).
-It is passed explicitly (``taste_tokenize(..., encoder=...)``, ``TasteEngine`` makes one on the
+Calls share one :class:`EncoderGraph`. With ``rows`` > 1 the turns of several calls that end
+together go through one pass (a step per row count n = 1, 2, 4 ... rows, idle rows silent): every
+turn waits in one queue, and the first thread that finds no pass running runs the next one for up
+to ``rows`` waiting turns. A turn announced by its call (``expect_turn``: its caller stopped
+speaking, its transcript is being finished) is waited for, at most ``gather`` passes
+(``taste_speech.announcements``: on a GPU the calls' turns otherwise come a few milliseconds apart
+and never meet). A call alone never waits.
+
+Streams: each turn's window is made on its caller's current stream, and a pass may run on another
+caller's; the pass waits for each window (an event), and each caller's stream waits for the pass
+before it reads its copies. Each pass also waits for the last one's queued kernels (its buffers
+are reused), which calls running on streams of their own do not wait for otherwise.
+
+It is passed explicitly (``taste_tokenize(..., encoder=...)``; ``TasteEngine`` makes one on the
 CUDA fast path), so a model shared by an eager engine and a graphed one keeps both. Moving or
-casting the tower is detected and the step is rebuilt. Its memory: the input window, the two
-outputs and the graph's private pool (the largest layer's activations).
+casting the tower is detected and the steps are rebuilt. Its memory: the input windows, the two
+outputs and the graphs' shared private pool (the largest layer's activations) for ``rows`` turns.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 
 import torch
 
+from taste_speech.announcements import Announcements, StepTimer
+from taste_speech.batched_steps import step_sizes
 from taste_speech.step_graph import StepGraph
 
 
+class _Turn:
+    """One call's window waiting for a pass, and what it gets back."""
+
+    __slots__ = ("window", "ready", "output", "done")
+
+    def __init__(self, window: torch.Tensor):
+        self.window = window
+        self.ready = _event_after_current_work(window.device)  # CUDA: the window is written
+        self.output = None  # (target, last), or the exception the pass raised
+        self.done = None  # CUDA: the pass and the copies are written
+
+
+def _event_after_current_work(device: torch.device):
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class EncoderGraph:
-    def __init__(self, tower, graph_mode: str = "auto"):
+    def __init__(self, tower, graph_mode: str = "auto", rows: int = 1, gather: float = 1.0):
         """``tower``: a ``TasteAudioTower``; ``graph_mode`` as ``step_graph.StepGraph`` takes it
-        ('auto': a CUDA graph on CUDA, eager elsewhere; 'rehearse': the capture protocol on any device)."""
-        self.tower, self.graph_mode = tower, graph_mode
-        self._lock = threading.Lock()
-        self._last_turn = None  # CUDA: an event after the last turn's replay and copy-out
+        ('auto': a CUDA graph on CUDA, eager elsewhere; 'rehearse': the capture protocol on any
+        device). ``rows``: the most turns one pass runs. ``gather``: how long a pass waits for
+        announced turns, in passes (0: never)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
+        if isinstance(gather, bool) or not isinstance(gather, (int, float)) or not math.isfinite(gather) or gather < 0:
+            raise ValueError(f"gather must be a number of passes >= 0, got {gather!r}")
+        self.tower, self.graph_mode, self.rows, self.gather = tower, graph_mode, rows, float(gather)
+        self.row_counts = step_sizes(rows)
+        self._lock = threading.Condition()
+        self._queue: list[_Turn] = []
+        self._stepping = False
+        self._ending = Announcements()  # calls whose turn ended and whose pass has not come yet
+        self._pass_time = StepTimer()  # a pass's time on the device (how long announced turns are waited for)
+        self.passes = 0
+        self.turns = 0
+        self._last_turn = None  # CUDA: an event after the last pass and its copies
         self._reset()
 
     @property
     def mode(self) -> str:
         return self.step.mode
 
-    @torch.inference_mode()
-    def __call__(self, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``window`` (1, n_mels, frames): the padded log-mel (``tower.encoder_window``) ->
-        (target_hidden, last_hidden), each (1, S, d), the tower's own copies."""
+    @property
+    def step(self) -> StepGraph:
+        """The one-turn step."""
+        return self._step(1)
+
+    def stats(self) -> dict:
         with self._lock:
-            if self._weights() != self._fingerprint:
-                self._reset()
-            if self._last_turn is not None:  # (a no-op when the last turn ran on this thread's stream)
-                torch.cuda.current_stream(self.window.device).wait_event(self._last_turn)
-            self.window.copy_(window)
-            target, last = self.step.run()
-            out = target.clone(), last.clone()  # the next turn overwrites the step's outputs
-            if self.window.is_cuda:
-                self._last_turn = torch.cuda.Event()
-                self._last_turn.record(torch.cuda.current_stream(self.window.device))
-            return out
+            return {"rows": self.rows, "turns": self.turns, "passes": self.passes,
+                    "mean_batch": round(self.turns / self.passes, 3) if self.passes else None,
+                    **self._ending.stats()}
+
+    def expect_turn(self, owner) -> None:
+        """Announce ``owner``'s next turn (its caller stopped speaking): a pass that starts before
+        it comes waits for it a little. Held weakly; ``owner`` passes itself to ``__call__``."""
+        if self.rows > 1 and self.gather:
+            with self._lock:
+                self._ending.add(owner)
+
+    @torch.inference_mode()
+    def __call__(self, window: torch.Tensor, owner=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``window`` (1, n_mels, frames): the padded log-mel (``tower.encoder_window``) ->
+        (target_hidden, last_hidden), each (1, S, d), the turn's own copies. ``owner``: who
+        announced this turn (``expect_turn``), if anyone."""
+        turn = _Turn(window)
+        with self._lock:
+            self._ending.arrive(owner)
+            self._queue.append(turn)
+            self._lock.notify_all()  # a pass may be waiting for this turn
+            while turn.output is None:
+                if self._stepping:
+                    self._lock.wait()
+                    continue
+                self._stepping = True
+                try:
+                    self._gather()
+                    batch, self._queue = self._queue[:self.rows], self._queue[self.rows:]
+                    self._lock.release()
+                    try:
+                        self._run(batch)
+                    finally:
+                        self._lock.acquire()
+                    self.passes += 1
+                    self.turns += len(batch)
+                finally:
+                    self._stepping = False
+                    self._lock.notify_all()
+        if isinstance(turn.output, BaseException):
+            raise turn.output
+        if turn.done is not None:
+            torch.cuda.current_stream(window.device).wait_event(turn.done)
+        return turn.output
 
     def warm_up(self) -> None:
-        """Capture now (on a silent window), so that the first turn does not pay for it."""
-        self(torch.zeros_like(self.window))
+        """Capture every row count now (on silent windows), so that no turn pays for a capture,
+        and time a pass."""
+        with self._lock:
+            while self._stepping:
+                self._lock.wait()
+            self._stepping = True
+        try:
+            self._check_weights()
+            silent = torch.zeros_like(self.window[:1])
+            for n in reversed(self.row_counts):  # largest first: the others reuse its pool memory
+                self._run_or_raise([_Turn(silent) for _ in range(n)])
+            cuda = self.window.is_cuda
+            if cuda:
+                torch.cuda.current_stream(self.window.device).synchronize()
+            started = time.perf_counter()
+            self._run_or_raise([_Turn(silent)])
+            if cuda:
+                torch.cuda.current_stream(self.window.device).synchronize()
+            self._pass_time.measured(time.perf_counter() - started)
+        finally:
+            with self._lock:
+                self._stepping = False
+                self._lock.notify_all()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _gather(self) -> None:
+        """(Lock held.) Wait for the announced turns, at most ``gather`` passes or until a pass is full."""
+        full = lambda: len(self._queue) >= self.rows  # noqa: E731
+        self._ending.gather(self._lock, self.gather * self._pass_time.last() if self.rows > 1 else 0.0, full)
+
+    def _run(self, batch: list[_Turn]) -> None:
+        """One pass for ``batch`` (lock not held); each turn gets its copies or the error."""
+        try:
+            self._check_weights()
+            device = self.window.device
+            stream = torch.cuda.current_stream(device) if self.window.is_cuda else None
+            if self._last_turn is not None:  # (a no-op when the last pass ran on this thread's stream)
+                stream.wait_event(self._last_turn)
+            for row, turn in enumerate(batch):
+                if turn.ready is not None:
+                    stream.wait_event(turn.ready)
+                self.window[row:row + 1].copy_(turn.window)
+            n = next(n for n in self.row_counts if n >= len(batch))
+            self.window[len(batch):n].zero_()  # idle rows: silence
+            timer = self._pass_time.start(device)
+            started = time.perf_counter()
+            target, last = self._step(n).run()
+            outputs = [(target[row:row + 1].clone(), last[row:row + 1].clone()) for row in range(len(batch))]
+            self._pass_time.stop(timer, time.perf_counter() - started)
+            done = _event_after_current_work(device)
+            self._last_turn = done
+        except BaseException as error:  # every turn of this pass fails; the next passes may not
+            outputs, done = [error] * len(batch), None
+        for turn, output in zip(batch, outputs):
+            turn.output, turn.done = output, done
+
+    def _run_or_raise(self, batch: list[_Turn]) -> None:
+        self._run(batch)
+        if isinstance(batch[0].output, BaseException):
+            raise batch[0].output
+
+    def _step(self, n: int) -> StepGraph:
+        if n not in self._steps:
+            self._steps[n] = StepGraph(lambda: self.tower.encoder_stack(self.window[:n]), self.window.device,
+                                       self.graph_mode, pool=self._pool, name=f"audio tower encoder x{n}")
+        return self._steps[n]
 
     def _weights(self):
         weight = self.tower.encoder.conv1.weight
         return weight.device, weight.dtype, weight.data_ptr()
 
+    def _check_weights(self) -> None:
+        """A graph replays the weights at the addresses it was captured with: rebuild after a move or cast."""
+        if self._weights() != self._fingerprint:
+            self._reset()
+
     def _reset(self) -> None:
         if self._last_turn is not None:  # the old buffers are freed: no queued kernel may still use them
             self._last_turn.synchronize()
+            self._last_turn = None
         self._fingerprint = self._weights()
         device, dtype = self._fingerprint[:2]
-        shape = (1, self.tower.whisper_config.num_mel_bins, self.tower.num_frames)
+        shape = (self.rows, self.tower.whisper_config.num_mel_bins, self.tower.num_frames)
         self.window = torch.zeros(shape, device=device, dtype=dtype)
-        self.step = StepGraph(lambda: self.tower.encoder_stack(self.window), device, self.graph_mode,
-                              name="audio tower encoder")
+        # one pool for every row count's graph: their passes never overlap, outputs are copied out at once
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" and self.graph_mode != "eager" else None
+        self._steps: dict[int, StepGraph] = {}

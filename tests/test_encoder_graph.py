@@ -9,6 +9,10 @@ from taste_speech.encoder_graph import EncoderGraph
 from taste_speech.streaming import taste_tokenize
 
 
+class Caller:
+    """A call (announces its turns; held weakly by the encoder)."""
+
+
 def tone(seconds: float, hz: float) -> np.ndarray:
     t = np.arange(int(16000 * seconds)) / 16000
     return (0.2 * np.sin(2 * np.pi * hz * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)[None]
@@ -54,3 +58,70 @@ def test_moving_the_weights_rebuilds_the_step(model, processor):
     again = tower.encode_audio(features, graph)
     assert graph.step is not step
     torch.testing.assert_close(again[1], tower.encode_audio(features)[1], atol=0, rtol=0)
+
+
+def test_turns_of_calls_ending_together_share_one_pass_and_get_their_own_encodings(model, processor):
+    """Three calls' turns end at once (announced: ``expect_turn``); their windows come 30 ms apart
+    (their transcripts finish at different times), yet go through one pass of the shared encoder,
+    and each gets its eager encoding; a fourth turn, alone, does not wait."""
+    import copy
+    import time
+
+    from concurrency_helpers import run_in_threads
+
+    tower = copy.deepcopy(model.audio_tower)
+    graph = EncoderGraph(tower, "rehearse", rows=4)
+    graph.warm_up()
+    assert graph._pass_time.seconds > 0 and sorted(graph._steps) == [1, 2, 4]
+    graph._pass_time.seconds = 10.0  # (a long limit: the wait must end because the turns came)
+    callers = [Caller() for _ in range(3)]
+    features = [processor.audio_features(tone(1.0 + 0.5 * i, 150.0 + 40 * i)[0], 16000) for i in range(3)]
+    with torch.inference_mode():
+        eager = [tower.encode_audio(f) for f in features]
+    for caller in callers:
+        graph.expect_turn(caller)
+    got = [None] * 3
+
+    def turn(i):
+        time.sleep(0.03 * i)
+        with torch.inference_mode():
+            got[i] = tower.encode_audio(features[i], lambda window: graph(window, owner=callers[i]))
+
+    started = time.monotonic()
+    run_in_threads(turn, [(i,) for i in range(3)])
+    assert time.monotonic() - started < 5
+    for expected, encoded in zip(eager, got):
+        for a, b in zip(expected, encoded):
+            assert b.shape == a.shape
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    stats = graph.stats()
+    assert (stats["turns"], stats["passes"], stats["waits"]) == (3, 1, 1) and stats["waited_ms"] >= 40
+    with torch.inference_mode():
+        tower.encode_audio(features[0], graph)  # nobody announced: no wait
+    assert graph.stats()["waits"] == 1 and graph.stats()["passes"] == 2
+
+
+def test_an_announced_turn_that_never_comes_costs_one_bounded_wait(model, processor):
+    import time
+
+    graph = EncoderGraph(model.audio_tower, "rehearse", rows=2, gather=2.0)
+    graph._pass_time.seconds = 0.05
+    silent, dropped = Caller(), Caller()
+    graph.expect_turn(silent)  # its transcript came out empty: no tower pass
+    graph.expect_turn(dropped)
+    del dropped  # a call that ended: never waited for
+    features = processor.audio_features(tone(1.0, 200.0)[0], 16000)
+    started = time.monotonic()
+    with torch.inference_mode():
+        model.audio_tower.encode_audio(features, graph)
+    assert 0.09 <= graph.stats()["waited_ms"] / 1000 <= time.monotonic() - started < 5
+    with torch.inference_mode():
+        model.audio_tower.encode_audio(features, graph)  # forgotten: no second wait
+    assert graph.stats()["waits"] == 1
+    with pytest.raises(ValueError, match="rows must be an integer"):
+        EncoderGraph(model.audio_tower, rows=0)
+    with pytest.raises(ValueError, match="gather must be a number"):
+        EncoderGraph(model.audio_tower, rows=2, gather=-1)
+    one = EncoderGraph(model.audio_tower, "rehearse")
+    one.expect_turn(silent)  # one turn a pass: nothing to gather
+    assert not one._ending.pending()

@@ -194,7 +194,6 @@ def test_calls_that_start_speaking_together_share_their_first_flow_step(engine, 
     batched = TasteEngine(engine.model, engine.processor, engine.voice_generator,
                           checkpoint_dir=engine.checkpoint_dir, batch_slots=2, decoding="graphed")
     batched.warm_up()
-    batched.synthesis_graphs._first_step_s = 10.0  # (the wait must end because the other came)
     calls = []
     for seed in (0, 1):
         session = batched.new_session(GenerationSettings(max_reply_tokens=8, seed=seed, text_top_p=0.0))
@@ -215,6 +214,7 @@ def test_calls_that_start_speaking_together_share_their_first_flow_step(engine, 
         audio[i] = np.concatenate(again[i].vocode(states[i], alone[i][0], final=True))
 
     graphs = batched.synthesis_graphs
+    graphs._first_step.seconds = 10.0  # (a long limit: the wait must end because the other came)
     before = dict(graphs.first_batches)
     run_in_threads(speak, [(0,), (1,)])
     assert graphs.first_batches[2] == before.get(2, 0) + 1, graphs.first_batches

@@ -356,7 +356,7 @@ def test_utterances_that_start_speaking_together_share_their_first_flow_step(vg)
     by start_speaking), so the three first chunks take one flow step - on a GPU the cost of one,
     not three - and each utterance still gets the chunks it gets alone."""
     graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=1.0)
-    graphs._first_step_s = 10.0  # (a long limit: the wait must end because they came, not because it ran out)
+    graphs._first_step.seconds = 10.0  # (a long limit: the wait must end because they came, not because it ran out)
     utterances = announced(vg, graphs, 3, seed=21)
     references = [stream(vg, tokens, speaker, widened("low_latency"), [4] * 10, kind="dynamic")[1]
                   for tokens, speaker, _ in utterances]
@@ -376,12 +376,12 @@ def test_utterances_that_start_speaking_together_share_their_first_flow_step(vg)
     first = graphs.stats()["first_windows"]
     assert (first["windows"], first["steps"], first["mean_batch"], first["waits"]) == (3, 1, 3.0, 1)
     assert 40 <= first["waited_ms"] < 5000  # it waited for the last one, 60 ms after it
-    assert not graphs._starting and not graphs._queue and not graphs._stepping
+    assert not graphs._starting.pending() and not graphs._queue and not graphs._stepping
 
 
 def test_a_call_speaking_alone_never_waits_for_its_first_window(vg):
     graphs = SynthesisGraphs(vg, "rehearse", rows=4)
-    graphs._first_step_s = 5.0
+    graphs._first_step.seconds = 5.0
     [(tokens, _, state)] = announced(vg, graphs, 1, seed=22)
 
     def no_waiting(timeout=None):
@@ -389,7 +389,7 @@ def test_a_call_speaking_alone_never_waits_for_its_first_window(vg):
 
     graphs._lock.wait = no_waiting  # one thread: a step waits only in the gathering
     chunks = speak_in_pieces(vg, state, tokens, [40])
-    assert len(chunks) >= 2 and graphs.first_batches == {1: 1} and graphs.first_waits == 0
+    assert len(chunks) >= 2 and graphs.first_batches == {1: 1} and graphs._starting.waits == 0
 
 
 def test_an_utterance_announced_but_never_spoken_costs_one_bounded_wait(vg):
@@ -397,21 +397,21 @@ def test_an_utterance_announced_but_never_spoken_costs_one_bounded_wait(vg):
     state alive for a while: the next first window waits for it at most ``first_gather`` steps,
     and no first window waits for it again."""
     graphs = SynthesisGraphs(vg, "rehearse", rows=4, first_gather=2.0)
-    graphs._first_step_s = 0.05
+    graphs._first_step.seconds = 0.05
     silent, newcomer = announced(vg, graphs, 2, seed=23)
     started = time.monotonic()
     first = speak(vg, newcomer[2], newcomer[0][:, :20])
     waited = time.monotonic() - started
-    assert first and 0.09 <= graphs.first_wait_s <= waited < 5  # two first-window steps of 50 ms
-    assert graphs.first_waits == 1 and not graphs._starting
+    assert first and 0.09 <= graphs._starting.waited_s <= waited < 5  # two first-window steps of 50 ms
+    assert graphs._starting.waits == 1 and not graphs._starting.pending()
     [(tokens, _, state)] = announced(vg, graphs, 1, seed=24)  # a later reply: nobody else is starting
-    assert speak(vg, state, tokens[:, :20]) and graphs.first_waits == 1
+    assert speak(vg, state, tokens[:, :20]) and graphs._starting.waits == 1
     assert silent[2].chunks_emitted == 0
 
 
 def test_an_utterance_dropped_before_its_first_window_is_not_waited_for(vg):
     graphs = SynthesisGraphs(vg, "rehearse", rows=4)
-    graphs._first_step_s = 5.0
+    graphs._first_step.seconds = 5.0
     dropped, (tokens, _, state) = announced(vg, graphs, 2, seed=25)
     del dropped  # the reply's state is gone (its call ended)
     gc.collect()
@@ -420,7 +420,7 @@ def test_an_utterance_dropped_before_its_first_window_is_not_waited_for(vg):
         raise AssertionError(f"the step waited (up to {timeout} s) for an utterance that no longer exists")
 
     graphs._lock.wait = no_waiting
-    assert speak(vg, state, tokens[:, :20]) and graphs.first_batches == {1: 1} and not graphs._starting
+    assert speak(vg, state, tokens[:, :20]) and graphs.first_batches == {1: 1} and not graphs._starting.pending()
 
 
 def test_first_gather_is_checked_and_one_row_announces_nothing(vg):
@@ -429,10 +429,10 @@ def test_first_gather_is_checked_and_one_row_announces_nothing(vg):
             SynthesisGraphs(vg, rows=2, first_gather=bad)
     graphs = SynthesisGraphs(vg, "rehearse", rows=1)
     announced(vg, graphs, 2, seed=26)
-    assert not graphs._starting  # one window a step: nothing to gather
+    assert not graphs._starting.pending()  # one window a step: nothing to gather
     graphs = SynthesisGraphs(vg, "rehearse", rows=2, first_gather=0)
     announced(vg, graphs, 2, seed=26)
-    assert not graphs._starting
+    assert not graphs._starting.pending()
 
 
 def test_a_failing_step_fails_its_windows_and_the_next_steps_still_run(vg, utterance):
@@ -470,7 +470,7 @@ def test_warm_up_prepares_every_row_count_without_counting_windows(vg):
     assert sorted(graphs._flow[88].steps) == [(1, False), (1, True), (2, False), (3, False)]
     assert sorted(graphs._flow[87].steps) == [(1, True)]
     assert not graphs.counts and graphs.stats()["flow"] == {"windows": 0, "steps": 0, "mean_batch": None}
-    assert graphs._first_step_s > 0  # a first window's step alone, timed: how long first windows wait
+    assert graphs._first_step.seconds > 0  # a first window's step alone, timed: how long first windows wait
     with pytest.raises(ValueError, match="rows must be an integer >= 1"):
         SynthesisGraphs(vg, rows=0)
     with pytest.raises(ValueError, match="gather must be a fraction"):

@@ -4,7 +4,8 @@ The processors never import the model library; they call a per-call :class:`Tast
 (``engine.new_session()``), whose methods are blocking and are run by the processors in worker
 threads, one stage per thread:
 
-    listening   transcribe(audio) -> str                  (built-in ASR, when the engine has one)
+    listening   turn_ended()                               (the caller stopped speaking: its turn comes soon)
+                transcribe(audio) -> str                  (built-in ASR, when the engine has one)
                 start_transcript() -> TurnTranscript | None   (incremental built-in ASR of one turn)
                 user_turn(audio, transcript) -> UserTurn  (taste_tokenize)
     thinking    reply(turn, stop) -> iterator of ReplyEvent  (streaming_generate, one Conversation per call)
@@ -205,7 +206,7 @@ class TasteEngine:
 
             torch.cuda.current_stream(self.synthesis_stream.device).synchronize()  # (not the device: see lm_batch)
         self.speech_policy = _speech_policy(self.synthesis_graphs)
-        self.tower_encoder = _tower_encoder(model, decoding)  # the audio tower's encoder as a CUDA graph, or None
+        self.tower_encoder = _tower_encoder(model, decoding, slots)  # the audio tower's encoder as a CUDA graph, or None
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
         self.start_needs = StartNeeds()  # how late recent replies' second chunks came (the playout's start hold)
         # Calls in one process share the weights; every per-call state (KV caches, synthesis
@@ -382,20 +383,23 @@ def _step_batches(model, slots: int | None, decoding: str):
             SpeechStepBatch(model.speech_decoder, slots=slots, graph_mode=graph_mode))
 
 
-def _tower_encoder(model, decoding: str):
-    """The audio tower's Whisper encoder as one captured step, shared by the calls (CUDA fast path only:
-    elsewhere there is nothing to capture)."""
+def _tower_encoder(model, decoding: str, slots: int | None):
+    """The audio tower's Whisper encoder as one captured step shared by the calls, the turns of up
+    to ``slots`` calls (``CUDA_SYNTHESIS_ROWS`` without slots) in one pass (CUDA fast path only:
+    elsewhere there is nothing to capture, and a pass costs its rows)."""
     from taste_speech.encoder_graph import EncoderGraph
 
     if decoding == "eager" or model.audio_tower.encoder.conv1.weight.device.type != "cuda":
         return None
-    return EncoderGraph(model.audio_tower)
+    return EncoderGraph(model.audio_tower, rows=slots or CUDA_SYNTHESIS_ROWS)
 
 
-# Calls whose waiting flow or vocoder windows share one step on a GPU, without batch slots: a
-# step costs its launches, not its rows (GPU_NOTES.md: the flow estimator 1.87 ms for one window,
-# 2.22 ms for eight), so calls whose first chunks queue behind a running step go in the next one
-# together instead of one after another. A single call never waits for others.
+# Calls whose waiting flow or vocoder windows share one step on a GPU, without batch slots (and
+# whose ended turns share one pass of the audio tower's encoder): a step costs its launches, not
+# its rows (GPU_NOTES.md: the flow estimator 1.87 ms for one window, 2.22 ms for eight), so calls
+# whose first chunks queue behind a running step go in the next one together instead of one after
+# another, and a first chunk (a turn) waits a little for the others announced. A single call never
+# waits for others.
 CUDA_SYNTHESIS_ROWS = 8
 
 
@@ -576,7 +580,16 @@ class TasteSession:
         new_turn = getattr(self.engine.asr, "new_turn", None)
         return new_turn() if new_turn is not None else None
 
+    def turn_ended(self) -> None:
+        """The caller stopped speaking: this call's turn comes to the audio tower soon (after its
+        transcript), and the tower pass of another call's turn that ends at the same moment waits
+        a little for it (``EncoderGraph.expect_turn``; on the CUDA fast path, else nothing)."""
+        if self.engine.tower_encoder is not None:
+            self.engine.tower_encoder.expect_turn(self)
+
     def user_turn(self, audio: np.ndarray, transcript: str) -> UserTurn:
+        import functools
+
         import torch
 
         from taste_speech.audio import to_mono_float
@@ -587,8 +600,11 @@ class TasteSession:
             raise ValueError("the transcript is empty: no words to align the user's audio to")
         text_ids = self.processor.encode_words(words).llm_token_ids
         wav = to_mono_float(audio)  # (channels, samples) or (samples, channels) are mixed down
+        encoder = self.engine.tower_encoder
+        if encoder is not None:  # (this call's pass: the one announced by turn_ended)
+            encoder = functools.partial(encoder, owner=self)
         taste_ids = taste_tokenize(self.model, self.processor, torch.from_numpy(wav).view(1, -1),
-                                   text_ids, sampling_rate=self.input_sample_rate, encoder=self.engine.tower_encoder)
+                                   text_ids, sampling_rate=self.input_sample_rate, encoder=encoder)
         segment = TASTESegment("user", "audio", text_ids, taste_ids)
         return UserTurn(transcript, segment, int(text_ids.shape[1]), wav.size / self.input_sample_rate)
 

@@ -83,12 +83,16 @@ class FakeSession:
         self.replies_started = 0
         self.threads: set[str] = set()
         self.closed = False
+        self.turns_ended = 0
 
     def warm_up(self) -> None:
         self.threads.add(threading.current_thread().name)  # nothing to capture: the fake has no caches
 
     def close(self) -> None:
         self.closed = True
+
+    def turn_ended(self) -> None:
+        self.turns_ended += 1  # (the fake has no shared tower pass to announce the turn to)
 
     def transcribe(self, audio: np.ndarray) -> str:
         if self.engine.asr_text is None:

@@ -82,12 +82,12 @@ import contextlib
 import math
 import threading
 import time
-import weakref
 from collections import Counter
 from typing import Iterable, Optional
 
 import torch
 
+from taste_speech.announcements import Announcements, StepTimer
 from taste_speech.batched_steps import step_sizes
 from taste_speech.step_graph import StepGraph, resolve_mode
 
@@ -318,18 +318,14 @@ class SynthesisGraphs:
         self.padded_windows: Counter = Counter()  # windows per stage that ran a padded (masked) step
         self.batches: Counter = Counter()  # steps per ('flow' | 'vocoder', windows in the step)
         self.first_batches: Counter = Counter()  # first-window flow steps per first windows in the step
-        self.first_waits = 0  # first-window steps that waited for other utterances' first windows
-        self.first_wait_s = 0.0  # and how long they waited in all
         self._queue: list[_Window] = []
         self._lock = threading.Condition()
         self._stepping = False  # a thread is running a step (or capturing)
         # id(owner) of the utterances whose next window of each stage is due at once
         self._awaited: dict[str, set[int]] = {"flow": set(), "vocoder": set()}
         self._flow_step_s = 0.0  # the last flow step's time
-        # id(utterance) -> weakref: announced utterances whose first flow window has not come yet
-        self._starting: dict[int, weakref.ref] = {}
-        self._first_step_s = 0.0  # a first-window step's time on the device (how long first windows wait)
-        self._first_timing = None  # CUDA: (start, end) events of the last first-window step, read when done
+        self._starting = Announcements()  # new utterances whose first flow window has not come yet
+        self._first_step = StepTimer()  # a first-window step's time on the device (how long first windows wait)
         self._fingerprint = None
         self._reset()
 
@@ -372,7 +368,7 @@ class SynthesisGraphs:
             windows = sum(n * c for n, c in self.first_batches.items())
             out["first_windows"] = {"windows": windows, "steps": steps,
                                     "mean_batch": round(windows / steps, 3) if steps else None,
-                                    "waits": self.first_waits, "waited_ms": round(1000 * self.first_wait_s, 1)}
+                                    **self._starting.stats()}
             return out
 
     def expect_first_window(self, owner) -> None:
@@ -381,7 +377,7 @@ class SynthesisGraphs:
         if self.rows == 1 or not self.first_gather:  # nothing to gather for
             return
         with self._lock:
-            self._starting[id(owner)] = weakref.ref(owner)
+            self._starting.add(owner)
 
     def flow(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor,
              owner=None) -> torch.Tensor:
@@ -442,7 +438,7 @@ class SynthesisGraphs:
         self._flow[sizes[0]].run([flow_window(sizes[0])], 1)
         if cuda:
             torch.cuda.current_stream(self._device).synchronize()
-        self._first_step_s = time.perf_counter() - started
+        self._first_step.measured(time.perf_counter() - started)
 
     def __deepcopy__(self, memo):
         return self  # scratch buffers and graphs, no per-utterance state: a copied state shares them
@@ -453,7 +449,7 @@ class SynthesisGraphs:
         """Queue the window; the first thread to find no step running runs steps until its own
         window is done (serving the windows it batches with), the others wait for theirs."""
         with self._lock:
-            if window.stage == "flow" and self._starting.pop(id(window.owner), None) is not None:
+            if window.stage == "flow" and self._starting.arrive(window.owner):
                 window.first = True
             self._queue.append(window)
             self._lock.notify_all()  # a step may be gathering its windows
@@ -468,11 +464,14 @@ class SynthesisGraphs:
                     batch = self._next_batch()
                     self._lock.release()
                     started = time.perf_counter()
+                    timer = self._first_step.start(self._device) if batch[0].first else None
                     try:
-                        timing = self._timed_run(batch)
+                        self._run(batch)
+                        if batch[0].first:
+                            self._first_step.stop(timer, time.perf_counter() - started)
                     finally:
                         self._lock.acquire()
-                    self._after_step(batch, time.perf_counter() - started, timing)
+                    self._after_step(batch, time.perf_counter() - started)
                 finally:
                     self._stepping = False
                     self._lock.notify_all()
@@ -507,58 +506,20 @@ class SynthesisGraphs:
 
     def _gather_first_windows(self, oldest: _Window) -> None:
         """(Lock held.) Wait until the announced utterances have queued their first windows (or
-        the bucket's rows are full), at most ``first_gather`` first-window steps. Those that did
-        not come are forgotten: their first windows will wait for nobody."""
-        self._forget_dropped()
-        if self._starting and oldest.bucket is not None and self.first_gather:
-            started = time.perf_counter()
-            deadline = started + self.first_gather * self._first_step_seconds()
-            while self._starting and (left := deadline - time.perf_counter()) > 0:
-                if sum(w.first and w.bucket == oldest.bucket for w in self._queue) >= self.rows:
-                    break
-                self._lock.wait(left)
-                self._forget_dropped()
-            self.first_waits += 1
-            self.first_wait_s += time.perf_counter() - started
-        self._starting.clear()
+        the bucket's rows are full), at most ``first_gather`` first-window steps."""
+        if oldest.bucket is None or not self.first_gather:
+            self._starting.gather(self._lock, 0.0)
+            return
+        full = lambda: sum(w.first and w.bucket == oldest.bucket for w in self._queue) >= self.rows  # noqa: E731
+        self._starting.gather(self._lock, self.first_gather * self._first_step.last(), full)
 
-    def _forget_dropped(self) -> None:
-        """(Lock held.) Announced utterances that were garbage collected will never come."""
-        for key in [key for key, ref in self._starting.items() if ref() is None]:
-            del self._starting[key]
-
-    def _timed_run(self, batch: list[_Window]):
-        """``_run``, and for a step of first windows on CUDA its (start, end) events (the step's
-        time on the GPU; the host only launches it), else None."""
-        if not (batch[0].first and self._device.type == "cuda"):
-            self._run(batch)
-            return None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self._run(batch)
-        end.record()
-        return start, end
-
-    def _first_step_seconds(self) -> float:
-        """(Lock held.) The last first-window step's time: on CUDA its GPU time, once it has run."""
-        if self._first_timing is not None and self._first_timing[1].query():
-            start, end = self._first_timing
-            self._first_step_s = start.elapsed_time(end) / 1000
-            self._first_timing = None
-        return self._first_step_s
-
-    def _after_step(self, batch: list[_Window], seconds: float, timing=None) -> None:
+    def _after_step(self, batch: list[_Window], seconds: float) -> None:
         """(Lock held.) Statistics; the utterances whose next window (of the other stage) is due at
-        once are awaited by the next step of that stage. ``seconds``: the step's host time;
-        ``timing``: its CUDA events (``_timed_run``)."""
+        once are awaited by the next step of that stage."""
         stage = batch[0].stage
         self.batches[stage, len(batch)] += 1
         if batch[0].first:
             self.first_batches[sum(w.first for w in batch)] += 1
-            if timing is not None:
-                self._first_timing = timing
-            else:
-                self._first_step_s = seconds
         for w in batch:
             if w.owner is None or isinstance(w.output, BaseException):
                 continue
