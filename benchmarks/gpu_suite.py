@@ -843,6 +843,7 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
             errors.append(exc)
 
     threads = [threading.Thread(target=one, args=(i,), name=f"gpu-suite-call-{i}") for i in range(calls)]
+    before = shared_counts(engine)
     for t in threads:
         t.start()
     for t in threads:
@@ -850,11 +851,43 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
     if errors:
         raise errors[0]
     firsts = sorted(r["first_audio_ms"] for r in results)
-    out = {"calls": calls, "first_audio_median_ms": statistics.median(firsts), "first_audio_max_ms": firsts[-1]}
+    out = {"calls": calls, "first_audio_median_ms": statistics.median(firsts), "first_audio_max_ms": firsts[-1],
+           "shared": {key: value - before[key] for key, value in shared_counts(engine).items()}}
     if torch.device(engine.device).type == "cuda":
         upfront = getattr(engine, "upfront_bytes", 0)
         out["peak_mib_per_call"] = (torch.cuda.max_memory_allocated() - before + upfront) / calls / 2**20
     return out
+
+
+def shared_counts(engine) -> dict:
+    """How the calls' first-audio work was shared so far: first flow windows and the steps they
+    took (``SynthesisGraphs``), ended turns and the tower passes they took (``EncoderGraph``)."""
+    out = {}
+    if engine.synthesis_graphs is not None:
+        first = engine.synthesis_graphs.stats()["first_windows"]
+        out.update(first_windows=first["windows"], first_window_steps=first["steps"])
+    if engine.tower_encoder is not None:
+        tower = engine.tower_encoder.stats()
+        out.update(tower_turns=tower["turns"], tower_passes=tower["passes"])
+    return out
+
+
+def sharing_lines(graphed: dict) -> list[str]:
+    rows = []
+    for key, label in (("concurrency", "graphed"), ("concurrency_synthesis_stream", "synthesis stream"),
+                       ("concurrency_call_streams", "call streams"), ("concurrency_batched", "batched")):
+        for row in graphed.get(key, []):
+            shared = row.get("shared") or {}
+            if shared:
+                rows.append([str(row["calls"]), label, fmt(shared.get("first_windows")),
+                             fmt(shared.get("first_window_steps")), fmt(shared.get("tower_turns")),
+                             fmt(shared.get("tower_passes"))])
+    if not rows:
+        return []
+    return ["How the calls' first-audio work was shared (per row of the table above: the calls' first flow "
+            "windows and the steps they ran in - SynthesisGraphs, a first window waits for the other calls' "
+            "announced ones; their turns and the audio tower's encoder passes they ran in - EncoderGraph; — none):",
+            ""] + table_lines(["calls", "path", "first windows", "flow steps", "turns", "tower passes"], rows) + [""]
 
 
 def table_lines(header, rows) -> list[str]:
@@ -1113,7 +1146,7 @@ def markdown(data: dict, command: str) -> list[str]:
                                f"{r['compiled_ms'] / r['plain_ms']:.2f}", f"{r['compile_s']:.0f}",
                                f"{r['max_mel_diff']:.2g}"] for r in data["compiled_flow"]["rows"]]) + [""]
     if any(key in entry for entry in (eager, graphed) for key in ("concurrency", *CALL_KEYS.values())):
-        lines += concurrency_lines(eager, graphed)
+        lines += concurrency_lines(eager, graphed) + sharing_lines(graphed)
     return lines
 
 

@@ -51,6 +51,11 @@ def test_quick_tiny_run_on_cpu(tmp_path):
         assert stats["steps"] > 0 and stats["rows_stepped"] >= stats["steps"] and stats["slots_in_use"] == 0
     synthesis = graphed["synthesis_batch"]
     assert synthesis["rows"] == 16 and all(synthesis[s]["windows"] >= synthesis[s]["steps"] > 0 for s in ("flow", "vocoder"))
+    # every call's first flow window was announced (start_speech) and counted; a CPU has no tower graph
+    shared = [row["shared"] for row in graphed["concurrency_batched"]]
+    assert [row["first_windows"] for row in shared] == [1, 2] and all("tower_passes" not in row for row in shared)
+    assert [row["first_window_steps"] for row in shared][0] == 1 and 1 <= shared[1]["first_window_steps"] <= 2
+    assert "How the calls' first-audio work was shared" in out.read_text()
     levers = data["levers"]
     assert 0 < levers["lm_ms_per_token"]["merged"] and 0 < levers["lm_ms_per_token"]["side"]
     assert levers["tower_encoder_ms"]["eager"] > 0 and levers["tower_encoder_ms"]["graph"] > 0
