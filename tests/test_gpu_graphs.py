@@ -287,6 +287,97 @@ def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks
     print("synthesis batches (stage, windows per step): steps", dict(graphs.batches))
 
 
+def test_first_windows_of_utterances_starting_together_run_as_one_captured_step(voice_generator_tiny_a):
+    """Three utterances announced at once (start_speaking) whose first windows come 20 ms apart:
+    one captured first-window step serves them (its time read from CUDA events), and each gets
+    its dynamic-path chunks."""
+    import time
+
+    from taste_speech.streaming.synthesis import speak, start_speaking
+    from taste_speech.streaming.synthesis_graphs import SynthesisGraphs
+    from taste_speech.streaming.synthesis_state import EmissionPolicy
+    from taste_speech.voice_generator import VoiceGenerator
+
+    vg = VoiceGenerator.from_golden_dir(voice_generator_tiny_a).to("cuda")
+    g = torch.Generator().manual_seed(13)
+    utterances = [(torch.randint(0, vg.flow.vocab_size, (1, 40), generator=g),
+                   torch.randn(1, vg.flow.spk_embed_affine_layer.in_features, generator=g)) for _ in range(3)]
+    graphs = SynthesisGraphs(vg, "graph", rows=4)
+    graphs.warm_up()
+    assert graphs._first_step.seconds > 0  # a first window's step alone, synchronised and timed
+    policy = EmissionPolicy.low_latency(window_frames=graphs.full_flow_frames)
+
+    def start(speaker, **kind):
+        return start_speaking(vg, speaker, policy if "kind" in kind else "low_latency", out_sampling_rate=22050,
+                              generator=torch.Generator().manual_seed(0), **kind)
+
+    def chunks_of(state, tokens):
+        chunks = []
+        for i in range(0, tokens.shape[1], 4):
+            chunks += speak(vg, state, tokens[:, i:i + 4])
+        return chunks + speak(vg, state, final=True)
+
+    references = [chunks_of(start(speaker, kind="dynamic"), tokens) for tokens, speaker in utterances]
+    states = [start(speaker, graphs=graphs) for _, speaker in utterances]  # all announced
+    graphs._first_step.seconds = 10.0  # (the wait must end because they came)
+    results = [None] * 3
+
+    def speak_one(i):
+        time.sleep(0.02 * i)
+        results[i] = chunks_of(states[i], utterances[i][0])
+
+    run_in_threads(speak_one, [(i,) for i in range(3)])
+    assert graphs.first_batches == {3: 1}, graphs.first_batches
+    torch.cuda.synchronize()
+    assert 0 < graphs._first_step.last() < 10  # the live step's GPU time replaced the limit above
+    for reference, chunks in zip(references, results):
+        assert len(chunks) == len(reference) >= 3
+        for ref, got in zip(reference, chunks):
+            assert got.audio.shape == ref.audio.shape
+            torch.testing.assert_close(got.mel, ref.mel, atol=1e-3, rtol=0)
+            torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
+    assert not graphs.fallback_reasons(), graphs.fallback_reasons()
+
+
+def test_turns_ending_together_share_one_captured_tower_pass_across_call_streams(model, processor):
+    """Three calls, each on a CUDA stream of its own, whose turns end at once (announced): one
+    captured pass of the shared encoder serves them, run on one caller's stream - the pass waits
+    for each window, each caller for the pass - and each gets its eager encoding."""
+    import copy
+    import time
+
+    from taste_speech.encoder_graph import EncoderGraph
+
+    model = copy.deepcopy(model).to("cuda")
+    tower = model.audio_tower
+    graph = EncoderGraph(tower, rows=4)
+    graph.warm_up()
+    assert all(graph._step(n).captured for n in (1, 2, 4)), graph.step.fallback_reason
+    g = torch.Generator().manual_seed(1)
+    features = [processor.audio_features((0.1 * torch.randn(int(16000 * (1 + i)), generator=g)).numpy(), 16000)
+                for i in range(3)]
+    with torch.inference_mode():
+        eager = [tower.encode_audio(f.to("cuda")) for f in features]
+    callers = [torch.cuda.Stream() for _ in range(3)]  # (streams can be weakly referenced: the callers)
+    for caller in callers:
+        graph.expect_turn(caller)
+    graph._pass_time.seconds = 10.0
+    got = [None] * 3
+
+    def turn(i):
+        time.sleep(0.02 * i)
+        with torch.cuda.stream(callers[i]), torch.inference_mode():
+            target, last = tower.encode_audio(features[i].to("cuda"), lambda w: graph(w, owner=callers[i]))
+            got[i] = (target.cpu(), last.cpu())  # read on the caller's stream
+
+    run_in_threads(turn, [(i,) for i in range(3)])
+    stats = graph.stats()
+    assert (stats["turns"], stats["passes"]) == (3, 1), stats
+    for expected, encoded in zip(eager, got):
+        for a, b in zip(expected, encoded):
+            torch.testing.assert_close(b, a.cpu(), atol=1e-4, rtol=0)
+
+
 def test_the_audio_tower_encoder_is_captured_and_equals_eager(model, processor):
     """The Whisper encoder of the audio tower as one CUDA graph (the padded window, one shape):
     two turns in a row, each its eager encoding."""
