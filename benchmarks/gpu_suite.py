@@ -285,7 +285,7 @@ def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.nd
     turn = asr_while_speaking(asr[path.name], audio) if asr is not None else None
     if turn_ends is not None:
         turn_ends()
-    session.turn_ended()  # (as the agent's turn capture does: a tower pass of several calls waits for this one)
+    session.turn_ended(turn)  # (as the agent's turn capture does: an ASR or tower pass of several calls waits for it)
     clock = Clock(device)
     if asr is not None:
         asr_after_turn(asr[path.name], turn, audio, clock)
@@ -843,7 +843,8 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
             errors.append(exc)
 
     threads = [threading.Thread(target=one, args=(i,), name=f"gpu-suite-call-{i}") for i in range(calls)]
-    before = shared_counts(engine)
+    transcriber = asr[path.name] if asr is not None else None
+    before = shared_counts(engine, transcriber)
     for t in threads:
         t.start()
     for t in threads:
@@ -852,16 +853,17 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
         raise errors[0]
     firsts = sorted(r["first_audio_ms"] for r in results)
     out = {"calls": calls, "first_audio_median_ms": statistics.median(firsts), "first_audio_max_ms": firsts[-1],
-           "shared": {key: value - before[key] for key, value in shared_counts(engine).items()}}
+           "shared": {key: value - before[key] for key, value in shared_counts(engine, transcriber).items()}}
     if torch.device(engine.device).type == "cuda":
         upfront = getattr(engine, "upfront_bytes", 0)
         out["peak_mib_per_call"] = (torch.cuda.max_memory_allocated() - before + upfront) / calls / 2**20
     return out
 
 
-def shared_counts(engine) -> dict:
+def shared_counts(engine, asr=None) -> dict:
     """How the calls' first-audio work was shared so far: first flow windows and the steps they
-    took (``SynthesisGraphs``), ended turns and the tower passes they took (``EncoderGraph``)."""
+    took (``SynthesisGraphs``), ended turns and the tower passes they took (``EncoderGraph``), and
+    the passes of ``asr``'s shared encoder (a ``WhisperTranscriber``, partials included)."""
     out = {}
     if engine.synthesis_graphs is not None:
         first = engine.synthesis_graphs.stats()["first_windows"]
@@ -869,6 +871,8 @@ def shared_counts(engine) -> dict:
     if engine.tower_encoder is not None:
         tower = engine.tower_encoder.stats()
         out.update(tower_turns=tower["turns"], tower_passes=tower["passes"])
+    if asr is not None and (encoder := asr.encoder_stats()) is not None:
+        out.update(asr_turns=encoder["turns"], asr_passes=encoder["passes"])
     return out
 
 
@@ -879,15 +883,18 @@ def sharing_lines(graphed: dict) -> list[str]:
         for row in graphed.get(key, []):
             shared = row.get("shared") or {}
             if shared:
-                rows.append([str(row["calls"]), label, fmt(shared.get("first_windows")),
-                             fmt(shared.get("first_window_steps")), fmt(shared.get("tower_turns")),
-                             fmt(shared.get("tower_passes"))])
+                rows.append([str(row["calls"]), label, fmt(shared.get("asr_turns")), fmt(shared.get("asr_passes")),
+                             fmt(shared.get("tower_turns")), fmt(shared.get("tower_passes")),
+                             fmt(shared.get("first_windows")), fmt(shared.get("first_window_steps"))])
     if not rows:
         return []
-    return ["How the calls' first-audio work was shared (per row of the table above: the calls' first flow "
-            "windows and the steps they ran in - SynthesisGraphs, a first window waits for the other calls' "
-            "announced ones; their turns and the audio tower's encoder passes they ran in - EncoderGraph; — none):",
-            ""] + table_lines(["calls", "path", "first windows", "flow steps", "turns", "tower passes"], rows) + [""]
+    return ["How the calls' first-audio work was shared (per row of the table above: the transcriptions - the "
+            "partials included - and the passes of the ASR's shared Whisper encoder; the turns and the audio "
+            "tower's encoder passes (EncoderGraph: a pass waits for the turns announced as ended); the calls' first "
+            "flow windows and the steps they ran in (SynthesisGraphs: a first window waits for the other calls' "
+            "announced ones); — none):",
+            ""] + table_lines(["calls", "path", "transcriptions", "ASR encoder passes", "turns", "tower passes",
+                               "first windows", "flow steps"], rows) + [""]
 
 
 def table_lines(header, rows) -> list[str]:

@@ -1,5 +1,9 @@
 """The audio tower's Whisper encoder as one captured step (a CUDA graph on CUDA), shared by the calls.
 
+Any Whisper encoder with the tower's encoder interface (``encoder``, ``whisper_config``,
+``num_frames``, ``encoder_stack``) runs the same way: the built-in ASR's runs through one too
+(``pipecat_taste.whisper_decode.WhisperEncoderStack``).
+
 The encoder always runs at one shape - the turn's log-mel right-padded to the whole window (30 s,
 3000 frames, for the published model) - so it needs no buckets: one graph serves every turn. Eager
 it is ~500 launches and launch-bound on a GPU (``GPU_NOTES.md``: 16 ms for Whisper-large-v3's
@@ -59,7 +63,8 @@ def _event_after_current_work(device: torch.device):
 
 class EncoderGraph:
     def __init__(self, tower, graph_mode: str = "auto", rows: int = 1, gather: float = 1.0):
-        """``tower``: a ``TasteAudioTower``; ``graph_mode`` as ``step_graph.StepGraph`` takes it
+        """``tower``: a ``TasteAudioTower`` (or the same interface: ``encoder_stack(window)`` returns
+        a tuple of (rows, S, d) tensors); ``graph_mode`` as ``step_graph.StepGraph`` takes it
         ('auto': a CUDA graph on CUDA, eager elsewhere; 'rehearse': the capture protocol on any
         device). ``rows``: the most turns one pass runs. ``gather``: how long a pass waits for
         announced turns, in passes (0: never)."""
@@ -88,6 +93,16 @@ class EncoderGraph:
         """The one-turn step."""
         return self._step(1)
 
+    @property
+    def captured(self) -> bool:
+        """Every step made so far is a captured graph (and one was made)."""
+        return bool(self._steps) and all(step.captured for step in self._steps.values())
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why a step runs eagerly where a graph was asked for, if one does."""
+        return next((step.fallback_reason for step in self._steps.values() if step.fallback_reason), None)
+
     def stats(self) -> dict:
         with self._lock:
             return {"rows": self.rows, "turns": self.turns, "passes": self.passes,
@@ -102,10 +117,10 @@ class EncoderGraph:
                 self._ending.add(owner)
 
     @torch.inference_mode()
-    def __call__(self, window: torch.Tensor, owner=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``window`` (1, n_mels, frames): the padded log-mel (``tower.encoder_window``) ->
-        (target_hidden, last_hidden), each (1, S, d), the turn's own copies. ``owner``: who
-        announced this turn (``expect_turn``), if anyone."""
+    def __call__(self, window: torch.Tensor, owner=None) -> tuple[torch.Tensor, ...]:
+        """``window`` (1, n_mels, frames): the padded log-mel (``tower.encoder_window``) -> the
+        stack's outputs, each (1, S, d), the turn's own copies (the tower's: target_hidden,
+        last_hidden). ``owner``: who announced this turn (``expect_turn``), if anyone."""
         turn = _Turn(window)
         with self._lock:
             self._ending.arrive(owner)
@@ -182,8 +197,8 @@ class EncoderGraph:
             self.window[len(batch):n].zero_()  # idle rows: silence
             timer = self._pass_time.start(device)
             started = time.perf_counter()
-            target, last = self._step(n).run()
-            outputs = [(target[row:row + 1].clone(), last[row:row + 1].clone()) for row in range(len(batch))]
+            stacked = self._step(n).run()
+            outputs = [tuple(out[row:row + 1].clone() for out in stacked) for row in range(len(batch))]
             self._pass_time.stop(timer, time.perf_counter() - started)
             done = _event_after_current_work(device)
             self._last_turn = done

@@ -81,8 +81,10 @@ def test_loop_matches_generate_on_the_pipeline_tiny_asr(checkpoint, tiny_asr, au
         expected = generate(tiny_asr.model, feats)
         assert decoder.decode(feats)[0] == expected
         assert static(audio) == tiny_asr(audio)  # the transcriber's text, static loop vs generate
-    # the encoder (one shape: the padded window) went through its own step, warmed up like a capture
-    assert decoder.encode_step.mode == mode and decoder.encode_step._prepared
+    # the encoder (one shape: the padded window) and the cross keys/values went through steps of
+    # their own, warmed up like a capture
+    assert decoder.encoder.mode == decoder.cross_step.mode == mode
+    assert decoder.encoder.step._prepared and decoder.cross_step._prepared
     with pytest.raises(ValueError, match="padded 30 s window"):
         decoder.decode(feats[..., :100])
 
@@ -176,7 +178,8 @@ def test_warm_up_prepares_a_workspace_per_call_that_may_transcribe_at_once(tiny_
     static.warm_up(workspaces=3)
     prepared = list(static._workspaces)
     assert len(prepared) == 3 and len({id(w) for w in prepared}) == 3
-    assert all(w.step._prepared and w.encode_step._prepared for w in prepared)  # rehearsed = captured on CUDA
+    assert all(w.step._prepared and w.cross_step._prepared for w in prepared)  # rehearsed = captured on CUDA
+    assert all(w.encoder is static._encoder for w in prepared) and static._encoder.step._prepared  # one shared
     borrowed = [static._borrow(static.plan) for _ in range(3)]  # three calls at once
     assert {id(w) for w in borrowed} == {id(w) for w in prepared}
     for workspace in borrowed:
@@ -205,7 +208,7 @@ def test_a_failing_static_loop_falls_back_to_generate(tiny_asr, audios, monkeypa
     asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10)
     assert asr.decode == "static"
 
-    def broken(self, feats, draft=()):
+    def broken(self, feats, draft=(), owner=None):
         raise RuntimeError("injected")
 
     monkeypatch.setattr(StaticWhisperDecoder, "decode", broken)
@@ -226,10 +229,10 @@ def test_one_failure_of_the_static_loop_does_not_give_it_up(tiny_asr, audios, mo
     working = StaticWhisperDecoder.decode
     failures = iter([True, True, False, True, False])
 
-    def sometimes(self, feats, draft=()):
+    def sometimes(self, feats, draft=(), owner=None):
         if next(failures):
             raise RuntimeError("injected")
-        return working(self, feats, draft)
+        return working(self, feats, draft, owner)
 
     monkeypatch.setattr(StaticWhisperDecoder, "decode", sometimes)
     expected = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=10)
@@ -272,6 +275,38 @@ def test_cuda_graph_loop_matches_generate(tiny_asr, audios, dtype):
     workspace = asr._workspaces[0]
     assert workspace.captured and workspace.fallback_reason is None
     assert same == len(audios) if dtype == torch.float32 else same >= len(audios) - 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_turns_ending_together_share_one_captured_encoder_pass(tiny_asr, audios):
+    """Two calls on CUDA streams of their own whose turns end at once: one captured pass of the
+    shared encoder (8 rows on CUDA) serves both, and each gets the transcript it gets alone."""
+    import time
+
+    from concurrency_helpers import run_in_threads
+
+    model = varied_model(tiny_asr).to("cuda")
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, device="cuda", language="en",
+                             max_new_tokens=16)
+    asr.warm_up(workspaces=2)
+    assert asr._encoder.rows == 8 and asr._encoder.captured, asr._encoder.fallback_reason
+    alone = [asr.transcribe(audio).text for audio in audios[:2]]
+    turns = [asr.new_turn() for _ in range(2)]
+    for turn in turns:
+        turn.ended()
+    asr._encoder._pass_time.seconds = 10.0  # (a long limit: the wait must end because the other came)
+    before = asr.encoder_stats()
+    streams, texts = [torch.cuda.Stream() for _ in range(2)], [None, None]
+
+    def finish(i):
+        time.sleep(0.02 * i)
+        with torch.cuda.stream(streams[i]):
+            texts[i] = turns[i].finish(audios[i])
+
+    run_in_threads(finish, [(0,), (1,)])
+    after = asr.encoder_stats()
+    assert (after["turns"] - before["turns"], after["passes"] - before["passes"]) == (2, 1), (before, after)
+    assert texts == alone
 
 
 def test_a_whisper_stored_in_float16_runs_in_float32_on_a_cpu(tiny_asr, audios, tmp_path):

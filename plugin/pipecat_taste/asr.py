@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 DECODE_KINDS = ("auto", "static", "dynamic")
 STATIC_FAILURES_TO_GIVE_UP = 3  # static-loop failures in a row before every utterance goes to generate
+# Turns of calls ending together that one pass of the shared Whisper encoder takes on CUDA
+# (``encoder_rows='auto'``); elsewhere a pass costs its rows, and one turn goes at a time.
+CUDA_ENCODER_ROWS = 8
 
 
 @dataclass
@@ -59,11 +62,18 @@ def check_whisper_name(name_or_path) -> str:
 
 class WhisperTranscriber:
     def __init__(self, model, feature_extractor, tokenizer, *, device="cpu", language: str | None = "en",
-                 max_new_tokens: int | None = 128, decode: str = "auto", graph_mode: str = "auto"):
+                 max_new_tokens: int | None = 128, decode: str = "auto", graph_mode: str = "auto",
+                 encoder_rows: int | str = "auto"):
+        """``encoder_rows``: turns one pass of the workspaces' shared encoder takes (the turns of
+        calls that end together, announced by ``TurnTranscript.ended``); 'auto': ``CUDA_ENCODER_ROWS``
+        on CUDA, 1 elsewhere."""
         from pipecat_taste.whisper_decode import greedy_plan
 
         if decode not in DECODE_KINDS:
             raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
+        if encoder_rows != "auto" and (isinstance(encoder_rows, bool) or not isinstance(encoder_rows, int)
+                                       or encoder_rows < 1):
+            raise ValueError(f"encoder_rows must be an integer >= 1 or 'auto', got {encoder_rows!r}")
         self.model, self.feature_extractor, self.tokenizer = model.eval(), feature_extractor, tokenizer
         self.device, self.language, self.max_new_tokens = device, language, max_new_tokens
         self.graph_mode = graph_mode
@@ -77,6 +87,8 @@ class WhisperTranscriber:
         # Decoding workspaces (static buffers + captured step), one per utterance being decoded:
         # calls share this transcriber and transcribe on their own threads at the same time.
         self._workspaces: list = []
+        self._encoder = None  # the workspaces' shared EncoderGraph, made with the first workspace
+        self.encoder_rows = encoder_rows
         self._lock = threading.Lock()
         self._static_failures = 0  # in a row: the fast path is given up only when it keeps failing
 
@@ -139,16 +151,17 @@ class WhisperTranscriber:
     def __call__(self, audio16k: np.ndarray) -> str:
         return self.transcribe(audio16k).text
 
-    def transcribe(self, audio16k: np.ndarray, draft: Sequence[int] = ()) -> Transcription:
+    def transcribe(self, audio16k: np.ndarray, draft: Sequence[int] = (), owner=None) -> Transcription:
         """The transcript of ``audio16k`` (16 kHz mono float32). ``draft``: token ids of an
         earlier transcript of (a prefix of) the same audio; the static loop keeps the part of it
-        that greedy decoding confirms (same result, less decoding). ``generate`` ignores it."""
+        that greedy decoding confirms (same result, less decoding). ``generate`` ignores it.
+        ``owner``: who announced this utterance (``expect_turn``), if anyone."""
         features = self._features(audio16k)
         plan = self.plan
         if plan is not None:
             workspace = self._borrow(plan)
             try:
-                ids, kept = workspace.decode(features, draft)
+                ids, kept = workspace.decode(features, draft, owner)
             except Exception as error:  # a broken fast path must not cost the call its transcripts
                 _settle(features)  # the dropped workspace's buffers are freed: its queued kernels end first
                 # This utterance goes to generate (its workspace is dropped). One failure (a
@@ -179,6 +192,11 @@ class WhisperTranscriber:
             raise ValueError(f"workspaces must be an integer >= 1 (calls that may transcribe at once), got {workspaces!r}")
         silence = np.zeros(16000, np.float32)
         plan = self.plan
+        if plan is not None:
+            try:  # the shared encoder's passes of every row count
+                self._shared_encoder().warm_up()
+            except Exception as error:  # the calls still transcribe: a failing pass fails their workspace
+                logger.warning("warming up the shared Whisper encoder failed: %s", error, exc_info=True)
         if plan is None or workspaces == 1:  # (generate keeps no workspace)
             self.transcribe(silence)
             return
@@ -195,6 +213,16 @@ class WhisperTranscriber:
         finally:
             for workspace in ready:
                 self._give_back(workspace)
+
+    def expect_turn(self, owner) -> None:
+        """Announce ``owner``'s utterance (a turn that ended: ``TurnTranscript.ended``) to the
+        shared encoder: a pass that starts before it comes waits for it a little."""
+        if self.plan is not None:
+            self._shared_encoder().expect_turn(owner)
+
+    def encoder_stats(self) -> dict | None:
+        """The shared encoder's turns and passes (``EncoderGraph.stats``), None before any."""
+        return self._encoder.stats() if self._encoder is not None else None
 
     def new_turn(self) -> "TurnTranscript | None":
         """Incremental ASR state for one user turn, or None where partials would not help
@@ -229,7 +257,22 @@ class WhisperTranscriber:
                                 (w.device, w.dtype) == (weight.device, weight.dtype)]
             if self._workspaces:
                 return self._workspaces.pop()
-        return StaticWhisperDecoder(self.model, plan, self.graph_mode)
+        return StaticWhisperDecoder(self.model, plan, self.graph_mode, encoder=self._shared_encoder())
+
+    def _shared_encoder(self):
+        """The Whisper encoder as one ``EncoderGraph`` for every workspace (it follows the weights
+        when they move or are cast)."""
+        from taste_speech.encoder_graph import EncoderGraph
+
+        from pipecat_taste.whisper_decode import WhisperEncoderStack
+
+        with self._lock:
+            if self._encoder is None:
+                rows = self.encoder_rows
+                if rows == "auto":
+                    rows = CUDA_ENCODER_ROWS if self.model.proj_out.weight.is_cuda else 1
+                self._encoder = EncoderGraph(WhisperEncoderStack(self.model), self.graph_mode, rows=rows)
+            return self._encoder
 
     def _give_back(self, workspace) -> None:
         with self._lock:
@@ -271,6 +314,11 @@ class TurnTranscript:
         self.partials = 0
         self.kept = 0  # draft tokens the final transcription kept
 
+    def ended(self) -> None:
+        """The caller stopped speaking: ``finish`` comes next. A pass of the transcriber's shared
+        encoder that another call's turn ending now starts waits a little for this one's."""
+        self.transcriber.expect_turn(self)
+
     def partial(self, audio16k: np.ndarray) -> str:
         """Transcribe the audio so far; its tokens become the draft of the next transcription."""
         result = self.transcriber.transcribe(audio16k, self.draft)
@@ -280,6 +328,6 @@ class TurnTranscript:
 
     def finish(self, audio16k: np.ndarray) -> str:
         """The transcript of the whole turn."""
-        result = self.transcriber.transcribe(audio16k, self.draft)
+        result = self.transcriber.transcribe(audio16k, self.draft, owner=self)
         self.kept = result.kept
         return result.text

@@ -696,8 +696,8 @@ class TasteTurnCapture(FrameProcessor):
             where = "after the split" if turn.after_split else "over the agent's reply"
             await self._decide(turn, "ignored", f"short speech ({turn.speech_seconds:.2f} s) {where}")
             return
-        # its tower pass comes after the transcript: another call's turn ending now waits a little for it
-        (await self._call.ensure_session()).turn_ended()
+        # its ASR and tower passes come next: another call's turn ending now waits a little for them
+        (await self._call.ensure_session()).turn_ended(turn.asr.transcript if turn.asr else None)
         transcript = await self._transcript(turn)
         if transcript is None or turn.retracted.is_set():
             return

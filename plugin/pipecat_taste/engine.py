@@ -4,7 +4,7 @@ The processors never import the model library; they call a per-call :class:`Tast
 (``engine.new_session()``), whose methods are blocking and are run by the processors in worker
 threads, one stage per thread:
 
-    listening   turn_ended()                               (the caller stopped speaking: its turn comes soon)
+    listening   turn_ended(transcript)                     (the caller stopped speaking: its turn comes soon)
                 transcribe(audio) -> str                  (built-in ASR, when the engine has one)
                 start_transcript() -> TurnTranscript | None   (incremental built-in ASR of one turn)
                 user_turn(audio, transcript) -> UserTurn  (taste_tokenize)
@@ -580,10 +580,15 @@ class TasteSession:
         new_turn = getattr(self.engine.asr, "new_turn", None)
         return new_turn() if new_turn is not None else None
 
-    def turn_ended(self) -> None:
-        """The caller stopped speaking: this call's turn comes to the audio tower soon (after its
-        transcript), and the tower pass of another call's turn that ends at the same moment waits
-        a little for it (``EncoderGraph.expect_turn``; on the CUDA fast path, else nothing)."""
+    def turn_ended(self, transcript=None) -> None:
+        """The caller stopped speaking: this call's turn comes to the shared encoders soon - the
+        built-in ASR's (``transcript``: the turn's ``start_transcript()``, finished next) and the
+        audio tower's (after the transcript) - and their pass for another call's turn that ends
+        at the same moment waits a little for it (``EncoderGraph.expect_turn``: on the CUDA fast
+        path; elsewhere a pass takes one turn)."""
+        ended = getattr(transcript, "ended", None)
+        if ended is not None:
+            ended()
         if self.engine.tower_encoder is not None:
             self.engine.tower_encoder.expect_turn(self)
 

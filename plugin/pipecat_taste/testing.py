@@ -91,7 +91,7 @@ class FakeSession:
     def close(self) -> None:
         self.closed = True
 
-    def turn_ended(self) -> None:
+    def turn_ended(self, transcript=None) -> None:
         self.turns_ended += 1  # (the fake has no shared tower pass to announce the turn to)
 
     def transcribe(self, audio: np.ndarray) -> str:

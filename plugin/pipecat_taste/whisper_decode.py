@@ -8,9 +8,11 @@ kernels (GPU_NOTES.md). This loop keeps every tensor at a fixed address instead:
   a row is written at its position and every query sees only the keys at or before its own
   position, so stale rows from an earlier utterance or a rejected draft are never read;
 - the cross-attention keys/values are computed once per utterance from the encoder output and
-  copied into fixed buffers; the encoder always sees one shape (the 30 s window), so the encoder
-  with those projections is a captured step too (eager, Whisper-large-v3's encoder is ~16 ms of
-  launches on a GPU, the same for 3 s or 30 s of audio);
+  written into fixed buffers (a captured step of their own); the encoder always sees one shape
+  (the 30 s window), so it is a captured step too (eager, Whisper-large-v3's encoder is ~16 ms of
+  launches on a GPU, the same for 3 s or 30 s of audio): an ``EncoderGraph`` the transcriber's
+  workspaces share (``WhisperEncoderStack``), whose one pass encodes the turns of several calls
+  that end together;
 - the one-token step (embedding, all layers, logits, suppression, argmax) is a
   :class:`~taste_speech.step_graph.StepGraph`: replayed as a CUDA graph on CUDA, eager on CPU,
   'rehearse' for CPU tests of the capture protocol.
@@ -182,11 +184,27 @@ def _language_id(gc, language: str) -> int | str:
     return lang_to_id[token]
 
 
+class WhisperEncoderStack:
+    """A transformers Whisper model's encoder with the audio tower's encoder interface, for an
+    ``EncoderGraph``: the padded 30 s log-mel window (rows, mels, 3000) -> (last_hidden_state,)."""
+
+    def __init__(self, model):
+        self.encoder = model.model.encoder
+        self.whisper_config = model.config
+        self.num_frames = 2 * model.config.max_source_positions
+
+    def encoder_stack(self, window: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.encoder(window).last_hidden_state,)
+
+
 class StaticWhisperDecoder:
     """One decoding workspace (buffers + captured step) for one utterance at a time. A
-    transcriber shared by concurrent calls keeps one per concurrent utterance."""
+    transcriber shared by concurrent calls keeps one per concurrent utterance; they share the
+    ``encoder`` (an ``EncoderGraph`` of ``WhisperEncoderStack``; None: one of their own)."""
 
-    def __init__(self, model, plan: GreedyPlan, graph_mode: str = "auto"):
+    def __init__(self, model, plan: GreedyPlan, graph_mode: str = "auto", encoder=None):
+        from taste_speech.encoder_graph import EncoderGraph
+
         self.model, self.plan = model, plan
         self.decoder = model.model.decoder
         weight = model.proj_out.weight
@@ -209,10 +227,12 @@ class StaticWhisperDecoder:
         # Its only side effect is writing the keys/values of row ``position``, which the real
         # run writes again: the warm-up runs need no rewind.
         self.step = StepGraph(self._one_token, self.device, self.graph_mode, name="Whisper decoder step")
-        # The utterance's encoding: the log-mel window in, the cross keys/values written (again
+        # The utterance's encoding: the encoder's output in, the cross keys/values written (again
         # the same values on a re-run: no rewind either).
-        self.features = torch.zeros(1, config.num_mel_bins, 2 * sources, device=self.device, dtype=self.dtype)
-        self.encode_step = StepGraph(self._encode_window, self.device, self.graph_mode, name="Whisper encoder")
+        self.encoder = encoder if encoder is not None else EncoderGraph(WhisperEncoderStack(model), graph_mode)
+        self.states = torch.zeros(1, sources, config.d_model, device=self.device, dtype=self.dtype)
+        self.cross_step = StepGraph(self._cross_keys_values, self.device, self.graph_mode,
+                                    name="Whisper cross keys/values")
 
     def _bias(self, tokens: Sequence[int]) -> torch.Tensor:
         vocab = self.model.proj_out.out_features
@@ -224,11 +244,11 @@ class StaticWhisperDecoder:
 
     @property
     def captured(self) -> bool:
-        return self.step.captured and self.encode_step.captured
+        return self.step.captured and self.cross_step.captured and self.encoder.captured
 
     @property
     def fallback_reason(self) -> str | None:
-        return self.step.fallback_reason or self.encode_step.fallback_reason
+        return self.step.fallback_reason or self.cross_step.fallback_reason or self.encoder.fallback_reason
 
     # -- the transformer --------------------------------------------------------------------------
     def _rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -266,16 +286,19 @@ class StaticWhisperDecoder:
         """The captured step: the next token (1,) after ``self.token`` at ``self.position``."""
         return self._scores(self._rows(self.token, self.position)).argmax(-1)
 
-    def _encode(self, features: torch.Tensor) -> None:
-        if features.shape != self.features.shape:
-            raise ValueError(f"Whisper features must be {tuple(self.features.shape)} (the padded 30 s window), "
+    def _encode(self, features: torch.Tensor, owner=None) -> None:
+        config = self.model.config
+        expected = (1, config.num_mel_bins, 2 * config.max_source_positions)
+        if tuple(features.shape) != expected:
+            raise ValueError(f"Whisper features must be {expected} (the padded 30 s window), "
                              f"got {tuple(features.shape)}: use the model's feature extractor")
-        self.features.copy_(features)
-        self.encode_step.run()
+        (states,) = self.encoder(features, owner=owner)
+        self.states.copy_(states)
+        self.cross_step.run()
 
-    def _encode_window(self) -> torch.Tensor:
-        """The captured encoding: ``self.features`` -> every layer's cross-attention keys/values."""
-        states = self.model.model.encoder(self.features).last_hidden_state
+    def _cross_keys_values(self) -> torch.Tensor:
+        """The captured step: ``self.states`` (the encoder's output) -> every layer's cross-attention keys/values."""
+        states = self.states
         for i, layer in enumerate(self.decoder.layers):
             cross = layer.encoder_attn
             self.cross_k[i].copy_(self._heads(cross.k_proj(states), states.shape[1]))
@@ -283,15 +306,16 @@ class StaticWhisperDecoder:
         return self.cross_v[-1]
 
     # -- decoding ---------------------------------------------------------------------------------
-    def decode(self, features: torch.Tensor, draft: Sequence[int] = ()) -> tuple[list[int], int]:
+    def decode(self, features: torch.Tensor, draft: Sequence[int] = (), owner=None) -> tuple[list[int], int]:
         """Greedy token ids for ``features`` (1, mels, 3000), as ``generate`` returns them, and
-        how many tokens of ``draft`` were verified and kept."""
+        how many tokens of ``draft`` were verified and kept. ``owner``: who announced this
+        utterance to the shared encoder (``EncoderGraph.expect_turn``), if anyone."""
         plan = self.plan
         room = plan.max_new_tokens
         if room == 0:
             return [], 0
         with torch.inference_mode():
-            self._encode(features.to(self.device, self.dtype))
+            self._encode(features.to(self.device, self.dtype), owner)
             draft = [int(t) for t in draft][: room - 1]
             rows = list(plan.init_tokens) + draft
             first = len(plan.init_tokens) - 1  # the row whose output is the first generated token
