@@ -844,7 +844,7 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
 
     threads = [threading.Thread(target=one, args=(i,), name=f"gpu-suite-call-{i}") for i in range(calls)]
     transcriber = asr[path.name] if asr is not None else None
-    before = shared_counts(engine, transcriber)
+    shared_before = shared_counts(engine, transcriber)
     for t in threads:
         t.start()
     for t in threads:
@@ -853,7 +853,8 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
         raise errors[0]
     firsts = sorted(r["first_audio_ms"] for r in results)
     out = {"calls": calls, "first_audio_median_ms": statistics.median(firsts), "first_audio_max_ms": firsts[-1],
-           "shared": {key: value - before[key] for key, value in shared_counts(engine, transcriber).items()}}
+           "shared": {key: value - shared_before.get(key, 0)  # (the ASR's encoder may be made by this row)
+                      for key, value in shared_counts(engine, transcriber).items()}}
     if torch.device(engine.device).type == "cuda":
         upfront = getattr(engine, "upfront_bytes", 0)
         out["peak_mib_per_call"] = (torch.cuda.max_memory_allocated() - before + upfront) / calls / 2**20

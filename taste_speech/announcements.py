@@ -23,6 +23,10 @@ from typing import Callable
 
 import torch
 
+# The longest a step ever waits for announced work, whatever its measured time says (a step timed
+# while it was being captured - lazily, after a failed warm-up - reads far longer than it runs).
+MAX_WAIT_S = 0.2
+
 
 class Announcements:
     def __init__(self):
@@ -37,20 +41,24 @@ class Announcements:
         """``owner``'s work came: True if it had been announced (it is no longer awaited)."""
         return self._owners.pop(id(owner), None) is not None
 
-    def pending(self) -> int:
-        """Announced owners still alive whose work has not come."""
+    def pending(self, here: Callable[[], set[int]] = set) -> int:
+        """Announced owners still alive whose work has not come. ``here()``: the ids of owners with
+        other work already queued (a call's partial transcript when its turn ends): their
+        announced work comes only after that, so it is not waited for."""
         for key in [key for key, ref in self._owners.items() if ref() is None]:
             del self._owners[key]
-        return len(self._owners)
+        return len(self._owners.keys() - here()) if self._owners else 0
 
-    def gather(self, lock, seconds: float, enough: Callable[[], bool] = lambda: False) -> None:
+    def gather(self, lock, seconds: float, enough: Callable[[], bool] = lambda: False,
+               here: Callable[[], set[int]] = set) -> None:
         """(``lock`` - a Condition - held; its ``notify_all`` must follow every arrival.) Wait until
-        no announced work is missing, ``enough()`` (the step is full) or ``seconds`` have passed;
-        then forget the announcements left."""
-        if self.pending() and seconds > 0:
+        no announced work is missing (``pending``), ``enough()`` (the step is full) or ``seconds``
+        (at most ``MAX_WAIT_S``) have passed; then forget the announcements left."""
+        seconds = min(seconds, MAX_WAIT_S)
+        if self.pending(here) and seconds > 0:
             started = time.perf_counter()
             deadline = started + seconds
-            while self.pending() and not enough() and (left := deadline - time.perf_counter()) > 0:
+            while self.pending(here) and not enough() and (left := deadline - time.perf_counter()) > 0:
                 lock.wait(left)
             self.waits += 1
             self.waited_s += time.perf_counter() - started
@@ -70,20 +78,22 @@ class StepTimer:
         self._pending = None  # CUDA: (start, end) of the last step not read yet
 
     def start(self, device: torch.device):
-        """Before a step: a token for ``stop`` (None off CUDA)."""
+        """Before a step (on the stream it runs on): a token for ``stop`` (None off CUDA)."""
         if device.type != "cuda":
             return None
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        event.record(torch.cuda.current_stream(device))
+        return event, device
 
     def stop(self, token, host_seconds: float) -> None:
+        """After the step: ``host_seconds`` is its time off CUDA."""
         if token is None:
             self.seconds = host_seconds
             return
+        start, device = token
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._pending = (token, end)
+        end.record(torch.cuda.current_stream(device))
+        self._pending = (start, end)
 
     def measured(self, seconds: float) -> None:
         """A time measured by the caller (a synchronised run at warm-up)."""

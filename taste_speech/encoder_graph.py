@@ -44,10 +44,10 @@ from taste_speech.step_graph import StepGraph
 class _Turn:
     """One call's window waiting for a pass, and what it gets back."""
 
-    __slots__ = ("window", "ready", "output", "done")
+    __slots__ = ("window", "owner", "ready", "output", "done")
 
-    def __init__(self, window: torch.Tensor):
-        self.window = window
+    def __init__(self, window: torch.Tensor, owner=None):
+        self.window, self.owner = window, owner
         self.ready = _event_after_current_work(window.device)  # CUDA: the window is written
         self.output = None  # (target, last), or the exception the pass raised
         self.done = None  # CUDA: the pass and the copies are written
@@ -121,7 +121,7 @@ class EncoderGraph:
         """``window`` (1, n_mels, frames): the padded log-mel (``tower.encoder_window``) -> the
         stack's outputs, each (1, S, d), the turn's own copies (the tower's: target_hidden,
         last_hidden). ``owner``: who announced this turn (``expect_turn``), if anyone."""
-        turn = _Turn(window)
+        turn = _Turn(window, owner)
         with self._lock:
             self._ending.arrive(owner)
             self._queue.append(turn)
@@ -147,9 +147,13 @@ class EncoderGraph:
         if isinstance(turn.output, BaseException):
             raise turn.output
         if turn.done is not None:
-            torch.cuda.current_stream(window.device).wait_event(turn.done)
+            stream = torch.cuda.current_stream(window.device)
+            stream.wait_event(turn.done)
+            for out in turn.output:  # made on the pass's stream, used (and freed) on this one
+                out.record_stream(stream)
         return turn.output
 
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Capture every row count now (on silent windows), so that no turn pays for a capture,
         and time a pass."""
@@ -179,7 +183,8 @@ class EncoderGraph:
     def _gather(self) -> None:
         """(Lock held.) Wait for the announced turns, at most ``gather`` passes or until a pass is full."""
         full = lambda: len(self._queue) >= self.rows  # noqa: E731
-        self._ending.gather(self._lock, self.gather * self._pass_time.last() if self.rows > 1 else 0.0, full)
+        here = lambda: {id(t.owner) for t in self._queue if t.owner is not None}  # noqa: E731
+        self._ending.gather(self._lock, self.gather * self._pass_time.last() if self.rows > 1 else 0.0, full, here)
 
     def _run(self, batch: list[_Turn]) -> None:
         """One pass for ``batch`` (lock not held); each turn gets its copies or the error."""

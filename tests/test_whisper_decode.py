@@ -338,3 +338,50 @@ def test_a_whisper_folder_under_home_can_be_named_with_a_tilde(tiny_asr, tmp_pat
     monkeypatch.setenv("HOME", str(tmp_path))
     loaded = WhisperTranscriber.from_pretrained("~/whisper", language=None, max_new_tokens=None)
     assert torch.equal(next(loaded.model.parameters()), next(tiny_asr.model.parameters()))
+
+
+def test_one_failed_shared_encoder_pass_counts_as_one_failure(tiny_asr, audios, monkeypatch):
+    """A pass of the shared encoder fails every turn in it with the same error (an out-of-memory
+    in an 8-row pass): that is one failure of the fast path, not one per call, so the calls that
+    happened to be in it do not give the static loop up for everyone."""
+    model = varied_model(tiny_asr)
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10)
+    shared = RuntimeError("one pass, three turns")
+
+    def in_a_failed_pass(self, feats, draft=(), owner=None):
+        raise shared
+
+    monkeypatch.setattr(StaticWhisperDecoder, "decode", in_a_failed_pass)
+    for _ in range(STATIC_FAILURES_TO_GIVE_UP + 1):
+        asr.transcribe(audios[0])  # each turn of the pass goes to generate
+    assert asr.decode == "static" and asr._static_failures == 1
+
+
+def test_the_shared_encoder_warms_up_without_recording_gradients(tiny_asr):
+    """transformers loads a Whisper with trainable weights; capturing its encoder must not keep an
+    autograd graph (every layer's activations) alive in the step's outputs."""
+    from taste_speech.encoder_graph import EncoderGraph
+
+    from pipecat_taste.whisper_decode import WhisperEncoderStack
+
+    model = varied_model(tiny_asr)
+    assert any(p.requires_grad for p in model.parameters())
+    graph = EncoderGraph(WhisperEncoderStack(model), "rehearse", rows=2)
+    graph.warm_up()
+    outputs = [out for step in graph._steps.values() for out in step.outputs]
+    assert len(outputs) == 2 and not any(out.requires_grad for out in outputs)
+
+
+def test_a_partial_running_when_its_turn_ends_does_not_wait_for_its_own_finish(tiny_asr, audios):
+    """The turn ends (announced) while its last partial is being transcribed: that partial must not
+    wait for the finish that comes after it on the same thread - a call alone never waits."""
+    model = varied_model(tiny_asr)
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10,
+                             graph_mode="rehearse", encoder_rows=2)
+    asr.warm_up()
+    asr._encoder._pass_time.seconds = 5.0
+    turn = asr.new_turn()
+    turn.ended()  # (the capture announces the turn; the partial below was already on its way)
+    turn.partial(audios[0][: len(audios[0]) // 2])
+    turn.finish(audios[0])
+    assert asr.encoder_stats()["waits"] == 0

@@ -91,6 +91,7 @@ class WhisperTranscriber:
         self.encoder_rows = encoder_rows
         self._lock = threading.Lock()
         self._static_failures = 0  # in a row: the fast path is given up only when it keeps failing
+        self._last_failure = None
 
     @property
     def decode(self) -> str:
@@ -168,7 +169,9 @@ class WhisperTranscriber:
                 # transient out-of-memory in one call) must not slow every call of the engine down
                 # for good: the fast path is given up after STATIC_FAILURES_TO_GIVE_UP in a row.
                 with self._lock:
-                    self._static_failures += 1
+                    if error is not self._last_failure:  # (a failed shared encoder pass fails all its turns: once)
+                        self._static_failures += 1
+                    self._last_failure = error
                     give_up = self._static_failures >= STATIC_FAILURES_TO_GIVE_UP
                     if give_up:
                         self.plan = None
@@ -321,7 +324,8 @@ class TurnTranscript:
 
     def partial(self, audio16k: np.ndarray) -> str:
         """Transcribe the audio so far; its tokens become the draft of the next transcription."""
-        result = self.transcriber.transcribe(audio16k, self.draft)
+        # (as its owner: once the turn has ended, a pass leading this partial does not wait for the finish)
+        result = self.transcriber.transcribe(audio16k, self.draft, owner=self)
         self.draft, self.text = result.ids, result.text
         self.partials += 1
         return result.text

@@ -464,11 +464,14 @@ class SynthesisGraphs:
                     batch = self._next_batch()
                     self._lock.release()
                     started = time.perf_counter()
-                    timer = self._first_step.start(self._device) if batch[0].first else None
                     try:
+                        timer = self._first_step.start(self._device) if batch[0].first else None
                         self._run(batch)
                         if batch[0].first:
                             self._first_step.stop(timer, time.perf_counter() - started)
+                    except BaseException as error:  # (the timer's events): the windows taken must not wait for ever
+                        for w in batch:
+                            w.output = error if w.output is None else w.output
                     finally:
                         self._lock.acquire()
                     self._after_step(batch, time.perf_counter() - started)
@@ -488,6 +491,7 @@ class SynthesisGraphs:
         stage = oldest.stage
         if oldest.first:
             self._gather_first_windows(oldest)
+            self._awaited[stage].clear()  # (as below: once per step)
             return
         awaited = self._awaited[stage]
         # Wait only within a round: when the oldest window is one of the awaited utterances'. A
