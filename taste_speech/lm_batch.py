@@ -15,14 +15,17 @@ so it never touches its real rows - it may be prefilling them at the same moment
 query sees the keys at or before its own position (per-row position, per-row mask).
 
 A conversation uses its slot through ``SlotLMCache`` (the same interface as ``lm_cache``'s
-caches): multi-row feeds (prefill, a new turn) run eagerly on the slot alone, one-row feeds
-join the batch. A cache that finds no free slot, or outgrows ``capacity``, leaves the batch and
+caches): one-row feeds join the batch; a multi-row feed (prefill, a new turn) runs on the slot
+alone - with graphs, staged: the slot's rows are copied into one shared ``StaticLMCache`` whose
+captured prefill bucket runs it, and the new rows are copied back (on the H100 a 48-row turn's
+prefill took 12.5 ms eager and 3.3 ms replayed; the copies are two per layer), eagerly otherwise. A cache that finds no free slot, or outgrows ``capacity``, leaves the batch and
 continues in a private ``StaticLMCache`` - slower, never wrong. ``close()`` returns the slot.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -114,17 +117,35 @@ class LMStepBatch(BatchedSteps):
         for n, cache in self._step_caches.items():
             for layer in cache.layers:
                 layer.write_positions = self._positions[:n]
+        # With graphs: where a slot's prefill runs, one at a time (its captured buckets; eager, a
+        # plain feed on the slot is as fast)
+        self._stager = None if self.graph_mode == "eager" else \
+            StaticLMCache(config, capacity, device=self.device, dtype=self.dtype, graph_mode=self.graph_mode)
+        self._stager_lock = threading.Lock()
+        self.staged_prefills = 0  # prefills that ran a captured bucket
 
     def open(self) -> "SlotLMCache":
         """A cache for one conversation: in a free slot, or private when every slot is taken."""
         return SlotLMCache(self)
 
     # -- feeding -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """The batched steps (``BatchedSteps.warm_up``), and the stager's prefill buckets."""
+        super().warm_up()
+        if self._stager is not None:
+            with self._stager_lock:
+                self._stager.warm_up_prefill(self.lm.backbone)
+
     @torch.no_grad()  # grad mode is per thread: callers' threads may not have turned it off
     def prefill(self, slot: int, owner: "SlotLMCache", rows: torch.Tensor) -> torch.Tensor:
-        """Rows (1, T, H) after the slot's rows, eagerly, this slot alone; returns the last hidden state."""
+        """Rows (1, T, H) after the slot's rows, this slot alone (staged through a captured
+        prefill bucket where one fits, else eagerly); returns the last hidden state."""
         with self._using(slot, owner):
             start, t = self.length(slot), rows.shape[1]
+            if (hidden := self._staged_prefill(slot, start, rows)) is not None:
+                self.set_length(slot, start + t)
+                return hidden
             cache = self._cache(slice(slot, slot + 1))
             view = min(self.capacity, _round_up_to(start + t, _EAGER_VIEW_QUANTUM))
             cache.set_view_rows(view)
@@ -142,6 +163,29 @@ class LMStepBatch(BatchedSteps):
         return self._step(slot, owner, row)
 
     # -- internals ---------------------------------------------------------------------------------
+    def _staged_prefill(self, slot: int, start: int, rows: torch.Tensor) -> torch.Tensor | None:
+        """The prefill through the stager's captured bucket: the slot's ``start`` rows in, the
+        new rows back out. None where no bucket fits (too many rows, or past the capacity)."""
+        if self._stager is None:
+            return None
+        t = rows.shape[1]
+        with self._stager_lock:
+            stager = self._stager
+            if start + t > stager.capacity:
+                return None
+            stager._set_length(start)  # (its rows past the slot's are stale: no query sees them)
+            if stager.prefill_bucket(t) is None:
+                return None
+            for layer, keys, values in zip(stager.kv.layers, self._keys, self._values):
+                layer.keys[:, :, :start].copy_(keys[slot:slot + 1, :, :start])
+                layer.values[:, :, :start].copy_(values[slot:slot + 1, :, :start])
+            hidden = stager.feed(self.lm.backbone, rows.to(self.dtype))
+            for layer, keys, values in zip(stager.kv.layers, self._keys, self._values):
+                keys[slot:slot + 1, :, start:start + t].copy_(layer.keys[:, :, start:start + t])
+                values[slot:slot + 1, :, start:start + t].copy_(layer.values[:, :, start:start + t])
+            self.staged_prefills += 1
+            return hidden
+
     def _cache(self, slots: slice) -> _SlotRowsCache:
         return _SlotRowsCache([_SlotRowsLayer(k[slots], v[slots]) for k, v in zip(self._keys, self._values)])
 

@@ -122,6 +122,8 @@ def test_batched_lm_steps_are_captured_and_equal_each_call_alone(loaded):
     stats = batch.stats()
     assert stats["rows_stepped"] == 120 and stats["slots_in_use"] == 0
     assert all(g.captured for g in batch._graphs.values()), [g.fallback_reason for g in batch._graphs.values()]
+    # each conversation's first rows went through the stager's captured prefill bucket
+    assert batch.staged_prefills == 3 and batch._stager._prefill_steps[32].captured, batch._stager.fallback_reason
 
 
 def test_batched_speech_decoder_steps_are_captured_and_equal_each_call_alone(taste_lm_tiny_a):

@@ -59,6 +59,9 @@ def test_one_batched_step_equals_each_conversation_alone(lm, graph_mode):
     for i, (state, ref) in enumerate(zip(states, refs)):  # different history lengths per slot
         n = 10 + 9 * i
         assert (feed(lm, state, rows[i][:, :n]) - ref.feed(rows[i][:, :n])).abs().max() < TOLERANCE
+    # with graphs a slot's prefill runs the stager's captured bucket (32 rows here), eagerly otherwise
+    assert (batch._stager is None) == (graph_mode == "eager")
+    assert batch.staged_prefills == (0 if graph_mode == "eager" else 4)
 
     # One step for slots 0 and 2 only (it covers slots 0..3): slot 0's step waits for slot 2's
     # row, as for two calls that stepped together last time.
@@ -78,6 +81,12 @@ def test_one_batched_step_equals_each_conversation_alone(lm, graph_mode):
         for t in range(n, n + 5):
             got = feed(lm, states[i], rows[i][:, t:t + 1])
             assert (got - refs[i].feed(rows[i][:, t:t + 1])).abs().max() < TOLERANCE, (i, t)
+    # a new turn after a history (its prefill starts at row 24, staged with graphs), then a step
+    got = feed(lm, states[1], rows[1][:, 24:44])
+    assert (got - refs[1].feed(rows[1][:, 24:44])).abs().max() < TOLERANCE
+    assert (feed(lm, states[1], rows[1][:, 44:45]) - refs[1].feed(rows[1][:, 44:45])).abs().max() < TOLERANCE
+    assert batch.staged_prefills == (0 if graph_mode == "eager" else 5)
+    assert batch.length(0) == 16 and batch.length(2) == 34  # the others' rows untouched
 
 
 @pytest.mark.parametrize("graph_mode", ["eager", "rehearse"])

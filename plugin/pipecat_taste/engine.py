@@ -365,7 +365,8 @@ def _compute_gate(parallel_jobs: int | str | None, device: str):
 def _batch_slots(slots: int | str | None, device: str, decoding: str) -> int | None:
     # 'auto' is None everywhere: on the H200 (BENCHMARKS.md section 5) the batched path gave the
     # same first audio as per-call graphs at 2-8 calls (calls rarely step together) and set aside
-    # 3.7 GB, and its slots prefill eagerly where a private cache replays a prefill graph.
+    # 3.7 GB; its slots then prefilled eagerly (now staged through a captured bucket, lm_batch), and
+    # calls ending at once (the worst case) have not been measured on it yet.
     return None if slots == "auto" else slots
 
 
