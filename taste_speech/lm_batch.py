@@ -18,8 +18,13 @@ A conversation uses its slot through ``SlotLMCache`` (the same interface as ``lm
 caches): one-row feeds join the batch; a multi-row feed (prefill, a new turn) runs on the slot
 alone - with graphs, staged: the slot's rows are copied into one shared ``StaticLMCache`` whose
 captured prefill bucket runs it, and the new rows are copied back (on the H100 a 48-row turn's
-prefill took 12.5 ms eager and 3.3 ms replayed; the copies are two per layer), eagerly otherwise. A cache that finds no free slot, or outgrows ``capacity``, leaves the batch and
-continues in a private ``StaticLMCache`` - slower, never wrong. ``close()`` returns the slot.
+prefill took 12.5 ms eager and 3.3 ms replayed; the copies are two per layer), eagerly otherwise.
+A cache that finds no free slot, or outgrows ``capacity``, leaves the batch and continues in a
+private ``StaticLMCache`` - slower, never wrong. ``close()`` returns the slot.
+
+One CUDA stream: the calls' rows meet in shared buffers (the step's, the stager's) whose order
+the host's locks keep only if every call works on the same stream (``TasteEngine`` refuses
+``streams='calls'`` with batch slots).
 """
 
 from __future__ import annotations
@@ -135,6 +140,7 @@ class LMStepBatch(BatchedSteps):
         super().warm_up()
         if self._stager is not None:
             with self._stager_lock:
+                self._stager._set_length(0)  # every bucket fits after no rows
                 self._stager.warm_up_prefill(self.lm.backbone)
 
     @torch.no_grad()  # grad mode is per thread: callers' threads may not have turned it off
@@ -171,7 +177,7 @@ class LMStepBatch(BatchedSteps):
         t = rows.shape[1]
         with self._stager_lock:
             stager = self._stager
-            if start + t > stager.capacity:
+            if start + t > self.capacity:  # (a SlotLMCache leaves the batch before that)
                 return None
             stager._set_length(start)  # (its rows past the slot's are stale: no query sees them)
             if stager.prefill_bucket(t) is None:
