@@ -385,3 +385,22 @@ def test_a_partial_running_when_its_turn_ends_does_not_wait_for_its_own_finish(t
     turn.partial(audios[0][: len(audios[0]) // 2])
     turn.finish(audios[0])
     assert asr.encoder_stats()["waits"] == 0
+
+
+def test_the_transcribers_features_are_the_whisper_extractors(tiny_asr, audios):
+    """The ASR computes its log-mel with the audio tower's front end (it transforms the audio, not
+    the 30 s of silence after it): the feature extractor's numbers to float rounding; an extractor
+    with other settings is used as it is."""
+    import copy
+
+    from transformers import WhisperFeatureExtractor
+
+    for audio in (audios[0], audios[0][:3000], np.zeros(0, np.float32)):
+        expected = tiny_asr.feature_extractor(audio, sampling_rate=16000, return_tensors="pt").input_features
+        got = tiny_asr._features(audio)
+        assert got.shape == expected.shape == (1, 80, 3000)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    other = copy.copy(tiny_asr)
+    other.feature_extractor = WhisperFeatureExtractor(feature_size=80, hop_length=200)  # not Whisper's hop
+    expected = other.feature_extractor(audios[0], sampling_rate=16000, return_tensors="pt").input_features
+    assert torch.equal(other._features(audios[0]), expected)

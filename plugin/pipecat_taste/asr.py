@@ -234,8 +234,18 @@ class WhisperTranscriber:
 
     # -- internals --------------------------------------------------------------------------------
     def _features(self, audio16k: np.ndarray):
-        features = self.feature_extractor(np.asarray(audio16k, np.float32), sampling_rate=16000,
-                                          return_tensors="pt").input_features
+        """The padded 30 s log-mel window (1, mels, 3000): the audio tower's front end where the
+        feature extractor is Whisper's standard one (the same numbers to float rounding: it
+        transforms the audio, not the silence after it - BENCHMARKS.md section 10), else (and for
+        no audio at all: the silent window) the extractor itself."""
+        audio16k = np.asarray(audio16k, np.float32)
+        if audio16k.size and _standard_whisper_front_end(self.feature_extractor, self.model.config.num_mel_bins):
+            from taste_speech.audio import whisper_log_mel
+
+            features = whisper_log_mel(audio16k, n_mels=self.model.config.num_mel_bins,
+                                       n_samples=self.feature_extractor.n_samples).transpose(1, 2)
+        else:
+            features = self.feature_extractor(audio16k, sampling_rate=16000, return_tensors="pt").input_features
         return features.to(self.device, next(self.model.parameters()).dtype)
 
     def _generate(self, features) -> list[int]:
@@ -280,6 +290,18 @@ class WhisperTranscriber:
     def _give_back(self, workspace) -> None:
         with self._lock:
             self._workspaces.append(workspace)
+
+
+def _standard_whisper_front_end(extractor, n_mels: int) -> bool:
+    """Whether ``extractor`` computes what ``taste_speech.audio.whisper_log_mel`` does: openai
+    Whisper's log-mel (400-sample window, 160 hop, 16 kHz, ``n_mels`` Slaney filters, zero padding,
+    no dither)."""
+    from taste_speech.audio import HOP_LENGTH, N_FFT, SAMPLE_RATE
+
+    settings = (getattr(extractor, name, None) for name in
+                ("n_fft", "hop_length", "sampling_rate", "feature_size", "padding_value", "dither"))
+    return type(extractor).__name__ == "WhisperFeatureExtractor" and \
+        tuple(settings) == (N_FFT, HOP_LENGTH, SAMPLE_RATE, n_mels, 0.0, 0.0)
 
 
 def _settle(tensor) -> None:
