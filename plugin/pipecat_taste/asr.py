@@ -200,7 +200,7 @@ class WhisperTranscriber:
                 self._shared_encoder().warm_up()
             except Exception as error:  # the calls still transcribe: a failing pass fails their workspace
                 logger.warning("warming up the shared Whisper encoder failed: %s", error, exc_info=True)
-        if plan is None or workspaces == 1:  # (generate keeps no workspace)
+        if plan is None:  # (generate keeps no workspace)
             self.transcribe(silence)
             return
         features = self._features(silence)
@@ -209,6 +209,7 @@ class WhisperTranscriber:
             for _ in range(workspaces):
                 workspace = self._borrow(plan)  # none given back yet: a new one each time
                 workspace.decode(features)
+                workspace.warm_up_verify()  # the draft check's buckets (a partial's draft grows)
                 ready.append(workspace)
         except Exception as error:  # the calls still transcribe: transcribe() falls back by itself
             logger.warning("warming up Whisper decoding workspace %d of %d failed: %s", len(ready) + 1,
@@ -236,7 +237,7 @@ class WhisperTranscriber:
     def _features(self, audio16k: np.ndarray):
         """The padded 30 s log-mel window (1, mels, 3000): the audio tower's front end where the
         feature extractor is Whisper's standard one (the same numbers to float rounding: it
-        transforms the audio, not the silence after it - BENCHMARKS.md section 10), else (and for
+        transforms the audio, not the silence after it - BENCHMARKS.md section 9), else (and for
         no audio at all: the silent window) the extractor itself."""
         audio16k = np.asarray(audio16k, np.float32)
         if audio16k.size and _standard_whisper_front_end(self.feature_extractor, self.model.config.num_mel_bins):

@@ -20,7 +20,10 @@ kernels (GPU_NOTES.md). This loop keeps every tensor at a fixed address instead:
 A *draft* (token ids from an earlier transcription of a prefix of the same audio, e.g. a partial
 transcript taken while the user was still speaking) can be verified in one multi-row pass:
 the longest prefix of the draft that greedy decoding would itself produce is kept, and decoding
-goes on one token at a time after it.
+goes on one token at a time after it. That pass (the start tokens and the draft) is padded to a
+bucket of rows (``VERIFY_BUCKETS``) and captured per bucket too: the padding rows sit after the
+real ones, where no real row's query looks, and their keys/values are overwritten by the steps
+that reach those positions.
 
 Exactness: in exact arithmetic the ids are ``generate``'s, with or without a draft. In floating
 point the loop's kernels (attention over the padded, masked cache; a multi-row pass for a draft)
@@ -48,6 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from taste_speech.step_graph import StepGraph, resolve_mode
+
+VERIFY_BUCKETS = (8, 16, 32, 64)  # rows of the captured draft check (4 start tokens + the draft)
 
 
 @dataclass(frozen=True)
@@ -233,6 +238,12 @@ class StaticWhisperDecoder:
         self.states = torch.zeros(1, sources, config.d_model, device=self.device, dtype=self.dtype)
         self.cross_step = StepGraph(self._cross_keys_values, self.device, self.graph_mode,
                                     name="Whisper cross keys/values")
+        # The draft check per bucket of rows: the rows' tokens in (padding: end-of-text), the
+        # greedy token after each row out; it writes the keys/values of rows 0..bucket-1, which
+        # the real run writes again (no rewind).
+        self.verify_buckets = tuple(b for b in VERIFY_BUCKETS if b <= rows)
+        self._verify_tokens: dict[int, torch.Tensor] = {}
+        self._verify_steps: dict[int, StepGraph] = {}
 
     def _bias(self, tokens: Sequence[int]) -> torch.Tensor:
         vocab = self.model.proj_out.out_features
@@ -244,11 +255,14 @@ class StaticWhisperDecoder:
 
     @property
     def captured(self) -> bool:
-        return self.step.captured and self.cross_step.captured and self.encoder.captured
+        return self.step.captured and self.cross_step.captured and self.encoder.captured and \
+            all(step.captured for step in self._verify_steps.values())
 
     @property
     def fallback_reason(self) -> str | None:
-        return self.step.fallback_reason or self.cross_step.fallback_reason or self.encoder.fallback_reason
+        steps = (self.step, self.cross_step, *self._verify_steps.values())
+        return next((step.fallback_reason for step in steps if step.fallback_reason), None) or \
+            self.encoder.fallback_reason
 
     # -- the transformer --------------------------------------------------------------------------
     def _rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -305,6 +319,45 @@ class StaticWhisperDecoder:
             self.cross_v[i].copy_(self._heads(cross.v_proj(states), states.shape[1]))
         return self.cross_v[-1]
 
+    def _verify_step(self, bucket: int) -> StepGraph:
+        if bucket not in self._verify_steps:
+            self._verify_tokens[bucket] = torch.full((1, bucket), self.plan.eos_token_id, dtype=torch.long,
+                                                     device=self.device)
+            self._verify_steps[bucket] = StepGraph(lambda: self._verify(bucket), self.device, self.graph_mode,
+                                                   name=f"Whisper draft check ({bucket} rows)")
+        return self._verify_steps[bucket]
+
+    def _verify(self, bucket: int) -> torch.Tensor:
+        """The captured draft check: the greedy token after every row from the first start token's
+        last (``bucket`` - start tokens + 1 of them; the first with the begin suppression)."""
+        first = len(self.plan.init_tokens) - 1
+        scores = self._scores(self._rows(self._verify_tokens[bucket], self.key_positions[:bucket])[:, first:])
+        scores[0] += self.begin_bias
+        return scores.argmax(-1)
+
+    def _check_draft(self, rows: list[int]) -> list[int]:
+        """The greedy token after each row of ``rows`` from the last start token on (one pass;
+        captured where a bucket holds the rows)."""
+        first = len(self.plan.init_tokens) - 1
+        bucket = next((b for b in self.verify_buckets if b >= len(rows)), None)
+        if bucket is None:
+            hidden = self._rows(torch.tensor([rows], device=self.device), torch.arange(len(rows), device=self.device))
+            scores = self._scores(hidden[:, first:])
+            scores[0] += self.begin_bias
+            return scores.argmax(-1).tolist()
+        step = self._verify_step(bucket)
+        tokens = self._verify_tokens[bucket]
+        tokens[:, :len(rows)].copy_(torch.tensor([rows]))
+        tokens[:, len(rows):].fill_(self.plan.eos_token_id)
+        return step.run()[:len(rows) - first].tolist()
+
+    def warm_up_verify(self) -> None:
+        """Capture the draft check of every bucket now (its rows: end-of-text tokens; a real check
+        writes its rows again)."""
+        with torch.inference_mode():
+            for bucket in self.verify_buckets:
+                self._verify_step(bucket).run()
+
     # -- decoding ---------------------------------------------------------------------------------
     def decode(self, features: torch.Tensor, draft: Sequence[int] = (), owner=None) -> tuple[list[int], int]:
         """Greedy token ids for ``features`` (1, mels, 3000), as ``generate`` returns them, and
@@ -317,12 +370,7 @@ class StaticWhisperDecoder:
         with torch.inference_mode():
             self._encode(features.to(self.device, self.dtype), owner)
             draft = [int(t) for t in draft][: room - 1]
-            rows = list(plan.init_tokens) + draft
-            first = len(plan.init_tokens) - 1  # the row whose output is the first generated token
-            hidden = self._rows(torch.tensor([rows], device=self.device), torch.arange(len(rows), device=self.device))
-            scores = self._scores(hidden[:, first:])
-            scores[0] += self.begin_bias
-            predicted = scores.argmax(-1).tolist()
+            predicted = self._check_draft(list(plan.init_tokens) + draft)
             generated: list[int] = []
             for token in predicted:  # accept the draft while greedy decoding agrees with it
                 generated.append(token)
