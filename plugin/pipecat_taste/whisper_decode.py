@@ -241,7 +241,8 @@ class StaticWhisperDecoder:
         # The draft check per bucket of rows: the rows' tokens in (padding: end-of-text), the
         # greedy token after each row out; it writes the keys/values of rows 0..bucket-1, which
         # the real run writes again (no rewind).
-        self.verify_buckets = tuple(b for b in VERIFY_BUCKETS if b <= rows)
+        # (eager, padding would only add rows to compute: the check runs unpadded)
+        self.verify_buckets = () if self.graph_mode == "eager" else tuple(b for b in VERIFY_BUCKETS if b <= rows)
         self._verify_tokens: dict[int, torch.Tensor] = {}
         self._verify_steps: dict[int, StepGraph] = {}
 
