@@ -244,6 +244,16 @@ def test_compiled_flow_steps_are_captured_and_give_the_plain_steps_chunks(voice_
         torch.testing.assert_close(got.audio, ref.audio, atol=1e-2, rtol=0)
 
 
+def assert_same_chunks(references, results):
+    """Each utterance's chunks as on the dynamic path, within the synthesis bounds above."""
+    for reference, chunks in zip(references, results, strict=True):
+        assert len(chunks) == len(reference) >= 3
+        for ref, got in zip(reference, chunks):
+            assert got.audio.shape == ref.audio.shape
+            torch.testing.assert_close(got.mel, ref.mel, atol=1e-3, rtol=0)
+            torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
+
+
 def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks(voice_generator_tiny_a):
     """Three utterances spoken from three threads through one SynthesisGraphs with rows=4 (every
     bucket and row count captured up front, one shared graph pool): the windows that meet run as
@@ -277,12 +287,7 @@ def test_batched_synthesis_steps_are_captured_and_give_each_utterance_its_chunks
         results[i] = chunks_of(*utterances[i], graphs=graphs)
 
     run_in_threads(speak_one, [(i,) for i in range(3)])
-    for reference, chunks in zip(references, results):
-        assert len(chunks) == len(reference) >= 3
-        for ref, got in zip(reference, chunks):
-            assert got.audio.shape == ref.audio.shape
-            torch.testing.assert_close(got.mel, ref.mel, atol=1e-3, rtol=0)
-            torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
+    assert_same_chunks(references, results)
     assert not graphs.fallback_reasons(), graphs.fallback_reasons()
     steps = [step for bucket in (*graphs._flow.values(), *graphs._vocoder.values()) for step in bucket.steps.values()]
     assert steps and all(step.captured for step in steps)
@@ -332,12 +337,7 @@ def test_first_windows_of_utterances_starting_together_run_as_one_captured_step(
     assert graphs.first_batches == {3: 1}, graphs.first_batches
     torch.cuda.synchronize()
     assert 0 < graphs._first_step.last() < 10  # the live step's GPU time replaced the limit above
-    for reference, chunks in zip(references, results):
-        assert len(chunks) == len(reference) >= 3
-        for ref, got in zip(reference, chunks):
-            assert got.audio.shape == ref.audio.shape
-            torch.testing.assert_close(got.mel, ref.mel, atol=1e-3, rtol=0)
-            torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
+    assert_same_chunks(references, results)
     assert not graphs.fallback_reasons(), graphs.fallback_reasons()
 
 
