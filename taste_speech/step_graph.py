@@ -25,8 +25,10 @@ keeps the reason in ``fallback_reason`` (a live call must not die because a grap
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+from contextlib import contextmanager
 from typing import Callable, Generic, TypeVar
 
 import torch
@@ -118,7 +120,8 @@ class StepGraph(Generic[Outputs]):
                 caller_stream.wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: other calls keep using the GPU from their own threads during a capture
-                with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
+                with _no_garbage_collection(), torch.cuda.graph(graph, pool=self.pool, stream=side,
+                                                                capture_error_mode="thread_local"):
                     self.outputs = self.step()
             self.graph = graph
         except Exception as error:  # a step that cannot be captured still runs, eagerly
@@ -133,6 +136,22 @@ class StepGraph(Generic[Outputs]):
             self.graph, self.outputs = None, None
             self.fallback_reason = f"{type(error).__name__}: {error}"
             logger.warning("CUDA graph capture of %s failed, running it eagerly: %s", self.name, self.fallback_reason)
+
+
+@contextmanager
+def _no_garbage_collection():
+    """No automatic garbage collection while a graph is captured. A collection runs in the thread
+    that happens to allocate, here the capturing one; if it frees a CUDA graph (an ended call's
+    cyclic garbage), destroying it is an operation a capturing thread may not do, and the capture
+    fails (seen on the GPU as "operation not permitted when stream is capturing (function reset)").
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _overwrite(kept, new):

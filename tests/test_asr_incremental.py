@@ -294,7 +294,7 @@ def test_turns_ending_together_share_one_pass_of_the_whisper_encoder(whisper, re
     turns = [shared.new_turn() for _ in audios]
     for turn, audio in zip(turns, audios):
         turn.partial(audio[: len(audio) // 2])
-    shared._encoder._pass_time.seconds = 10.0  # (a long limit: the wait must end because the other came)
+    shared._encoder._pass_time.measured(10.0)  # (a long limit: the wait must end because the other came)
     before = shared.encoder_stats()
     for turn in turns:
         turn.ended()

@@ -73,7 +73,7 @@ def test_turns_of_calls_ending_together_share_one_pass_and_get_their_own_encodin
     graph = EncoderGraph(tower, "rehearse", rows=4)
     graph.warm_up()
     assert graph._pass_time.seconds > 0 and sorted(graph._steps) == [1, 2, 4]
-    graph._pass_time.seconds = 10.0  # (a long limit: the wait must end because the turns came)
+    graph._pass_time.measured(10.0)  # (a long limit: the wait must end because the turns came)
     callers = [Caller() for _ in range(3)]
     features = [processor.audio_features(tone(1.0 + 0.5 * i, 150.0 + 40 * i)[0], 16000) for i in range(3)]
     with torch.inference_mode():
@@ -105,7 +105,7 @@ def test_an_announced_turn_that_never_comes_costs_one_bounded_wait(model, proces
     import time
 
     graph = EncoderGraph(model.audio_tower, "rehearse", rows=2, gather=2.0)
-    graph._pass_time.seconds = 0.05
+    graph._pass_time.measured(0.05)
     silent, dropped = Caller(), Caller()
     graph.expect_turn(silent)  # its transcript came out empty: no tower pass
     graph.expect_turn(dropped)

@@ -326,7 +326,7 @@ def test_first_windows_of_utterances_starting_together_run_as_one_captured_step(
 
     references = [chunks_of(start(speaker, kind="dynamic"), tokens) for tokens, speaker in utterances]
     states = [start(speaker, graphs=graphs) for _, speaker in utterances]  # all announced
-    graphs._first_step.seconds = 10.0  # (the wait must end because they came)
+    graphs._first_step.measured(10.0)  # (the wait must end because they came)
     results = [None] * 3
 
     def speak_one(i):
@@ -363,7 +363,7 @@ def test_turns_ending_together_share_one_captured_tower_pass_across_call_streams
     callers = [torch.cuda.Stream() for _ in range(3)]  # (streams can be weakly referenced: the callers)
     for caller in callers:
         graph.expect_turn(caller)
-    graph._pass_time.seconds = 10.0
+    graph._pass_time.measured(10.0)
     got = [None] * 3
 
     def turn(i):
@@ -492,3 +492,27 @@ def test_no_call_stream_is_the_capture_stream_or_the_synthesis_stream():
     calls = {engine.new_call_stream().cuda_stream for _ in range(100)}
     assert captures and len(calls) > 1
     assert not captures & calls and engine.synthesis_stream.cuda_stream not in calls
+
+
+def test_no_automatic_garbage_collection_runs_while_a_step_is_captured():
+    """An ended call's graphs can be cyclic garbage: an automatic collection that frees them in
+    the capturing thread breaks the capture (seen on the GPU: "operation not permitted when stream
+    is capturing (function reset)", and the live call's step ran eagerly). So collections wait
+    until the capture is done: the step sees them off while it is captured, on again after."""
+    import gc
+
+    from taste_speech.step_graph import StepGraph
+
+    x, seen = torch.ones(4, device="cuda"), []
+
+    def step():
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+        return x * 2
+
+    assert gc.isenabled()
+    graph = StepGraph(step, "cuda", "graph", name="a live call's step")
+    out = graph.run()
+    assert graph.captured and graph.fallback_reason is None, graph.fallback_reason
+    assert seen == [False] and gc.isenabled()
+    assert torch.equal(out, torch.full((4,), 2.0, device="cuda"))

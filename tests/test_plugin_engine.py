@@ -214,7 +214,7 @@ def test_calls_that_start_speaking_together_share_their_first_flow_step(engine, 
         audio[i] = np.concatenate(again[i].vocode(states[i], alone[i][0], final=True))
 
     graphs = batched.synthesis_graphs
-    graphs._first_step.seconds = 10.0  # (a long limit: the wait must end because the other came)
+    graphs._first_step.measured(10.0)  # (a long limit: the wait must end because the other came)
     before = dict(graphs.first_batches)
     run_in_threads(speak, [(0,), (1,)])
     assert graphs.first_batches[2] == before.get(2, 0) + 1, graphs.first_batches

@@ -356,7 +356,7 @@ def test_utterances_that_start_speaking_together_share_their_first_flow_step(vg)
     by start_speaking), so the three first chunks take one flow step - on a GPU the cost of one,
     not three - and each utterance still gets the chunks it gets alone."""
     graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=1.0)
-    graphs._first_step.seconds = 10.0  # (a long limit: the wait must end because they came, not because it ran out)
+    graphs._first_step.measured(10.0)  # (a long limit: the wait must end because they came, not because it ran out)
     utterances = announced(vg, graphs, 3, seed=21)
     references = [stream(vg, tokens, speaker, widened("low_latency"), [4] * 10, kind="dynamic")[1]
                   for tokens, speaker, _ in utterances]
@@ -381,7 +381,7 @@ def test_utterances_that_start_speaking_together_share_their_first_flow_step(vg)
 
 def test_a_call_speaking_alone_never_waits_for_its_first_window(vg):
     graphs = SynthesisGraphs(vg, "rehearse", rows=4)
-    graphs._first_step.seconds = 5.0
+    graphs._first_step.measured(5.0)
     [(tokens, _, state)] = announced(vg, graphs, 1, seed=22)
 
     def no_waiting(timeout=None):
@@ -397,7 +397,7 @@ def test_an_utterance_announced_but_never_spoken_costs_one_bounded_wait(vg):
     state alive for a while: the next first window waits for it at most ``first_gather`` steps,
     and no first window waits for it again."""
     graphs = SynthesisGraphs(vg, "rehearse", rows=4, first_gather=2.0)
-    graphs._first_step.seconds = 0.05
+    graphs._first_step.measured(0.05)
     silent, newcomer = announced(vg, graphs, 2, seed=23)
     started = time.monotonic()
     first = speak(vg, newcomer[2], newcomer[0][:, :20])
@@ -411,7 +411,7 @@ def test_an_utterance_announced_but_never_spoken_costs_one_bounded_wait(vg):
 
 def test_an_utterance_dropped_before_its_first_window_is_not_waited_for(vg):
     graphs = SynthesisGraphs(vg, "rehearse", rows=4)
-    graphs._first_step.seconds = 5.0
+    graphs._first_step.measured(5.0)
     dropped, (tokens, _, state) = announced(vg, graphs, 2, seed=25)
     del dropped  # the reply's state is gone (its call ended)
     gc.collect()

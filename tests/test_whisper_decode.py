@@ -299,7 +299,7 @@ def test_cuda_turns_ending_together_share_one_captured_encoder_pass(tiny_asr, au
     turns = [asr.new_turn() for _ in range(2)]
     for turn in turns:
         turn.ended()
-    asr._encoder._pass_time.seconds = 10.0  # (a long limit: the wait must end because the other came)
+    asr._encoder._pass_time.measured(10.0)  # (a long limit: the wait must end because the other came)
     before = asr.encoder_stats()
     streams, texts = [torch.cuda.Stream() for _ in range(2)], [None, None]
 
@@ -384,7 +384,7 @@ def test_a_partial_running_when_its_turn_ends_does_not_wait_for_its_own_finish(t
     asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10,
                              graph_mode="rehearse", encoder_rows=2)
     asr.warm_up()
-    asr._encoder._pass_time.seconds = 5.0
+    asr._encoder._pass_time.measured(5.0)
     turn = asr.new_turn()
     turn.ended()  # (the capture announces the turn; the partial below was already on its way)
     turn.partial(audios[0][: len(audios[0]) // 2])
