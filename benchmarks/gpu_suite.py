@@ -856,7 +856,11 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
     if errors:
         raise errors[0]
     firsts = sorted(r["first_audio_ms"] for r in results)
+    # each stage's median over the calls, as each call's clock saw it (its waits for the GPU and for
+    # shared steps included): which stages grow with the calls
+    stages = {stage: statistics.median(r["stages"].get(stage, 0.0) for r in results) for stage in STAGES}
     out = {"calls": calls, "first_audio_median_ms": statistics.median(firsts), "first_audio_max_ms": firsts[-1],
+           "stages_median_ms": stages,
            "shared": {key: value - shared_before.get(key, 0)  # (the ASR's encoder may be made by this row)
                       for key, value in shared_counts(engine, transcriber).items()}}
     if torch.device(engine.device).type == "cuda":
@@ -900,6 +904,21 @@ def sharing_lines(graphed: dict) -> list[str]:
             "announced ones); — none):",
             ""] + table_lines(["calls", "path", "transcriptions", "ASR encoder passes", "turns", "tower passes",
                                "first windows", "flow steps"], rows) + [""]
+
+
+def stage_growth_lines(graphed: dict) -> list[str]:
+    rows = []
+    for key, label in (("concurrency", "graphed"), ("concurrency_synthesis_stream", "synthesis stream"),
+                       ("concurrency_call_streams", "call streams"), ("concurrency_batched", "batched")):
+        for row in graphed.get(key, []):
+            if row.get("stages_median_ms"):
+                rows.append([str(row["calls"]), label] + [fmt(row["stages_median_ms"].get(stage)) for stage in STAGES]
+                            + [fmt(row["first_audio_median_ms"])])
+    if not rows:
+        return []
+    return ["Where the first audio of concurrent calls went (per row of the table above: each stage's median over "
+            "the calls in ms, as each call's clock saw it - its waits for the GPU and for the shared steps included):",
+            ""] + table_lines(["calls", "path", *STAGES, "first audio median"], rows) + [""]
 
 
 def table_lines(header, rows) -> list[str]:
@@ -1158,7 +1177,7 @@ def markdown(data: dict, command: str) -> list[str]:
                                f"{r['compiled_ms'] / r['plain_ms']:.2f}", f"{r['compile_s']:.0f}",
                                f"{r['max_mel_diff']:.2g}"] for r in data["compiled_flow"]["rows"]]) + [""]
     if any(key in entry for entry in (eager, graphed) for key in ("concurrency", *CALL_KEYS.values())):
-        lines += concurrency_lines(eager, graphed) + sharing_lines(graphed)
+        lines += concurrency_lines(eager, graphed) + sharing_lines(graphed) + stage_growth_lines(graphed)
     return lines
 
 

@@ -56,6 +56,11 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert [row["first_windows"] for row in shared] == [1, 2] and all("tower_passes" not in row for row in shared)
     assert [row["first_window_steps"] for row in shared][0] == 1 and 1 <= shared[1]["first_window_steps"] <= 2
     assert "How the calls' first-audio work was shared" in out.read_text()
+    for row in graphed["concurrency"] + graphed["concurrency_batched"]:  # where each row's first audio went
+        stages = row["stages_median_ms"]
+        assert set(stages) == set(gpu_suite.STAGES) and all(ms > 0 for ms in stages.values())
+        assert sum(stages.values()) <= 1.5 * row["first_audio_max_ms"]
+    assert "Where the first audio of concurrent calls went" in out.read_text()
     levers = data["levers"]
     assert 0 < levers["lm_ms_per_token"]["merged"] and 0 < levers["lm_ms_per_token"]["side"]
     assert levers["tower_encoder_ms"]["eager"] > 0 and levers["tower_encoder_ms"]["graph"] > 0
