@@ -298,13 +298,30 @@ class TasteEngine:
                              "(e.g. GenerationSettings(max_reply_tokens=96))")
         return TasteSession(self, settings or GenerationSettings(), voice)
 
-    def warm_up(self, calls: int = 1) -> None:
+    def warm_up(self, calls: int = 1, rehearse: bool = True, out_sample_rate: int = 16000):
         """Capture the shared synthesis graphs (flow and vocoder, one per window-size bucket and
         batch size), the audio tower's encoder and the batched decode steps before the first call,
-        on the fast path; a no-op
-        on the eager path. Per-call steps are captured by ``TasteSession.warm_up``. ``calls``: how
-        many calls may be served at once; on CUDA the built-in ASR prepares a decoding workspace
-        for each (elsewhere one: a workspace there is only buffers, made in a moment when needed)."""
+        on the fast path (the eager path has nothing to capture). Per-call steps are captured by
+        ``TasteSession.warm_up``. ``calls``: how many calls may be served at once; on CUDA the
+        built-in ASR prepares a decoding workspace for each (elsewhere one: a workspace there is
+        only buffers, made in a moment when needed). ``rehearse``: then run one whole turn of a
+        throwaway call (``pipecat_taste.rehearsal``: the first run of every operator around the
+        graphs is paid there, not by the first caller), its audio at ``out_sample_rate``; returns
+        its ``Rehearsal`` (None without). A rehearsal that fails is logged, not raised: the agent
+        still starts, and the first call shows the fault where it belongs."""
+        self._capture(calls)
+        if not rehearse:
+            return None
+        from pipecat_taste.rehearsal import rehearse_turn
+
+        try:
+            return rehearse_turn(self, out_sample_rate)
+        except Exception as exc:
+            logger.warning("the rehearsal turn at start-up failed (%s: %s); the first call will pay for its "
+                           "kernels' first runs", type(exc).__name__, exc)
+            return None
+
+    def _capture(self, calls: int) -> None:
         from taste_speech.streaming.synthesis_graphs import resolve_kind, shared_graphs
 
         graphs = self.synthesis_graphs

@@ -1,0 +1,87 @@
+"""The rehearsal turn an engine runs at start-up (``TasteEngine.warm_up``), on the embedded tiny
+checkpoint: every stage runs once, and nothing of the throwaway call stays behind."""
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+from pipecat_taste.engine import GenerationSettings, TasteEngine
+from pipecat_taste.rehearsal import REHEARSAL_TRANSCRIPT, rehearsal_audio
+from session_helpers import speak_segments
+from taste_agents.caller import load_utterances
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return TasteEngine.from_pretrained(None)  # the embedded tiny checkpoint and its random tiny Whisper
+
+
+@pytest.fixture(scope="module")
+def hello():
+    return load_utterances()["hello"]
+
+
+def like(engine, **options):
+    return TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
+                       **options)
+
+
+def answer(engine, hello):
+    """A call's first turn on ``engine``: its words, speech tokens and audio."""
+    session = engine.new_session(GenerationSettings(max_reply_tokens=6, seed=3))
+    try:
+        turn = session.user_turn(hello.audio, hello.text)
+        segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
+        tokens, audio = speak_segments(session, segments)
+        return [e.text for e in segments], tokens, audio
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("decoding", ["eager", "graphed"])
+def test_warm_up_rehearses_a_whole_turn_and_the_first_call_answers_as_without_it(engine, hello, decoding):
+    rehearsed = like(engine, asr=engine.asr, decoding=decoding)
+    rehearsal = rehearsed.warm_up()
+    assert rehearsal.first_audio_s > 0 and rehearsal.seconds > rehearsal.first_audio_s
+    assert rehearsal.reply_segments >= 1 and rehearsal.speech_tokens > 0 and rehearsal.audio_samples > 0
+    assert engine.processor.split_words(rehearsal.transcript)
+    assert rehearsed.start_needs.largest() == like(engine).start_needs.largest()  # (the playout's feedback: untouched)
+    plain = like(engine, asr=engine.asr, decoding=decoding)
+    assert plain.warm_up(rehearse=False) is None
+    words, tokens, audio = answer(rehearsed, hello)
+    assert (words, tokens) == answer(plain, hello)[:2]
+    expected = answer(plain, hello)[2]
+    assert audio.shape == expected.shape and np.abs(audio - expected).max() < 2e-4
+
+
+def test_a_rehearsal_with_batch_slots_gives_its_slots_back(engine):
+    batched = like(engine, decoding="graphed", batch_slots=2)
+    assert batched.warm_up().audio_samples > 0
+    for batch in (batched.lm_batch, batched.speech_batch):  # its steps ran in the slots, and it left them
+        assert batch.stats()["steps"] > 0 and batch.slots_in_use == 0
+
+
+def test_without_an_asr_the_rehearsal_caller_says_the_fixed_words(engine):
+    rehearsal = like(engine, asr=None).warm_up()
+    assert rehearsal.transcript == REHEARSAL_TRANSCRIPT and rehearsal.audio_samples > 0
+
+
+def test_a_failing_rehearsal_is_logged_and_the_engine_still_starts(engine, monkeypatch, caplog):
+    import pipecat_taste.rehearsal as rehearsal
+
+    def broken(session):
+        raise RuntimeError("the speech decoder is broken")
+
+    monkeypatch.setattr(rehearsal, "_listen", lambda session, engine, audio: broken(session))
+    with caplog.at_level(logging.WARNING, logger="pipecat_taste.engine"):
+        assert like(engine, asr=None).warm_up() is None
+    assert "rehearsal turn at start-up failed (RuntimeError: the speech decoder is broken)" in caplog.text
+
+
+def test_the_rehearsal_audio_is_voice_like_and_the_same_every_time():
+    audio = rehearsal_audio(16000)
+    assert audio.dtype == np.float32 and audio.shape == (32000,)
+    assert 0.05 < np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio ** 2)) > 0.01  # not silence
+    assert np.array_equal(audio, rehearsal_audio(16000))
