@@ -12,7 +12,8 @@
 # third: the CUDA stream tests build engines at tiny size, about 50 s each on the H200 with 84
 # captures at start-up); TESTS=0 leaves the tests out (a session that measures what an earlier one
 # left, on code whose GPU tests already passed).
-# OUT_DIR gets machine.txt (GPU, driver, torch), tests.log, suite.log, gpu_suite.md and gpu_suite.json.
+# FIRST_TURN=1 adds the first-turn benchmark (with and without the start-up rehearsal) before the suite.
+# OUT_DIR gets machine.txt (GPU, driver, torch), tests.log, first_turn.txt, suite.log, gpu_suite.md and gpu_suite.json.
 # On a machine without a package index whose image already has CUDA PyTorch and transformers, carry
 # the wheels of `bash scripts/gpu_wheels.sh` in .whl/: they are installed first (docs/GPU.md).
 set -uo pipefail
@@ -55,6 +56,16 @@ if [ "${TESTS:-1}" != 0 ]; then
     timeout -k 10 "${TESTS_S:-$((budget / 3))}" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
         tests/test_gpu_graphs.py tests/test_whisper_decode.py 2>&1 | tee "$out/tests.log"
     tests_rc=${PIPESTATUS[0]}
+fi
+
+# FIRST_TURN=1: the first caller after a start, with and without the rehearsal turn (one fresh
+# process each; bench_first_turn.py), at most FIRST_TURN_S seconds (default 150).
+if [ "${FIRST_TURN:-0}" = 1 ]; then
+    echo "== first turn ($(date +%H:%M:%S))"
+    first=(--device cuda --dtype bfloat16 --size full)
+    [ "${REHEARSE:-0}" = 1 ] && first=(--device cpu --size tiny)
+    timeout -k 10 "${FIRST_TURN_S:-150}" "$PYTHON" benchmarks/bench_first_turn.py "${first[@]}" --processes 1 \
+        2>&1 | tee "$out/first_turn.txt"
 fi
 
 # The suite gets what is left. It starts no part later than a minute before the end (its longest

@@ -1,7 +1,7 @@
 """pipecat_taste: the TASTE spoken language model as Pipecat processors.
 
     engine = TasteEngine.from_pretrained("MediaTek-Research/Llama-1B-TASTE-V0", device="cuda")
-    engine.warm_up()  # on CUDA: captures the graphs before the first call
+    engine.warm_up()  # captures the graphs (CUDA), then one rehearsal turn, before the first call
     pipeline = Pipeline([transport.input(), TasteSpeechToSpeech(engine), transport.output()])
 
 Pieces (usable on their own): :class:`WebRTCVADAnalyzer` (a Pipecat VAD analyzer),
