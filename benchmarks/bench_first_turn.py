@@ -7,9 +7,11 @@ rehearsal turn at start-up (``TasteEngine.warm_up(rehearse=...)``, ``pipecat_tas
 
 A first turn is only first in a fresh process (the kernels' first runs, the allocator's pools,
 the library handles are the process's), so every engine starts in a process of its own: the
-processes alternate between the two start-ups, ``--processes`` of each. In each, the engine is
+processes alternate between the two start-ups, ``--processes`` of each (the first of each pair
+alternating too: with one process each, the one without the rehearsal runs first). In each, the engine is
 built and warmed up as taste-agent does (captures, then the rehearsal or not), and then answers
-``--turns`` turns of new calls in a row (``gpu_suite.first_audio``: a 3 s turn, partial
+``--turns`` turns of new calls in a row, each on a thread of its own as a call's stages are
+(``gpu_suite.first_audio``: a 3 s turn, partial
 transcripts made while it is spoken, a forced 12-word reply; first audio from the end of the
 turn, the GPU waited for at each stage). Printed: the median first audio of the first turn and
 of the later ones, per start-up, and the ratios against each other, all from this one run.
@@ -48,11 +50,25 @@ def one_process(size: str, device: str, dtype: str | None, rehearse: bool, turns
     rehearsal = engine.warm_up(rehearse=rehearse)
     warm_up_s = time.perf_counter() - started
     with gpu_suite.ForcedReply(built.model.spoken_lm) as forced:
-        firsts = [gpu_suite.first_audio(engine, asr, path, forced, gpu_suite.user_audio(), seed=i)["first_audio_ms"]
-                  for i in range(turns)]
+        firsts = [on_new_thread(gpu_suite.first_audio, engine, asr, path, forced, gpu_suite.user_audio(), seed=i)
+                  ["first_audio_ms"] for i in range(turns)]
     return {"first_audio_ms": firsts, "warm_up_s": warm_up_s,
             "rehearsal_first_audio_ms": None if rehearsal is None or rehearsal.first_audio_s is None
             else 1000 * rehearsal.first_audio_s}
+
+
+def on_new_thread(fn, *args, **kwargs):
+    """``fn`` on a thread of its own, as each new call's stages run on threads of their own
+    (``TasteCall.executor``): what a thread makes for itself is not carried from turn to turn."""
+    import threading
+
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args, **kwargs)), name="bench-call")
+    thread.start()
+    thread.join()
+    if not result:
+        raise RuntimeError("the turn failed (its traceback is above)")
+    return result[0]
 
 
 def main(argv=None) -> int:
@@ -72,7 +88,9 @@ def main(argv=None) -> int:
 
     runs: dict[str, list[dict]] = {name: [] for name in START_UPS}
     for i in range(args.processes):
-        for name in START_UPS:  # alternating, so that a drift of the machine touches both alike
+        # alternating, and the first of each pair alternating too: a drift of the machine, or a cache
+        # a process leaves on disk for the next one, touches both start-ups alike
+        for name in (list(START_UPS) if i % 2 == 0 else list(START_UPS)[::-1]):
             command = [sys.executable, __file__, "--size", args.size, "--device", args.device, "--turns",
                        str(args.turns), "--child", name] + (["--dtype", args.dtype] if args.dtype else [])
             out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})

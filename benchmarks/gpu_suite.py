@@ -48,7 +48,7 @@ Tables (one run each, all figures from the same process):
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
 ``levers``, ``chunk_limits``, ``pipelined_reply``, then the calls tables ``graphed_calls``,
-``synthesis_stream_calls``, ``call_streams_calls``, ``batched_calls``, ``eager_calls``, and last
+``batched_calls``, ``synthesis_stream_calls``, ``call_streams_calls``, ``eager_calls``, and last
 what compiles or profiles: ``compiled_flow_reply``, ``gpu_busy``, ``compiled_flow``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
@@ -252,7 +252,9 @@ def path_engine(engine, path: DecodePath):
                          streams=path.streams, compile_flow=path.compile_flow)
     started = time.perf_counter()
     engine.warm_up()
-    engine.warm_up_s = time.perf_counter() - started  # (captures; with compile_flow, the compilations too)
+    # captures (with compile_flow, the compilations too), then the rehearsal turn taste-agent runs; the
+    # shared steps' counters (mean batch) include that turn's steps
+    engine.warm_up_s = time.perf_counter() - started
     # what the path sets aside before any call (batch slots, synthesis graphs): part of its calls' memory
     engine.upfront_bytes = torch.cuda.memory_allocated() - before if cuda else 0
     return engine

@@ -29,31 +29,53 @@ def like(engine, **options):
 
 
 def answer(engine, hello):
-    """A call's first turn on ``engine``: its words, speech tokens and audio."""
+    """A call's first turn on ``engine``: what its ASR heard, the reply's words, speech tokens and audio."""
     session = engine.new_session(GenerationSettings(max_reply_tokens=6, seed=3))
     try:
-        turn = session.user_turn(hello.audio, hello.text)
+        transcript = session.start_transcript()
+        transcript.partial(hello.audio[: hello.audio.size // 2])
+        session.turn_ended(transcript)
+        heard = transcript.finish(hello.audio)
+        turn = session.user_turn(hello.audio, hello.text)  # (the random tiny Whisper's words are not these)
         segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
         tokens, audio = speak_segments(session, segments)
-        return [e.text for e in segments], tokens, audio
+        return heard, [e.text for e in segments], tokens, audio
     finally:
         session.close()
 
 
 @pytest.mark.parametrize("decoding", ["eager", "graphed"])
 def test_warm_up_rehearses_a_whole_turn_and_the_first_call_answers_as_without_it(engine, hello, decoding):
+    # the answer of an engine that never rehearsed first, then the same weights, ASR and shared
+    # synthesis steps rehearsed: whatever the rehearsal left in them would change the answer
+    plain = like(engine, asr=engine.asr, decoding=decoding)
+    assert plain.warm_up(rehearse=False) is None
+    expected = answer(plain, hello)
     rehearsed = like(engine, asr=engine.asr, decoding=decoding)
     rehearsal = rehearsed.warm_up()
     assert rehearsal.first_audio_s > 0 and rehearsal.seconds > rehearsal.first_audio_s
     assert rehearsal.reply_segments >= 1 and rehearsal.speech_tokens > 0 and rehearsal.audio_samples > 0
     assert engine.processor.split_words(rehearsal.transcript)
-    assert rehearsed.start_needs.largest() == like(engine).start_needs.largest()  # (the playout's feedback: untouched)
-    plain = like(engine, asr=engine.asr, decoding=decoding)
-    assert plain.warm_up(rehearse=False) is None
-    words, tokens, audio = answer(rehearsed, hello)
-    assert (words, tokens) == answer(plain, hello)[:2]
-    expected = answer(plain, hello)[2]
-    assert audio.shape == expected.shape and np.abs(audio - expected).max() < 2e-4
+    heard, words, tokens, audio = answer(rehearsed, hello)
+    assert (heard, words, tokens) == expected[:3]
+    assert audio.shape == expected[3].shape and np.abs(audio - expected[3]).max() < 2e-4
+
+
+def test_the_rehearsal_runs_each_stage_on_a_worker_thread_that_ends(engine, monkeypatch):
+    """As a live call's stages do (TasteCall.executor): the threads' library handles go back to
+    torch's pools when they end, for the first call's threads."""
+    import pipecat_taste.rehearsal as rehearsal
+
+    threads, listen = {}, rehearsal._listen
+
+    def recorded(session, engine, audio):
+        threads["listen"] = threading.current_thread()
+        return listen(session, engine, audio)
+
+    monkeypatch.setattr(rehearsal, "_listen", recorded)
+    like(engine, asr=engine.asr).warm_up()
+    assert threads["listen"] is not threading.current_thread() and not threads["listen"].is_alive()
+    assert threads["listen"].name.startswith("taste-rehearsal-listen")
 
 
 def test_a_rehearsal_with_batch_slots_gives_its_slots_back(engine):
@@ -68,16 +90,18 @@ def test_without_an_asr_the_rehearsal_caller_says_the_fixed_words(engine):
     assert rehearsal.transcript == REHEARSAL_TRANSCRIPT and rehearsal.audio_samples > 0
 
 
-def test_a_failing_rehearsal_is_logged_and_the_engine_still_starts(engine, monkeypatch, caplog):
+def test_a_failing_rehearsal_is_logged_the_engine_still_starts_and_its_call_is_closed(engine, monkeypatch, caplog):
     import pipecat_taste.rehearsal as rehearsal
 
-    def broken(session):
-        raise RuntimeError("the speech decoder is broken")
+    def broken(*args):
+        raise RuntimeError("the vocoder is broken")
 
-    monkeypatch.setattr(rehearsal, "_listen", lambda session, engine, audio: broken(session))
+    batched = like(engine, asr=None, decoding="graphed", batch_slots=2)
+    monkeypatch.setattr(rehearsal, "_speak", broken)  # (after the reply took its slots)
     with caplog.at_level(logging.WARNING, logger="pipecat_taste.engine"):
-        assert like(engine, asr=None).warm_up() is None
-    assert "rehearsal turn at start-up failed (RuntimeError: the speech decoder is broken)" in caplog.text
+        assert batched.warm_up() is None
+    assert "rehearsal turn at start-up failed (RuntimeError: the vocoder is broken)" in caplog.text
+    assert batched.lm_batch.stats()["steps"] > 0 and batched.lm_batch.slots_in_use == 0
 
 
 def test_the_rehearsal_audio_is_voice_like_and_the_same_every_time():

@@ -318,7 +318,7 @@ class TasteEngine:
             return rehearse_turn(self, out_sample_rate)
         except Exception as exc:
             logger.warning("the rehearsal turn at start-up failed (%s: %s); the first call will pay for its "
-                           "kernels' first runs", type(exc).__name__, exc)
+                           "kernels' first runs", type(exc).__name__, exc, exc_info=True)
             return None
 
     def _capture(self, calls: int) -> None:

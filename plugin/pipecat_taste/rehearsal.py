@@ -8,18 +8,23 @@ in 462.5 ms against about 165 ms for the next ones (BENCHMARKS.md section 5); on
 CPU the tiny model's first turn takes about 1.3 times the next ones
 (``benchmarks/bench_first_turn.py``).
 
-The rehearsal goes through the session methods a live call uses, in their order: partial
-transcripts while the "caller" speaks, the end of the turn, the rest of the transcript, the
-audio tower, the reply (prefill, first words), the speech decoder and the synthesis up to the
-reply's first audio and its end. Its call is closed afterwards: nothing of it stays but warm
-kernels and pools (shared counters, such as a step's mean batch, count it like any call).
+The rehearsal goes through the session methods a live call uses, in their order, each stage on a
+worker thread of its own as a call's are: partial transcripts while the "caller" speaks, the end
+of the turn, the rest of the transcript, the audio tower, the reply (prefill, first words, a
+second segment), the speech decoder and the synthesis to the end of that audio. Its call is
+closed afterwards: nothing of it stays but warm kernels, pools and handles (shared counters, such
+as a step's mean batch, count it like any call). What it cannot warm: what is the first call's
+own (its stream's cached memory with ``streams='calls'``, its session's captures, made by
+``TasteSession.warm_up`` when the call starts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,9 +42,11 @@ class Rehearsal:
     """What the rehearsal turn did (for the start-up log and the tests)."""
 
     seconds: float  # the whole rehearsal
-    first_audio_s: float | None  # from the end of its turn to the first audio, None if no audio came
+    # from the end of its turn (the ASR's rest included) to the first audio, None if none came; its
+    # stages one after another (a live call overlaps the reply, the speech decoder and the vocoder)
+    first_audio_s: float | None
     transcript: str  # what the ASR heard, or REHEARSAL_TRANSCRIPT
-    reply_segments: int  # segments the reply gave before the rehearsal stopped listening to it
+    reply_segments: int  # segments of the reply spoken (at most 2; 0: the caller's turn stood in)
     speech_tokens: int
     audio_samples: int
 
@@ -58,23 +65,51 @@ def rehearsal_audio(sample_rate: int, seconds: float = REHEARSAL_SECONDS) -> np.
 
 def rehearse_turn(engine, out_sample_rate: int = 16000) -> Rehearsal:
     """One whole turn of a throwaway call on ``engine`` (a ``TasteEngine``); see the module."""
-    from pipecat_taste.engine import GenerationSettings, on_stream
+    from pipecat_taste.engine import GenerationSettings
 
     started = time.perf_counter()
     audio = rehearsal_audio(engine.input_sample_rate)
     # an answer of a few words is enough to run every stage; 'instruct' always answers
     settings = GenerationSettings(prompt_format="instruct", max_reply_tokens=12, words_per_segment=1)
-    with on_stream(engine.new_call_stream()):  # (streams='calls': the call's own stream, as a call has)
-        session = engine.new_session(settings)
+    with _StageThreads(engine.new_call_stream()) as stages:
+        session = stages.run("think", engine.new_session, settings)
         try:
-            session.warm_up()
-            transcript = _listen(session, engine, audio)
-            turn_end = time.perf_counter()
-            turn = session.user_turn(audio, transcript)
-            first_audio_s, segments, tokens, samples = _answer(session, turn, out_sample_rate, turn_end)
+            stages.run("think", session.warm_up)
+            turn_end = time.perf_counter()  # (the caller stops speaking: what is left of the ASR is timed)
+            transcript = stages.run("listen", _listen, session, engine, audio)
+            turn = stages.run("listen", session.user_turn, audio, transcript)
+            segments = stages.run("think", _reply_segments, session, turn)
+            first_audio_s, tokens, samples = _speak(stages, session, segments or [turn.segment], out_sample_rate,
+                                                    turn_end)
         finally:
             session.close()
-    return Rehearsal(time.perf_counter() - started, first_audio_s, transcript, segments, tokens, samples)
+    return Rehearsal(time.perf_counter() - started, first_audio_s, transcript, len(segments), tokens, samples)
+
+
+class _StageThreads:
+    """A worker thread per stage, as a live call has (``TasteCall.executor``: listen, think,
+    speech tokens, vocode), on the call's stream (``streams='calls'``), all alive together: each
+    takes its own library handles from torch's pools, and gives them back when it ends at the
+    close, so that the first call's threads find them made."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._executors: dict[str, ThreadPoolExecutor] = {}
+
+    def run(self, stage: str, fn, *args):
+        if stage not in self._executors:
+            from pipecat_taste.engine import use_stream
+
+            self._executors[stage] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"taste-rehearsal-{stage}",
+                                                        initializer=use_stream, initargs=(self.stream,))
+        return self._executors[stage].submit(fn, *args).result()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for executor in self._executors.values():
+            executor.shutdown(wait=True)
 
 
 def _listen(session, engine, audio: np.ndarray) -> str:
@@ -94,27 +129,33 @@ def _listen(session, engine, audio: np.ndarray) -> str:
     return text if session.processor.split_words(text) else REHEARSAL_TRANSCRIPT
 
 
-def _answer(session, turn, out_sample_rate: int, turn_end: float):
-    """The reply's segments through the speech decoder and the synthesis, to the end of its first
-    segment's audio; a reply that gives no segment (it ended at once) is stood in for by the
-    caller's own turn, so that the speaking stages run all the same."""
-    stop = threading.Event()
-    state = session.start_speech(out_sample_rate)
-    segments, tokens, samples, first_audio_s = 0, 0, 0, None
-    spoken = None
+def _reply_segments(session, turn) -> list:
+    """The reply's first two segments (the second: its continuing steps ran too); the reply is
+    stopped there."""
+    stop, segments = threading.Event(), []
     for event in session.reply(turn, stop):
         if event.kind == "segment":
-            segments += 1
-            spoken = spoken or event.segment
-            if segments >= 2:  # a second segment: the reply's continuing steps ran too
+            segments.append(event.segment)
+            if len(segments) >= 2:
                 stop.set()
-    for group in session.speech_tokens(state, spoken or turn.segment):
-        tokens += len(group)
-        got = sum(chunk.size for chunk in session.vocode(state, group))
-        if got and first_audio_s is None:
-            first_audio_s = time.perf_counter() - turn_end
-        samples += got
-    samples += sum(chunk.size for chunk in session.vocode(state, [], final=True))
+    return segments[:2]
+
+
+def _speak(stages: _StageThreads, session, segments: list, out_sample_rate: int, turn_end: float):
+    """The segments through the speech decoder and the synthesis, group by group as the plugin
+    hands them on (a reply that gave no segment - it ended at once - is stood in for by the
+    caller's own turn, so that the speaking stages run all the same)."""
+    state = stages.run("speech_tokens", session.start_speech, out_sample_rate)
+    tokens, samples, first_audio_s = 0, 0, None
+    for segment in segments:
+        with contextlib.closing(session.speech_tokens(state, segment)) as groups:
+            while (group := stages.run("speech_tokens", next, groups, None)) is not None:
+                tokens += len(group)
+                got = sum(chunk.size for chunk in stages.run("vocode", session.vocode, state, group))
+                if got and first_audio_s is None:
+                    first_audio_s = time.perf_counter() - turn_end
+                samples += got
+    samples += sum(chunk.size for chunk in stages.run("vocode", session.vocode, state, [], True))
     if first_audio_s is None and samples:
         first_audio_s = time.perf_counter() - turn_end
-    return first_audio_s, segments, tokens, samples
+    return first_audio_s, tokens, samples
