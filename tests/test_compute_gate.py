@@ -125,3 +125,48 @@ def test_the_cli_option():
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit):
             parse(["serve", "--parallel-jobs", bad])
+
+
+def test_threads_per_job_settings_and_the_cli_option():
+    from pipecat_taste.engine import _threads_per_job
+    from taste_agents.cli import build_parser
+
+    assert _threads_per_job("auto", "cpu") == 1  # the stages share the cores (BENCHMARKS.md section 12)
+    assert _threads_per_job("auto", "cuda:0") is None and _threads_per_job(None, "cpu") is None
+    assert _threads_per_job(3, "cpu") == 3
+    for bad in (0, "one", 1.5, True):  # refused before any weights load
+        with pytest.raises(ValueError, match="threads_per_job must be an integer >= 1"):
+            TasteEngine.from_pretrained("/no/such/checkpoint", threads_per_job=bad)
+    parse = build_parser().parse_args
+    assert parse(["serve"]).threads_per_job == "auto"
+    assert parse(["call", "--simulate", "--threads-per-job", "none"]).threads_per_job is None
+    assert parse(["serve", "--threads-per-job", "4"]).threads_per_job == 4
+
+
+def test_a_calls_stage_threads_run_with_the_engines_threads_per_job():
+    import torch
+
+    engine = FakeEngine()
+    engine.threads_per_job = 1
+    call = TasteCall(engine)
+    before = torch.get_num_threads()
+
+    def threads_in_a_new_thread(threads=None):
+        seen = []
+        worker = threading.Thread(target=lambda: (threads and torch.set_num_threads(threads),
+                                                  seen.append(torch.get_num_threads())))
+        worker.start()
+        worker.join()
+        return seen[0]
+
+    async def main():
+        seen = await asyncio.gather(*(call.run(stage, torch.get_num_threads)
+                                      for stage in ("listen", "think", "speech_tokens", "vocode")))
+        await call.close()
+        return seen
+
+    try:
+        assert asyncio.run(main()) == [1, 1, 1, 1]
+    finally:
+        threads_in_a_new_thread(before)  # (torch keeps it per process: the next tests get theirs back)
+    assert threads_in_a_new_thread() == before

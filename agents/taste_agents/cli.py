@@ -36,6 +36,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="model jobs of all calls running at once: a number, 'none' (no limit) or auto (the "
                              "CPU cores on a CPU, no limit on CUDA); the others queue, so the event loop stays "
                              "responsive under load")
+    parser.add_argument("--threads-per-job", default="auto", type=auto_none_or_count,
+                        help="torch's intra-op threads in each call's stage threads: a number, 'none' (torch's "
+                             "setting) or auto (1 on a CPU, where stages and calls share the cores: a simulated "
+                             "call's first audio 0.73x of torch's setting on 2 cores; torch's on CUDA) - "
+                             "BENCHMARKS.md section 12")
     parser.add_argument("--batch-slots", default="auto", type=auto_none_or_count,
                         help="calls whose spoken-LM and speech-decoder steps (and, on the static synthesis "
                              "path, flow and vocoder windows) run as batched steps: a number, "
@@ -121,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def auto_none_or_count(value: str) -> int | str | None:
-    """--parallel-jobs, --batch-slots: 'auto', 'none' or a number >= 1 (TasteEngine's settings)."""
+    """--parallel-jobs, --batch-slots, --threads-per-job: 'auto', 'none' or a number >= 1 (TasteEngine's settings)."""
     if value in ("auto", "none"):
         return None if value == "none" else "auto"
     if not value.isdigit() or int(value) < 1:
@@ -192,6 +197,7 @@ def load_engine(args, say):
     engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr_choice(args),
                                          decoding=getattr(args, "decoding", "auto"),
                                          parallel_jobs=getattr(args, "parallel_jobs", "auto"),
+                                         threads_per_job=getattr(args, "threads_per_job", "auto"),
                                          batch_slots=getattr(args, "batch_slots", "auto"),
                                          streams=getattr(args, "streams", "default"),
                                          compile_flow=getattr(args, "compile_flow", False))

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipecat_taste.engine import GenerationSettings, use_stream
+from pipecat_taste.engine import GenerationSettings, prepare_stage_thread
 from pipecat_taste.reply_mutes import ReplyMutes
 from pipecat_taste.start_hold import StartNeeds
 
@@ -213,7 +213,8 @@ class TasteCall:
             raise RuntimeError("this call has ended")
         if stage not in self._executors:
             self._executors[stage] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"taste-{stage}-{self.call_id[:6]}",
-                                                        initializer=use_stream, initargs=(self.stream,))
+                                                        initializer=prepare_stage_thread,
+                                                        initargs=(self.stream, getattr(self.engine, "threads_per_job", None)))
         return self._executors[stage]
 
     async def run(self, stage: str, fn, *args):

@@ -165,7 +165,7 @@ class TasteEngine:
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
                  asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto",
                  batch_slots: int | str | None = "auto", merge_lora: bool = True, streams: str = "default",
-                 compile_flow: bool = False):
+                 compile_flow: bool = False, threads_per_job: int | str | None = "auto"):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
         own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
         running at once (``compute_gate``): a number, None (no limit) or 'auto' (the CPU cores
@@ -185,13 +185,20 @@ class TasteEngine:
         static synthesis path's steps (``SynthesisGraphs(compile_flow=True)``; CUDA only, Triton
         needed, a minute or two more at start-up). Compiled for one static shape it took a flow
         step to 0.70-0.78 of its time on the H100; the engine compiles with dynamic shapes, not yet
-        measured there. Off by default."""
-        _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow)
+        measured there. Off by default. ``threads_per_job``: torch's intra-op threads in the calls'
+        stage threads (``prepare_stage_thread``): a number, None (torch's setting as it is) or
+        'auto' (1 on a CPU, where the stages and calls run side by side on the cores: the
+        simulated call's first audio 0.73x of torch's setting on 2 cores, BENCHMARKS.md section
+        12; None on CUDA). torch keeps this
+        setting per process: the process's other worker threads get it too, its main thread keeps
+        its own."""
+        _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow, threads_per_job)
         _check_device_options(streams, compile_flow, next(voice_generator.parameters()).device)
         if merge_lora:
             model.spoken_lm.merge_lora()
         device_name = str(next(model.parameters()).device)
         self.compute_gate = _compute_gate(parallel_jobs, device_name)  # 'auto' resolved
+        self.threads_per_job = _threads_per_job(threads_per_job, device_name)
         slots = _batch_slots(batch_slots, device_name, decoding)
         self.lm_batch, self.speech_batch = _step_batches(model, slots, decoding)
         self.model, self.processor, self.voice_generator = model, processor, voice_generator
@@ -217,7 +224,8 @@ class TasteEngine:
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
                         asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto",
                         batch_slots: int | str | None = "auto", merge_lora: bool = True,
-                        streams: str = "default", compile_flow: bool = False) -> "TasteEngine":
+                        streams: str = "default", compile_flow: bool = False,
+                        threads_per_job: int | str | None = "auto") -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
         come from an upstream STT) or 'auto' (``default_asr``: the checkpoint's own Whisper)."""
@@ -229,7 +237,8 @@ class TasteEngine:
 
         if isinstance(asr, os.PathLike):
             asr = os.fspath(asr)
-        _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow)  # before the weights load (minutes, for the real one)
+        # before the weights load (minutes, for the real one)
+        _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow, threads_per_job)
         if isinstance(asr, str) and asr != "auto":
             from pipecat_taste.asr import check_whisper_name
 
@@ -260,7 +269,7 @@ class TasteEngine:
                     "TranscriptionFrames") from exc
         return cls(model, processor, voice_generator, checkpoint_dir=directory, device=device, asr=asr,
                    decoding=decoding, parallel_jobs=parallel_jobs, batch_slots=batch_slots, merge_lora=merge_lora,
-                   streams=streams, compile_flow=compile_flow)
+                   streams=streams, compile_flow=compile_flow, threads_per_job=threads_per_job)
 
     @property
     def max_turn_seconds(self) -> float:
@@ -348,10 +357,11 @@ class TasteEngine:
 
 
 def _check_options(asr, decoding: str, parallel_jobs, batch_slots, streams: str = "default",
-                   compile_flow: bool = False) -> None:
+                   compile_flow: bool = False, threads_per_job="auto") -> None:
     if decoding not in DECODING:
         raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
-    for name, value in (("parallel_jobs", parallel_jobs), ("batch_slots", batch_slots)):
+    for name, value in (("parallel_jobs", parallel_jobs), ("batch_slots", batch_slots),
+                        ("threads_per_job", threads_per_job)):
         if value not in (None, "auto") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1, None or 'auto', got {value!r}")
     if not (asr is None or isinstance(asr, str) or callable(asr)):
@@ -377,6 +387,12 @@ def _compute_gate(parallel_jobs: int | str | None, device: str):
             return None
         parallel_jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return None if parallel_jobs is None else ComputeGate(parallel_jobs)
+
+
+def _threads_per_job(threads: int | str | None, device: str) -> int | None:
+    if threads == "auto":
+        return None if str(device).startswith("cuda") else 1
+    return threads
 
 
 def _batch_slots(slots: int | str | None, device: str, decoding: str) -> int | None:
@@ -487,6 +503,18 @@ def on_stream(stream):
     import torch
 
     return torch.cuda.stream(stream)
+
+
+def prepare_stage_thread(stream=None, threads: int | None = None) -> None:
+    """A call's stage worker thread, before its first job (``TasteCall.executor``): ``stream`` its
+    current CUDA stream for good (``use_stream``), and ``threads`` torch's intra-op threads
+    (the engine's ``threads_per_job``; None: as they are)."""
+    if threads is not None:
+        import torch
+
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    use_stream(stream)
 
 
 def use_stream(stream) -> None:

@@ -71,7 +71,7 @@ def rehearse_turn(engine, out_sample_rate: int = 16000) -> Rehearsal:
     audio = rehearsal_audio(engine.input_sample_rate)
     # an answer of a few words is enough to run every stage; 'instruct' always answers
     settings = GenerationSettings(prompt_format="instruct", max_reply_tokens=12, words_per_segment=1)
-    with _StageThreads(engine.new_call_stream()) as stages:
+    with _StageThreads(engine.new_call_stream(), engine.threads_per_job) as stages:
         session = stages.run("think", engine.new_session, settings)
         try:
             stages.run("think", session.warm_up)
@@ -92,16 +92,17 @@ class _StageThreads:
     takes its own library handles from torch's pools, and gives them back when it ends at the
     close, so that the first call's threads find them made."""
 
-    def __init__(self, stream):
-        self.stream = stream
+    def __init__(self, stream, threads: int | None):
+        self.stream, self.threads = stream, threads
         self._executors: dict[str, ThreadPoolExecutor] = {}
 
     def run(self, stage: str, fn, *args):
         if stage not in self._executors:
-            from pipecat_taste.engine import use_stream
+            from pipecat_taste.engine import prepare_stage_thread
 
             self._executors[stage] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"taste-rehearsal-{stage}",
-                                                        initializer=use_stream, initargs=(self.stream,))
+                                                        initializer=prepare_stage_thread,
+                                                        initargs=(self.stream, self.threads))
         return self._executors[stage].submit(fn, *args).result()
 
     def __enter__(self):
