@@ -50,20 +50,28 @@ def one_process(size: str, device: str, dtype: str | None, rehearse: bool, turns
     rehearsal = engine.warm_up(rehearse=rehearse)
     warm_up_s = time.perf_counter() - started
     with gpu_suite.ForcedReply(built.model.spoken_lm) as forced:
-        firsts = [on_new_thread(gpu_suite.first_audio, engine, asr, path, forced, gpu_suite.user_audio(), seed=i)
-                  ["first_audio_ms"] for i in range(turns)]
+        firsts = [on_new_thread(engine, gpu_suite.first_audio, engine, asr, path, forced, gpu_suite.user_audio(),
+                                seed=i)["first_audio_ms"] for i in range(turns)]
     return {"first_audio_ms": firsts, "warm_up_s": warm_up_s,
             "rehearsal_first_audio_ms": None if rehearsal is None or rehearsal.first_audio_s is None
             else 1000 * rehearsal.first_audio_s}
 
 
-def on_new_thread(fn, *args, **kwargs):
-    """``fn`` on a thread of its own, as each new call's stages run on threads of their own
-    (``TasteCall.executor``): what a thread makes for itself is not carried from turn to turn."""
+def on_new_thread(engine, fn, *args, **kwargs):
+    """``fn`` on a thread of its own, set up as each new call's stage threads are
+    (``TasteCall.executor``: ``prepare_stage_thread``): what a thread makes for itself is not
+    carried from turn to turn."""
     import threading
 
+    from pipecat_taste.engine import prepare_stage_thread
+
     result: list = []
-    thread = threading.Thread(target=lambda: result.append(fn(*args, **kwargs)), name="bench-call")
+
+    def call():
+        prepare_stage_thread(None, engine.threads_per_job)
+        result.append(fn(*args, **kwargs))
+
+    thread = threading.Thread(target=call, name="bench-call")
     thread.start()
     thread.join()
     if not result:
