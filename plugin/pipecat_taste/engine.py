@@ -189,7 +189,8 @@ class TasteEngine:
         stage threads (``prepare_stage_thread``): a number, None (torch's setting as it is) or
         'auto' (1 on a CPU, where the stages and calls run side by side on the cores: the
         simulated call's first audio 0.73x of torch's setting on 2 cores, BENCHMARKS.md section
-        12; None on CUDA). torch keeps this
+        12 - on many cores and few calls a larger number may answer sooner: measure with
+        ``benchmarks/bench_job_threads.py``; None on CUDA). torch keeps this
         setting per process: the process's other worker threads get it too, its main thread keeps
         its own."""
         _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow, threads_per_job)
