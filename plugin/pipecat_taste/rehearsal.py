@@ -21,15 +21,12 @@ own (its stream's cached memory with ``streams='calls'``, its session's captures
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 # What the rehearsal's "caller" says when the ASR hears no words in its audio (random weights do
 # not transcribe): the tower needs words to align the audio to.
