@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "plugin"), str(ROOT / "agents")]
 START_UPS = {"captures only": False, "captures + rehearsal": True}
 
 
-def one_process(size: str, device: str, dtype: str | None, rehearse: bool, turns: int) -> dict:
+def one_process(size: str, device: str, dtype: str | None, rehearse: bool, turns: int, threads="auto") -> dict:
     """In this (fresh) process: build, warm up, answer ``turns`` turns; their first audio in ms."""
     import torch
 
@@ -45,7 +45,7 @@ def one_process(size: str, device: str, dtype: str | None, rehearse: bool, turns
     asr = gpu_suite.build_asr(size, built, device, dtype)
     path = gpu_suite.GRAPHED if torch.device(device).type == "cuda" else gpu_suite.EAGER  # (decoding 'auto')
     engine = TasteEngine(built.model, built.processor, built.voice_generator, checkpoint_dir=built.checkpoint_dir,
-                         device=device, asr=asr[path.name], decoding=path.name)
+                         device=device, asr=asr[path.name], decoding=path.name, threads_per_job=threads)
     started = time.perf_counter()
     rehearsal = engine.warm_up(rehearse=rehearse)
     warm_up_s = time.perf_counter() - started
@@ -86,12 +86,15 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: float32)")
     parser.add_argument("--processes", type=int, default=3, help="fresh processes per start-up")
     parser.add_argument("--turns", type=int, default=3, help="turns each engine answers (the first, then the later)")
+    parser.add_argument("--threads-per-job", default="auto", help="the engine's threads_per_job: auto, none or a number")
     parser.add_argument("--child", choices=sorted(START_UPS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.turns < 2 or args.processes < 1:
         parser.error("--turns must be at least 2 (a first turn and a later one) and --processes at least 1")
     if args.child:
-        print(json.dumps(one_process(args.size, args.device, args.dtype, START_UPS[args.child], args.turns)))
+        named = {"auto": "auto", "none": None}
+        threads = named[args.threads_per_job] if args.threads_per_job in named else int(args.threads_per_job)
+        print(json.dumps(one_process(args.size, args.device, args.dtype, START_UPS[args.child], args.turns, threads)))
         return 0
 
     runs: dict[str, list[dict]] = {name: [] for name in START_UPS}
@@ -100,7 +103,8 @@ def main(argv=None) -> int:
         # a process leaves on disk for the next one, touches both start-ups alike
         for name in (list(START_UPS) if i % 2 == 0 else list(START_UPS)[::-1]):
             command = [sys.executable, __file__, "--size", args.size, "--device", args.device, "--turns",
-                       str(args.turns), "--child", name] + (["--dtype", args.dtype] if args.dtype else [])
+                       str(args.turns), "--threads-per-job", args.threads_per_job, "--child", name] + \
+                (["--dtype", args.dtype] if args.dtype else [])
             out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if out.returncode != 0:
                 print(out.stderr[-3000:], file=sys.stderr)
@@ -109,7 +113,8 @@ def main(argv=None) -> int:
             print(f"process {i + 1}, {name}: first audio {[round(ms, 1) for ms in runs[name][-1]['first_audio_ms']]} ms",
                   file=sys.stderr)
 
-    print(f"\nFirst audio of an engine's first turns ({args.size}, {args.device}, {args.dtype or 'float32'}; "
+    print(f"\nFirst audio of an engine's first turns ({args.size}, {args.device}, {args.dtype or 'float32'}, "
+          f"threads_per_job {args.threads_per_job}; "
           f"{args.processes} fresh processes per start-up, {args.turns} turns each; medians, ms):\n")
     print("| start-up | warm-up s | first turn | later turns | first / later |")
     print("| --- | --- | --- | --- | --- |")

@@ -131,9 +131,16 @@ def test_threads_per_job_settings_and_the_cli_option():
     from pipecat_taste.engine import _threads_per_job
     from taste_agents.cli import build_parser
 
-    assert _threads_per_job("auto", "cpu") == 1  # the stages share the cores (BENCHMARKS.md section 12)
-    assert _threads_per_job("auto", "cuda:0") is None and _threads_per_job(None, "cpu") is None
-    assert _threads_per_job(3, "cpu") == 3
+    from types import SimpleNamespace
+
+    def model(hidden):
+        return SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(hidden_size=hidden)))
+
+    tiny, full = model(64), model(2048)
+    assert _threads_per_job("auto", "cpu", tiny) == 1  # small operators (BENCHMARKS.md section 12)
+    assert _threads_per_job("auto", "cpu", full) is None  # large ones gain from the cores
+    assert _threads_per_job("auto", "cuda:0", tiny) is None and _threads_per_job(None, "cpu", tiny) is None
+    assert _threads_per_job(3, "cpu", full) == 3
     for bad in (0, "one", 1.5, True):  # refused before any weights load
         with pytest.raises(ValueError, match="threads_per_job must be an integer >= 1"):
             TasteEngine.from_pretrained("/no/such/checkpoint", threads_per_job=bad)

@@ -38,8 +38,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "responsive under load")
     parser.add_argument("--threads-per-job", default="auto", type=auto_none_or_count,
                         help="torch's intra-op threads in each call's stage threads: a number, 'none' (torch's "
-                             "setting) or auto (1 on a CPU, where stages and calls share the cores: a simulated "
-                             "call's first audio 0.73x of torch's setting on 2 cores; torch's on CUDA) - "
+                             "setting) or auto (1 for a tiny checkpoint on a CPU: the simulated call's first audio "
+                             "0.73x of torch's setting on 2 cores; torch's for the full size and on CUDA) - "
                              "BENCHMARKS.md section 12")
     parser.add_argument("--batch-slots", default="auto", type=auto_none_or_count,
                         help="calls whose spoken-LM and speech-decoder steps (and, on the static synthesis "

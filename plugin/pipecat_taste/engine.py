@@ -134,6 +134,11 @@ DECODING = {
 }
 
 
+def is_tiny(model) -> bool:
+    """A tiny test checkpoint (``taste_speech.tiny``), not one of the published size."""
+    return model.config.text_config.hidden_size < 256
+
+
 def default_asr(model, processor, checkpoint_dir: str, *, device: str = "cpu", dtype: str | None = None):
     """The built-in ASR that ``asr='auto'`` loads: the random tiny Whisper for a tiny checkpoint;
     otherwise the Whisper model the checkpoint names (``asr_config``: openai/whisper-large-v3 for
@@ -142,7 +147,7 @@ def default_asr(model, processor, checkpoint_dir: str, *, device: str = "cpu", d
     agent that never answers."""
     from pipecat_taste.asr import WhisperTranscriber
 
-    if model.config.text_config.hidden_size < 256:
+    if is_tiny(model):
         return WhisperTranscriber.random_tiny(checkpoint_dir)
     name = processor.asr_model
     if not name:
@@ -187,10 +192,11 @@ class TasteEngine:
         step to 0.70-0.78 of its time on the H100; the engine compiles with dynamic shapes, not yet
         measured there. Off by default. ``threads_per_job``: torch's intra-op threads in the calls'
         stage threads (``prepare_stage_thread``): a number, None (torch's setting as it is) or
-        'auto' (1 on a CPU, where the stages and calls run side by side on the cores: the
-        simulated call's first audio 0.73x of torch's setting on 2 cores, BENCHMARKS.md section
-        12 - on many cores and few calls a larger number may answer sooner: measure with
-        ``benchmarks/bench_job_threads.py``; None on CUDA). torch keeps this
+        'auto' (1 for a tiny checkpoint on a CPU, whose small operators gain nothing from a thread
+        team per stage - the simulated call's first audio 0.73x of torch's setting on 2 cores;
+        None otherwise - a lone full-size turn took 1.7x its time with one thread; BENCHMARKS.md
+        section 12; with many calls at once on a CPU a small number may answer sooner: measure
+        with ``benchmarks/bench_job_threads.py``). torch keeps this
         setting per process: the process's other worker threads get it too, its main thread keeps
         its own."""
         _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow, threads_per_job)
@@ -199,7 +205,7 @@ class TasteEngine:
             model.spoken_lm.merge_lora()
         device_name = str(next(model.parameters()).device)
         self.compute_gate = _compute_gate(parallel_jobs, device_name)  # 'auto' resolved
-        self.threads_per_job = _threads_per_job(threads_per_job, device_name)
+        self.threads_per_job = _threads_per_job(threads_per_job, device_name, model)
         slots = _batch_slots(batch_slots, device_name, decoding)
         self.lm_batch, self.speech_batch = _step_batches(model, slots, decoding)
         self.model, self.processor, self.voice_generator = model, processor, voice_generator
@@ -390,9 +396,12 @@ def _compute_gate(parallel_jobs: int | str | None, device: str):
     return None if parallel_jobs is None else ComputeGate(parallel_jobs)
 
 
-def _threads_per_job(threads: int | str | None, device: str) -> int | None:
+def _threads_per_job(threads: int | str | None, device: str, model) -> int | None:
+    # 'auto': one thread for a tiny model's small operators on a CPU, where a thread team's upkeep
+    # outweighs its work; the full size's large ones gain from the cores more than the stages lose
+    # (BENCHMARKS.md section 12: a lone full-size turn took 1.7x its time with one thread)
     if threads == "auto":
-        return None if str(device).startswith("cuda") else 1
+        return 1 if not str(device).startswith("cuda") and is_tiny(model) else None
     return threads
 
 
