@@ -887,10 +887,14 @@ def shared_counts(engine, asr=None) -> dict:
     return out
 
 
+# where each path's rows of concurrent calls are kept in ``data["paths"]["graphed"]``, and its label
+CALL_ROWS = {"concurrency": "graphed", "concurrency_synthesis_stream": "synthesis stream",
+             "concurrency_call_streams": "call streams", "concurrency_batched": "batched"}
+
+
 def sharing_lines(graphed: dict) -> list[str]:
     rows = []
-    for key, label in (("concurrency", "graphed"), ("concurrency_synthesis_stream", "synthesis stream"),
-                       ("concurrency_call_streams", "call streams"), ("concurrency_batched", "batched")):
+    for key, label in CALL_ROWS.items():
         for row in graphed.get(key, []):
             shared = row.get("shared") or {}
             if shared:
@@ -910,8 +914,7 @@ def sharing_lines(graphed: dict) -> list[str]:
 
 def stage_growth_lines(graphed: dict) -> list[str]:
     rows = []
-    for key, label in (("concurrency", "graphed"), ("concurrency_synthesis_stream", "synthesis stream"),
-                       ("concurrency_call_streams", "call streams"), ("concurrency_batched", "batched")):
+    for key, label in CALL_ROWS.items():
         for row in graphed.get(key, []):
             if row.get("stages_median_ms"):
                 rows.append([str(row["calls"]), label] + [fmt(row["stages_median_ms"].get(stage)) for stage in STAGES]

@@ -331,8 +331,12 @@ class StaticWhisperDecoder:
     def _verify(self, bucket: int) -> torch.Tensor:
         """The captured draft check: the greedy token after every row from the first start token's
         last (``bucket`` - start tokens + 1 of them; the first with the begin suppression)."""
-        first = len(self.plan.init_tokens) - 1
-        scores = self._scores(self._rows(self._verify_tokens[bucket], self.key_positions[:bucket])[:, first:])
+        return self._greedy_after_start(self._rows(self._verify_tokens[bucket], self.key_positions[:bucket]))
+
+    def _greedy_after_start(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy token after each row of ``hidden`` from the last start token on (the first
+        with the begin suppression)."""
+        scores = self._scores(hidden[:, len(self.plan.init_tokens) - 1:])
         scores[0] += self.begin_bias
         return scores.argmax(-1)
 
@@ -343,9 +347,7 @@ class StaticWhisperDecoder:
         bucket = next((b for b in self.verify_buckets if b >= len(rows)), None)
         if bucket is None:
             hidden = self._rows(torch.tensor([rows], device=self.device), torch.arange(len(rows), device=self.device))
-            scores = self._scores(hidden[:, first:])
-            scores[0] += self.begin_bias
-            return scores.argmax(-1).tolist()
+            return self._greedy_after_start(hidden).tolist()
         step = self._verify_step(bucket)
         tokens = self._verify_tokens[bucket]
         tokens[:, :len(rows)].copy_(torch.tensor([rows]))
