@@ -5,6 +5,10 @@
 * static: our loop (``pipecat_taste.whisper_decode``: preallocated cache, captured step);
 * static + draft: the same with a draft holding all but the last ``--tail`` tokens, which is what
   the end of a turn does when the last partial transcript already had the rest (the incremental ASR).
+* ``--together`` N turns ending at once (each with its draft, different audio): decoded one after
+  another in a one-row workspace, against one batch (``decode_many``) in a workspace of N rows -
+  what the transcriber does for calls whose turns end together (``UtteranceBatcher``); with the
+  ratio of the two and whether each utterance got the same ids both ways.
 
 Every decode produces a fixed number of tokens (end-of-text suppressed), so random weights do not
 change the work. Models: ``tiny`` = the pipeline's random tiny ASR shape (1+1 layers, 32 wide);
@@ -13,6 +17,7 @@ dimensions (32+32 layers, 1280 wide; slow on a CPU).
 
     python benchmarks/bench_asr.py                                  # tiny + base on CPU
     python benchmarks/bench_asr.py --models large --device cuda --dtype bfloat16
+    python benchmarks/bench_asr.py --models base --together 8
 """
 
 from __future__ import annotations
@@ -96,7 +101,26 @@ def measure(shape: str, args) -> dict:
     row["static_ms"] = timed(lambda: decoder.decode(feats), args.repeats, args.device)
     row[f"static_draft_tail{args.tail}_ms"] = timed(lambda: decoder.decode(feats, draft), args.repeats, args.device)
     row["graph"] = decoder.captured
+    if args.together > 1:
+        row.update(together(model, extractor, plan, feats.dtype, args))
     return row
+
+
+def together(model, extractor, plan, dtype, args) -> dict:
+    """N turn ends (different audio, each with its draft): one by one vs one batch."""
+    n, rng = args.together, np.random.default_rng(1)
+    feats = [extractor((rng.standard_normal(int(args.seconds * 16000)) * 0.1).astype(np.float32),
+                       sampling_rate=16000, return_tensors="pt").input_features.to(args.device, dtype) for _ in range(n)]
+    alone, batch = StaticWhisperDecoder(model, plan, args.graph_mode), StaticWhisperDecoder(model, plan, args.graph_mode,
+                                                                                         rows=n)
+    drafts = [ids[: max(0, len(ids) - args.tail)] for ids, _ in (alone.decode(f) for f in feats)]
+    utterances = [(f, d, None) for f, d in zip(feats, drafts)]
+    one_by_one = [alone.decode(f, d) for f, d, _ in utterances]
+    same = batch.decode_many(utterances) == one_by_one
+    one_by_one_ms = timed(lambda: [alone.decode(f, d) for f, d, _ in utterances], args.repeats, args.device)
+    batch_ms = timed(lambda: batch.decode_many(utterances), args.repeats, args.device)
+    return {f"{n}_turns_one_by_one_ms": one_by_one_ms, f"{n}_turns_one_batch_ms": batch_ms,
+            "batch/one_by_one": f"{batch_ms / one_by_one_ms:.2f}", "batch_same_ids": same}
 
 
 def main(argv=None) -> int:
@@ -109,6 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=20, help="tokens decoded per utterance")
     parser.add_argument("--tail", type=int, default=4, help="tokens left after the draft")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--together", type=int, default=8, help="turns ending at once (1: not measured)")
     args = parser.parse_args(argv)
     rows = [measure(shape, args) for shape in args.models]
     keys = list(rows[0])

@@ -13,7 +13,10 @@
 # captures at start-up); TESTS=0 leaves the tests out (a session that measures what an earlier one
 # left, on code whose GPU tests already passed).
 # FIRST_TURN=1 adds the first-turn benchmark (with and without the start-up rehearsal) before the suite.
-# OUT_DIR gets machine.txt (GPU, driver, torch), tests.log, first_turn.txt, suite.log, gpu_suite.md and gpu_suite.json.
+# ASR_BATCH=1 adds the built-in ASR's benchmark at whisper-large-v3 size (bench_asr.py): eight turn
+# ends decoded one by one against one batch (ASR_BATCH_S seconds at most, default 150).
+# OUT_DIR gets machine.txt (GPU, driver, torch), tests.log, first_turn.txt, asr_batch.txt, suite.log,
+# gpu_suite.md and gpu_suite.json.
 # On a machine without a package index whose image already has CUDA PyTorch and transformers, carry
 # the wheels of `bash scripts/gpu_wheels.sh` in .whl/: they are installed first (docs/GPU.md).
 set -uo pipefail
@@ -68,6 +71,14 @@ if [ "${FIRST_TURN:-0}" = 1 ]; then
     [ "${REHEARSE:-0}" = 1 ] && first=(--device cpu --size tiny)
     timeout -k 10 "${FIRST_TURN_S:-240}" "$PYTHON" benchmarks/bench_first_turn.py "${first[@]}" --processes 1 \
         2>&1 | tee "$out/first_turn.txt"
+fi
+
+# ASR_BATCH=1: the ASR's parts and eight turn ends, one by one vs one batch (bench_asr.py).
+if [ "${ASR_BATCH:-0}" = 1 ]; then
+    echo "== ASR batches ($(date +%H:%M:%S))"
+    asr=(--models large --device cuda --dtype bfloat16 --together 8)
+    [ "${REHEARSE:-0}" = 1 ] && asr=(--models tiny --together 4 --repeats 2)
+    timeout -k 10 "${ASR_BATCH_S:-150}" "$PYTHON" benchmarks/bench_asr.py "${asr[@]}" 2>&1 | tee "$out/asr_batch.txt"
 fi
 
 # The suite gets what is left. It starts no part later than a minute before the end (its longest

@@ -187,10 +187,10 @@ def build_engine(size: str, device: str, dtype: str | None):
     return engines.full_engine(device, dtype)
 
 
-def build_asr(size: str, engine, device: str, dtype: str | None) -> dict:
+def build_asr(size: str, engine, device: str, dtype: str | None, calls: int = 1) -> dict:
     """The built-in ASR at the published size (whisper-large-v3 dimensions, random weights) or tiny,
     one transcriber per path over the same weights: eager = ``generate``, graphed = our static
-    loop (captured step on CUDA) with incremental partials."""
+    loop (captured step on CUDA) with incremental partials, warmed up for ``calls`` calls at once."""
     from pipecat_taste.asr import WhisperTranscriber
     from transformers import WhisperFeatureExtractor
 
@@ -210,9 +210,9 @@ def build_asr(size: str, engine, device: str, dtype: str | None) -> dict:
     asr = {path.name: WhisperTranscriber(model, features, tiny.tokenizer, device=device, language=None,
                                          max_new_tokens=max_new, decode="dynamic" if path is EAGER else "static")
            for path in (EAGER, GRAPHED)}
-    # as the engine's warm-up does at start-up: the shared encoder's passes of every row count, so
-    # that no timed turn (several calls' turns in one pass) pays for a capture
-    asr[GRAPHED.name].warm_up()
+    # as the engine's warm-up does at start-up: the shared encoder's passes and the decoding batches
+    # of every row count, so that no timed turn (several calls' turns in one batch) pays for a capture
+    asr[GRAPHED.name].warm_up(workspaces=calls)
     return asr
 
 
@@ -884,6 +884,8 @@ def shared_counts(engine, asr=None) -> dict:
         out.update(tower_turns=tower["turns"], tower_passes=tower["passes"])
     if asr is not None and (encoder := asr.encoder_stats()) is not None:
         out.update(asr_turns=encoder["turns"], asr_passes=encoder["passes"])
+    if asr is not None and (batches := asr.batch_stats()) is not None:
+        out.update(asr_batches=batches["batches"])
     return out
 
 
@@ -898,17 +900,18 @@ def sharing_lines(graphed: dict) -> list[str]:
         for row in graphed.get(key, []):
             shared = row.get("shared") or {}
             if shared:
-                rows.append([str(row["calls"]), label, fmt(shared.get("asr_turns")), fmt(shared.get("asr_passes")),
-                             fmt(shared.get("tower_turns")), fmt(shared.get("tower_passes")),
+                rows.append([str(row["calls"]), label, fmt(shared.get("asr_turns")), fmt(shared.get("asr_batches")),
+                             fmt(shared.get("asr_passes")), fmt(shared.get("tower_turns")), fmt(shared.get("tower_passes")),
                              fmt(shared.get("first_windows")), fmt(shared.get("first_window_steps"))])
     if not rows:
         return []
     return ["How the calls' first-audio work was shared (per row of the table above: the transcriptions - the "
-            "partials included - and the passes of the ASR's shared Whisper encoder; the turns and the audio "
+            "partials included - the decoding batches they took (UtteranceBatcher: a batch waits for the turns announced "
+            "as ended) and the passes of the ASR's shared Whisper encoder; the turns and the audio "
             "tower's encoder passes (EncoderGraph: a pass waits for the turns announced as ended); the calls' first "
             "flow windows and the steps they ran in (SynthesisGraphs: a first window waits for the other calls' "
             "announced ones); — none):",
-            ""] + table_lines(["calls", "path", "transcriptions", "ASR encoder passes", "turns", "tower passes",
+            ""] + table_lines(["calls", "path", "transcriptions", "ASR batches", "ASR encoder passes", "turns", "tower passes",
                                "first windows", "flow steps"], rows) + [""]
 
 
@@ -976,7 +979,7 @@ class Suite:
             torch.profiler._utils._init_for_cuda_graphs()
         dtype = None if args.dtype == "float32" else args.dtype
         self.engine = build_engine(args.size, args.device, dtype)
-        self.asr = build_asr(args.size, self.engine, args.device, dtype)
+        self.asr = build_asr(args.size, self.engine, args.device, dtype, calls=max(args.calls or (1,)))
         progress(f"built the {args.size} model and ASR on {args.device} in {time.perf_counter() - self.started:.0f} s")
         self.forced = ForcedReply(self.engine.model.spoken_lm)
         self.audio = user_audio()

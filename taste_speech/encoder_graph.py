@@ -48,12 +48,14 @@ class _Turn:
 
     def __init__(self, window: torch.Tensor, owner=None):
         self.window, self.owner = window, owner
-        self.ready = _event_after_current_work(window.device)  # CUDA: the window is written
+        self.ready = event_after_current_work(window.device)  # CUDA: the window is written
         self.output = None  # (target, last), or the exception the pass raised
         self.done = None  # CUDA: the pass and the copies are written
 
 
-def _event_after_current_work(device: torch.device):
+def event_after_current_work(device: torch.device):
+    """CUDA: an event after the work queued so far on this thread's stream (another stream can
+    wait for it); None elsewhere."""
     if device.type != "cuda":
         return None
     event = torch.cuda.Event()
@@ -116,17 +118,24 @@ class EncoderGraph:
             with self._lock:
                 self._ending.add(owner)
 
-    @torch.inference_mode()
     def __call__(self, window: torch.Tensor, owner=None) -> tuple[torch.Tensor, ...]:
         """``window`` (1, n_mels, frames): the padded log-mel (``tower.encoder_window``) -> the
         stack's outputs, each (1, S, d), the turn's own copies (the tower's: target_hidden,
         last_hidden). ``owner``: who announced this turn (``expect_turn``), if anyone."""
-        turn = _Turn(window, owner)
+        return self.encode([window], [owner])[0]
+
+    @torch.inference_mode()
+    def encode(self, windows: list[torch.Tensor], owners: list | None = None) -> list[tuple[torch.Tensor, ...]]:
+        """Several turns brought together (the utterances a transcriber decodes as one batch): each
+        window's outputs, as ``__call__`` gives them; they go into the same pass where the rows allow."""
+        owners = owners if owners is not None else [None] * len(windows)
+        turns = [_Turn(window, owner) for window, owner in zip(windows, owners, strict=True)]
         with self._lock:
-            self._ending.arrive(owner)
-            self._queue.append(turn)
-            self._lock.notify_all()  # a pass may be waiting for this turn
-            while turn.output is None:
+            for turn in turns:
+                self._ending.arrive(turn.owner)
+            self._queue.extend(turns)
+            self._lock.notify_all()  # a pass may be waiting for these turns
+            while any(turn.output is None for turn in turns):
                 if self._stepping:
                     self._lock.wait()
                     continue
@@ -144,14 +153,16 @@ class EncoderGraph:
                 finally:
                     self._stepping = False
                     self._lock.notify_all()
-        if isinstance(turn.output, BaseException):
-            raise turn.output
-        if turn.done is not None:
-            stream = torch.cuda.current_stream(window.device)
-            stream.wait_event(turn.done)
-            for out in turn.output:  # made on the pass's stream, used (and freed) on this one
-                out.record_stream(stream)
-        return turn.output
+        for turn in turns:
+            if isinstance(turn.output, BaseException):
+                raise turn.output
+        for turn in turns:
+            if turn.done is not None:
+                stream = torch.cuda.current_stream(turn.window.device)
+                stream.wait_event(turn.done)
+                for out in turn.output:  # made on the pass's stream, used (and freed) on this one
+                    out.record_stream(stream)
+        return [turn.output for turn in turns]
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -205,7 +216,7 @@ class EncoderGraph:
             stacked = self._step(n).run()
             outputs = [tuple(out[row:row + 1].clone() for out in stacked) for row in range(len(batch))]
             self._pass_time.stop(timer, time.perf_counter() - started)
-            done = _event_after_current_work(device)
+            done = event_after_current_work(device)
             self._last_turn = done
         except BaseException as error:  # every turn of this pass fails; the next passes may not
             outputs, done = [error] * len(batch), None

@@ -281,21 +281,21 @@ async def test_partials_wait_for_an_earlier_turn_to_be_finished(engine, whisper,
     assert [t.transcript for t in turns] == [reference(a) for a in recorder.audio["final"]]
 
 
-def test_turns_ending_together_share_one_pass_of_the_whisper_encoder(whisper, reference, utterances):
+def test_turns_ending_together_are_transcribed_as_one_batch(whisper, reference, utterances):
     """Two calls' turns end at once (``TurnTranscript.ended``, as ``TasteSession.turn_ended`` calls
-    it); their final transcriptions come 30 ms apart, yet their audio goes through one pass of the
-    transcriber's shared encoder, and each transcript is the full-turn one."""
+    it); their final transcriptions come 30 ms apart, yet they are decoded as one batch - one pass
+    of the transcriber's shared encoder - and each transcript is the full-turn one."""
     from concurrency_helpers import run_in_threads
 
     shared = WhisperTranscriber(whisper.model, whisper.feature_extractor, whisper.tokenizer, language=None,
-                                max_new_tokens=None, decode="static", graph_mode="rehearse", encoder_rows=2)
+                                max_new_tokens=None, decode="static", graph_mode="rehearse", batch_rows=2)
     shared.warm_up(workspaces=2)
     audios = [utterances["hello"].audio, utterances["time"].audio]
     turns = [shared.new_turn() for _ in audios]
     for turn, audio in zip(turns, audios):
         turn.partial(audio[: len(audio) // 2])
-    shared._encoder._pass_time.measured(10.0)  # (a long limit: the wait must end because the other came)
-    before = shared.encoder_stats()
+    shared._batches().timed(10.0)  # (a long limit: the wait must end because the other came)
+    before, batches_before = shared.encoder_stats(), shared.batch_stats()
     for turn in turns:
         turn.ended()
     texts = [None, None]
@@ -305,9 +305,11 @@ def test_turns_ending_together_share_one_pass_of_the_whisper_encoder(whisper, re
         texts[i] = turns[i].finish(audios[i])
 
     run_in_threads(finish, [(0,), (1,)])
-    after = shared.encoder_stats()
+    after, batches_after = shared.encoder_stats(), shared.batch_stats()
     assert (after["turns"] - before["turns"], after["passes"] - before["passes"]) == (2, 1), (before, after)
-    assert after["waits"] == before["waits"] + 1
+    assert (batches_after["utterances"] - batches_before["utterances"],
+            batches_after["batches"] - batches_before["batches"]) == (2, 1), (batches_before, batches_after)
+    assert batches_after["waits"] == batches_before["waits"] + 1
     assert texts == [reference(audio) for audio in audios]
-    with pytest.raises(ValueError, match="encoder_rows must be"):
-        WhisperTranscriber(whisper.model, whisper.feature_extractor, whisper.tokenizer, encoder_rows=0)
+    with pytest.raises(ValueError, match="batch_rows must be"):
+        WhisperTranscriber(whisper.model, whisper.feature_extractor, whisper.tokenizer, batch_rows=0)

@@ -83,8 +83,9 @@ def test_loop_matches_generate_on_the_pipeline_tiny_asr(checkpoint, tiny_asr, au
         assert static(audio) == tiny_asr(audio)  # the transcriber's text, static loop vs generate
     # the encoder (one shape: the padded window) and the cross keys/values went through steps of
     # their own, warmed up like a capture
-    assert decoder.encoder.mode == decoder.cross_step.mode == mode
-    assert decoder.encoder.step._prepared and decoder.cross_step._prepared
+    cross = decoder._graphs[("cross", 1)]
+    assert decoder.encoder.mode == cross.mode == mode
+    assert decoder.encoder.step._prepared and cross._prepared
     with pytest.raises(ValueError, match="padded 30 s window"):
         decoder.decode(feats[..., :100])
 
@@ -149,7 +150,42 @@ def test_a_draft_is_verified_and_never_changes_the_result(tiny_asr, audios, mode
     # and 16 rows, longer ones (19 rows: the plan allows 20) the unpadded pass; eager, every check
     # runs unpadded (padding would only add rows to compute)
     buckets = [] if mode == "eager" else [8, 16]
-    assert list(decoder.verify_buckets) == buckets and sorted(decoder._verify_steps) == buckets
+    assert list(decoder.verify_buckets) == buckets
+    assert sorted(key[2] for key in decoder._graphs if key[0] == "check") == buckets
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_utterances_decoded_together_get_what_each_gets_alone(tiny_asr, audios, mode):
+    """A workspace of 4 rows decodes several utterances as one batch: different audio, drafts
+    that keep all, part or none of the transcript (so some rows end while others go on feeding
+    tokens, and an end-of-text token stops one early), and a row left idle. Each utterance gets
+    the ids and the kept count it gets decoded alone, with any other rows beside it."""
+    model = varied_model(tiny_asr)
+    feats = [features(tiny_asr, audio) for audio in audios]
+    alone_decoder = StaticWhisperDecoder(model, greedy_plan(model, "en", "transcribe", 16), mode)
+    truths = [alone_decoder.decode(f)[0] for f in feats]
+    assert len({tuple(t) for t in truths}) > 2  # the audio matters
+    stop = truths[0][6]  # a token first seen mid-transcript ends one utterance early, as end-of-text
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = stop
+    plan = greedy_plan(model, "en", "transcribe", 16)
+    alone_decoder = StaticWhisperDecoder(model, plan, mode)
+    wrong = [t for t in range(300, 400) if t not in truths[1][:1]]
+    utterances = [(feats[0], ()), (feats[1], truths[1][:5]), (feats[2], truths[2]), (feats[3], wrong[:4])]
+    alone = [alone_decoder.decode(f, draft) for f, draft in utterances]
+    assert len({len(ids) for ids, _ in alone}) > 1 and any(kept for _, kept in alone)
+    together = StaticWhisperDecoder(model, plan, mode, rows=4)
+    assert together.sizes == [1, 2, 4]
+    # 4 rows, 3 (one idle), 2; with the whole transcript as a draft (19 rows) the check runs unpadded,
+    # without it in a captured bucket
+    for order in ([0, 1, 2, 3], [0, 1, 2], [1, 2], [3, 2, 1, 0], [3, 1, 0], [0, 3]):
+        batch = [(*utterances[i], None) for i in order]
+        assert together.decode_many(batch) == [alone[i] for i in order], order
+    kinds = ("step", "cross") if mode == "eager" else ("step", "cross", "check")  # (eager checks: unpadded)
+    assert {key[:2] for key in together._graphs} == {(kind, n) for kind in kinds for n in (2, 4)}
+    with pytest.raises(ValueError, match="5 utterances do not fit a workspace of 4 rows"):
+        together.decode_many([(feats[0], (), None)] * 5)
+    with pytest.raises(ValueError, match="rows must be an integer >= 1"):
+        StaticWhisperDecoder(model, plan, mode, rows=0)
 
 
 def _common(a, b):
@@ -183,7 +219,9 @@ def test_warm_up_prepares_a_workspace_per_call_that_may_transcribe_at_once(tiny_
     static.warm_up(workspaces=3)
     prepared = list(static._workspaces)
     assert len(prepared) == 3 and len({id(w) for w in prepared}) == 3
-    assert all(w.step._prepared and w.cross_step._prepared for w in prepared)  # rehearsed = captured on CUDA
+    for w in prepared:  # every step made and rehearsed (= captured on CUDA): one-row workspaces here
+        assert w.rows == 1 and sorted(w._graphs) == [("check", 1, 8), ("check", 1, 16), ("cross", 1), ("step", 1)]
+        assert all(graph._prepared for graph in w._graphs.values())
     assert all(w.encoder is static._encoder for w in prepared) and static._encoder.step._prepared  # one shared
     borrowed = [static._borrow(static.plan) for _ in range(3)]  # three calls at once
     assert {id(w) for w in borrowed} == {id(w) for w in prepared}
@@ -192,6 +230,56 @@ def test_warm_up_prepares_a_workspace_per_call_that_may_transcribe_at_once(tiny_
     assert static.transcribe(audios[0]).text == static.transcribe(audios[0]).text
     with pytest.raises(ValueError, match="workspaces must be an integer >= 1"):
         static.warm_up(workspaces=0)
+
+
+def test_a_batch_whose_workspace_is_busy_is_decoded_in_the_free_ones(tiny_asr, audios):
+    """Workspaces after warm_up(workspaces=4) with batches of 4 rows: four of one row and one of
+    four. A batch that comes while another batch holds the 4-row one is decoded in parts in the
+    free one-row workspaces - no workspace is made (and captured) while callers speak - and each
+    utterance gets its transcript; a transcriber not warmed up makes a batch's workspace the first
+    time such a batch comes."""
+    from pipecat_taste.asr_batches import Utterance
+
+    model = varied_model(tiny_asr)
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=12,
+                             graph_mode="rehearse", batch_rows=4)
+    asr.warm_up(workspaces=4)
+    assert sorted(w.rows for w in asr._workspaces) == [1, 1, 1, 1, 4]
+    alone = [asr.transcribe(audio).ids for audio in audios[:3]]
+    batch = [Utterance(asr._features(audio), ()) for audio in audios[:3]]
+    busy = asr._borrow(asr.plan, 4)  # another batch is being decoded in it
+    assert busy.rows == 4
+    made = len(asr._made)
+    assert [ids for ids, _ in asr._decode_batch(batch)] == alone
+    assert len(asr._made) == made and sorted(w.rows for w in asr._workspaces) == [1, 1, 1, 1]
+    asr._give_back(busy)
+    assert [ids for ids, _ in asr._decode_batch(batch)] == alone  # (in the 4-row one, now free)
+
+    cold = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=12,
+                              graph_mode="rehearse", batch_rows=4)
+    assert [ids for ids, _ in cold._decode_batch(batch)] == alone
+    assert sorted(w.rows for w in cold._workspaces) == [4]
+
+
+def test_a_batch_workspace_that_cannot_be_made_at_start_up_turns_batching_off(tiny_asr, audios, monkeypatch):
+    """The workspace for turns ending together fails at warm-up (out of memory on a full GPU): the
+    transcriber decodes turns one by one from then on, instead of failing every batch the same way."""
+    model = varied_model(tiny_asr)
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=12,
+                             graph_mode="rehearse", batch_rows=4)
+    working = StaticWhisperDecoder.warm_up
+
+    def out_of_memory_for_batches(self):
+        if self.rows > 1:
+            raise RuntimeError("CUDA out of memory (injected)")
+        working(self)
+
+    monkeypatch.setattr(StaticWhisperDecoder, "warm_up", out_of_memory_for_batches)
+    asr.warm_up(workspaces=2)
+    assert asr.batch_rows == 1 and asr._batches().rows == 1
+    assert sorted(w.rows for w in asr._workspaces) == [1, 1]
+    assert asr.transcribe(audios[0]).ids == generate(model, features(tiny_asr, audios[0]), language="en",
+                                                     task="transcribe", max_new_tokens=12)
 
 
 def test_settings_the_loop_does_not_support_use_generate(tiny_asr, audios):
@@ -213,10 +301,10 @@ def test_a_failing_static_loop_falls_back_to_generate(tiny_asr, audios, monkeypa
     asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10)
     assert asr.decode == "static"
 
-    def broken(self, feats, draft=(), owner=None):
+    def broken(self, utterances):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(StaticWhisperDecoder, "decode", broken)
+    monkeypatch.setattr(StaticWhisperDecoder, "decode_many", broken)
     expected = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=10)
     for attempt in range(1, STATIC_FAILURES_TO_GIVE_UP + 1):
         result = asr.transcribe(audios[0])
@@ -231,15 +319,15 @@ def test_one_failure_of_the_static_loop_does_not_give_it_up(tiny_asr, audios, mo
     engine's other calls keep the fast path and their incremental transcripts."""
     model = varied_model(tiny_asr)
     asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10)
-    working = StaticWhisperDecoder.decode
+    working = StaticWhisperDecoder.decode_many
     failures = iter([True, True, False, True, False])
 
-    def sometimes(self, feats, draft=(), owner=None):
+    def sometimes(self, utterances):
         if next(failures):
             raise RuntimeError("injected")
-        return working(self, feats, draft, owner)
+        return working(self, utterances)
 
-    monkeypatch.setattr(StaticWhisperDecoder, "decode", sometimes)
+    monkeypatch.setattr(StaticWhisperDecoder, "decode_many", sometimes)
     expected = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=10)
     for _ in range(5):  # two failures, a success (the count starts again), a failure, a success
         assert asr.transcribe(audios[0]).ids == expected
@@ -283,9 +371,10 @@ def test_cuda_graph_loop_matches_generate(tiny_asr, audios, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_turns_ending_together_share_one_captured_encoder_pass(tiny_asr, audios):
-    """Two calls on CUDA streams of their own whose turns end at once: one captured pass of the
-    shared encoder (8 rows on CUDA) serves both, and each gets the transcript it gets alone."""
+def test_cuda_turns_ending_together_are_transcribed_as_one_captured_batch(tiny_asr, audios):
+    """Two calls on CUDA streams of their own whose turns end at once: one batch (8 rows on CUDA)
+    decodes both - one captured encoder pass, the draft checks and tails side by side - and each
+    gets the transcript it gets alone."""
     import time
 
     from concurrency_helpers import run_in_threads
@@ -295,12 +384,14 @@ def test_cuda_turns_ending_together_share_one_captured_encoder_pass(tiny_asr, au
                              max_new_tokens=16)
     asr.warm_up(workspaces=2)
     assert asr._encoder.rows == 8 and asr._encoder.captured, asr._encoder.fallback_reason
+    assert sorted(w.rows for w in asr._workspaces) == [1, 1, 2]
+    assert all(w.captured for w in asr._workspaces), [w.fallback_reason for w in asr._workspaces]
     alone = [asr.transcribe(audio).text for audio in audios[:2]]
     turns = [asr.new_turn() for _ in range(2)]
     for turn in turns:
         turn.ended()
-    asr._encoder._pass_time.measured(10.0)  # (a long limit: the wait must end because the other came)
-    before = asr.encoder_stats()
+    asr._batches().timed(10.0)  # (a long limit: the wait must end because the other came)
+    before, batches_before = asr.encoder_stats(), asr.batch_stats()
     streams, texts = [torch.cuda.Stream() for _ in range(2)], [None, None]
 
     def finish(i):
@@ -309,8 +400,10 @@ def test_cuda_turns_ending_together_share_one_captured_encoder_pass(tiny_asr, au
             texts[i] = turns[i].finish(audios[i])
 
     run_in_threads(finish, [(0,), (1,)])
-    after = asr.encoder_stats()
+    after, batches_after = asr.encoder_stats(), asr.batch_stats()
     assert (after["turns"] - before["turns"], after["passes"] - before["passes"]) == (2, 1), (before, after)
+    assert (batches_after["utterances"] - batches_before["utterances"],
+            batches_after["batches"] - batches_before["batches"]) == (2, 1), (batches_before, batches_after)
     assert texts == alone
 
 
@@ -345,20 +438,35 @@ def test_a_whisper_folder_under_home_can_be_named_with_a_tilde(tiny_asr, tmp_pat
     assert torch.equal(next(loaded.model.parameters()), next(tiny_asr.model.parameters()))
 
 
-def test_one_failed_shared_encoder_pass_counts_as_one_failure(tiny_asr, audios, monkeypatch):
-    """A pass of the shared encoder fails every turn in it with the same error (an out-of-memory
-    in an 8-row pass): that is one failure of the fast path, not one per call, so the calls that
-    happened to be in it do not give the static loop up for everyone."""
-    model = varied_model(tiny_asr)
-    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10)
-    shared = RuntimeError("one pass, three turns")
+def test_one_failed_batch_counts_as_one_failure(tiny_asr, audios, monkeypatch):
+    """A batch fails every utterance in it with the same error (an out-of-memory in an 8-row
+    batch): that is one failure of the fast path, not one per call, so the calls that happened to
+    be in it do not give the static loop up for everyone."""
+    from concurrency_helpers import run_in_threads
 
-    def in_a_failed_pass(self, feats, draft=(), owner=None):
+    model = varied_model(tiny_asr)
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10,
+                             batch_rows=4)
+    shared = RuntimeError("one batch, four turns")
+
+    def in_a_failed_batch(self, utterances):
         raise shared
 
-    monkeypatch.setattr(StaticWhisperDecoder, "decode", in_a_failed_pass)
-    for _ in range(STATIC_FAILURES_TO_GIVE_UP + 1):
-        asr.transcribe(audios[0])  # each turn of the pass goes to generate
+    monkeypatch.setattr(StaticWhisperDecoder, "decode_many", in_a_failed_batch)
+    turns = [asr.new_turn() for _ in range(STATIC_FAILURES_TO_GIVE_UP + 1)]
+    for turn in turns:
+        turn.ended()
+    asr._batches().timed(10.0)  # (a long limit: the leader waits until every turn came)
+    texts = [None] * len(turns)
+
+    def finish(i):
+        texts[i] = turns[i].finish(audios[0])  # each utterance of the batch goes to generate
+
+    run_in_threads(finish, [(i,) for i in range(len(turns))])
+    expected = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=10)
+    assert texts == [tiny_asr.tokenizer.decode(expected, skip_special_tokens=True).strip()] * len(turns)
+    assert asr.batch_stats()["batches"] == 1
+    assert asr.decode == "static" and asr._static_failures == 1
     assert asr.decode == "static" and asr._static_failures == 1
 
 
@@ -382,14 +490,14 @@ def test_a_partial_running_when_its_turn_ends_does_not_wait_for_its_own_finish(t
     wait for the finish that comes after it on the same thread - a call alone never waits."""
     model = varied_model(tiny_asr)
     asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en", max_new_tokens=10,
-                             graph_mode="rehearse", encoder_rows=2)
+                             graph_mode="rehearse", batch_rows=2)
     asr.warm_up()
-    asr._encoder._pass_time.measured(5.0)
+    asr._batches().timed(5.0)
     turn = asr.new_turn()
     turn.ended()  # (the capture announces the turn; the partial below was already on its way)
     turn.partial(audios[0][: len(audios[0]) // 2])
     turn.finish(audios[0])
-    assert asr.encoder_stats()["waits"] == 0
+    assert asr.batch_stats()["waits"] == 0
 
 
 def test_the_transcribers_features_are_the_whisper_extractors(tiny_asr, audios):

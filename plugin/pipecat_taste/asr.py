@@ -20,6 +20,10 @@ gives ``generate``'s ids.
 Incremental ASR (``new_turn``): while the user speaks, the capture transcribes the audio so far
 now and then (``TurnTranscript.partial``); at the end of the turn ``TurnTranscript.finish``
 transcribes the whole turn with the latest partial's tokens as a draft.
+
+Calls whose turns end together (``batch_rows``): their transcriptions meet in one queue
+(``asr_batches.UtteranceBatcher``) and go through the static loop as one batch - one encoder
+pass, one draft check, the tails token by token side by side - instead of one after the other.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 DECODE_KINDS = ("auto", "static", "dynamic")
 STATIC_FAILURES_TO_GIVE_UP = 3  # static-loop failures in a row before every utterance goes to generate
-# Turns of calls ending together that one pass of the shared Whisper encoder takes on CUDA
-# (``encoder_rows='auto'``); elsewhere a pass costs its rows, and one turn goes at a time.
-CUDA_ENCODER_ROWS = 8
+# Utterances of calls ending together that one batch of the static loop takes on CUDA
+# (``batch_rows='auto'``); elsewhere a row costs what it computes, and each utterance goes alone.
+CUDA_BATCH_ROWS = 8
 
 
 @dataclass
@@ -63,17 +68,17 @@ def check_whisper_name(name_or_path) -> str:
 class WhisperTranscriber:
     def __init__(self, model, feature_extractor, tokenizer, *, device="cpu", language: str | None = "en",
                  max_new_tokens: int | None = 128, decode: str = "auto", graph_mode: str = "auto",
-                 encoder_rows: int | str = "auto"):
-        """``encoder_rows``: turns one pass of the workspaces' shared encoder takes (the turns of
-        calls that end together, announced by ``TurnTranscript.ended``); 'auto': ``CUDA_ENCODER_ROWS``
-        on CUDA, 1 elsewhere."""
+                 batch_rows: int | str = "auto"):
+        """``batch_rows``: utterances decoded as one batch at most (the turns of calls that end
+        together, announced by ``TurnTranscript.ended``; their encoder pass, draft check and tail
+        steps are shared); 'auto': ``CUDA_BATCH_ROWS`` on CUDA, 1 elsewhere."""
         from pipecat_taste.whisper_decode import greedy_plan
 
         if decode not in DECODE_KINDS:
             raise ValueError(f"decode must be one of {DECODE_KINDS}, got {decode!r}")
-        if encoder_rows != "auto" and (isinstance(encoder_rows, bool) or not isinstance(encoder_rows, int)
-                                       or encoder_rows < 1):
-            raise ValueError(f"encoder_rows must be an integer >= 1 or 'auto', got {encoder_rows!r}")
+        if batch_rows != "auto" and (isinstance(batch_rows, bool) or not isinstance(batch_rows, int)
+                                     or batch_rows < 1):
+            raise ValueError(f"batch_rows must be an integer >= 1 or 'auto', got {batch_rows!r}")
         self.model, self.feature_extractor, self.tokenizer = model.eval(), feature_extractor, tokenizer
         self.device, self.language, self.max_new_tokens = device, language, max_new_tokens
         self.graph_mode = graph_mode
@@ -84,11 +89,13 @@ class WhisperTranscriber:
                              "Use decode='auto' (falls back to generate) or 'dynamic'.")
         self.plan = None if isinstance(plan, str) else plan
         self.generate_reason = plan if isinstance(plan, str) else None  # why generate is used, if it is
-        # Decoding workspaces (static buffers + captured step), one per utterance being decoded:
+        # Decoding workspaces (static buffers + captured steps), one per batch being decoded:
         # calls share this transcriber and transcribe on their own threads at the same time.
-        self._workspaces: list = []
+        self._workspaces: list = []  # the free ones
+        self._made = weakref.WeakSet()  # every workspace alive, free or in use
         self._encoder = None  # the workspaces' shared EncoderGraph, made with the first workspace
-        self.encoder_rows = encoder_rows
+        self._batcher = None  # where the calls' utterances meet (UtteranceBatcher), made at the first
+        self.batch_rows = batch_rows
         self._lock = threading.Lock()
         self._static_failures = 0  # in a row: the fast path is given up only when it keeps failing
         self._last_failure = None
@@ -160,16 +167,14 @@ class WhisperTranscriber:
         features = self._features(audio16k)
         plan = self.plan
         if plan is not None:
-            workspace = self._borrow(plan)
             try:
-                ids, kept = workspace.decode(features, draft, owner)
+                ids, kept = self._batches().transcribe(features, draft, owner)
             except Exception as error:  # a broken fast path must not cost the call its transcripts
-                _settle(features)  # the dropped workspace's buffers are freed: its queued kernels end first
-                # This utterance goes to generate (its workspace is dropped). One failure (a
+                # This utterance goes to generate (its batch's workspace is dropped). One failure (a
                 # transient out-of-memory in one call) must not slow every call of the engine down
                 # for good: the fast path is given up after STATIC_FAILURES_TO_GIVE_UP in a row.
                 with self._lock:
-                    if error is not self._last_failure:  # (a failed shared encoder pass fails all its turns: once)
+                    if error is not self._last_failure:  # (a failed batch fails all its utterances: once)
                         self._static_failures += 1
                     self._last_failure = error
                     give_up = self._static_failures >= STATIC_FAILURES_TO_GIVE_UP
@@ -181,52 +186,66 @@ class WhisperTranscriber:
                                else "this utterance goes to generate", error, exc_info=True)
             else:
                 self._static_failures = 0
-                self._give_back(workspace)
                 if not plan.splits_into_segments(ids):
                     return Transcription(self._text(ids), ids, kept)
         ids = self._generate(features)
         return Transcription(self._text(ids), ids, 0)
 
     def warm_up(self, workspaces: int = 1) -> None:
-        """Transcribe a second of silence in ``workspaces`` decoding workspaces at once, one per
-        call that may transcribe at the same moment: each allocates its buffers and, on CUDA,
-        captures its steps now, not while a caller speaks (a capture then delays every call's reply)."""
+        """Prepare the decoding of ``workspaces`` utterances at once (one per call that may
+        transcribe at the same moment): that many one-row workspaces, and where utterances are
+        batched (``batch_rows`` > 1) one workspace of a batch's rows, each with its buffers
+        allocated and, on CUDA, every step captured now - not while a caller speaks (a capture
+        then delays every call's reply); then a second of silence is transcribed, timing a batch
+        (how long a batch waits for the turns announced as ending)."""
+        from taste_speech.batched_steps import step_sizes
+
         if isinstance(workspaces, bool) or not isinstance(workspaces, int) or workspaces < 1:
             raise ValueError(f"workspaces must be an integer >= 1 (calls that may transcribe at once), got {workspaces!r}")
         silence = np.zeros(16000, np.float32)
         plan = self.plan
-        if plan is not None:
-            try:  # the shared encoder's passes of every row count
-                self._shared_encoder().warm_up()
-            except Exception as error:  # the calls still transcribe: a failing pass fails their workspace
-                logger.warning("warming up the shared Whisper encoder failed: %s", error, exc_info=True)
         if plan is None:  # (generate keeps no workspace)
             self.transcribe(silence)
             return
-        features = self._features(silence)
+        try:  # the shared encoder's passes of every row count
+            self._shared_encoder().warm_up()
+        except Exception as error:  # the calls still transcribe: a failing pass fails their workspace
+            logger.warning("warming up the shared Whisper encoder failed: %s", error, exc_info=True)
+        together = min(workspaces, self._rows())
+        rows = [1] * workspaces + ([next(n for n in step_sizes(self._rows()) if n >= together)] if together > 1 else [])
         ready = []
         try:
-            for _ in range(workspaces):
-                workspace = self._borrow(plan)  # none given back yet: a new one each time
-                workspace.decode(features)
-                workspace.warm_up_verify()  # the draft check's buckets (a partial's draft grows)
+            for n in rows:
+                workspace = self._borrow(plan, n, new=True)
+                workspace.warm_up()
                 ready.append(workspace)
         except Exception as error:  # the calls still transcribe: transcribe() falls back by itself
-            logger.warning("warming up Whisper decoding workspace %d of %d failed: %s", len(ready) + 1,
-                           workspaces, error, exc_info=True)
+            batch_failed = rows[len(ready)] > 1
+            logger.warning("warming up Whisper decoding workspace %d of %d failed%s: %s", len(ready) + 1, len(rows),
+                           " (turns ending together are decoded one by one)" if batch_failed else "", error,
+                           exc_info=True)
+            if batch_failed:  # (every batch would try to make it again, and fail the same way)
+                self.batch_rows = 1
+                if self._batcher is not None:
+                    self._batcher.rows = 1
         finally:
             for workspace in ready:
                 self._give_back(workspace)
+        self.transcribe(silence)  # (a batch, its steps captured: its time bounds the waits)
 
     def expect_turn(self, owner) -> None:
-        """Announce ``owner``'s utterance (a turn that ended: ``TurnTranscript.ended``) to the
-        shared encoder: a pass that starts before it comes waits for it a little."""
+        """Announce ``owner``'s utterance (a turn that ended: ``TurnTranscript.ended``): a batch
+        that starts before it comes waits for it a little."""
         if self.plan is not None:
-            self._shared_encoder().expect_turn(owner)
+            self._batches().expect(owner)
 
     def encoder_stats(self) -> dict | None:
         """The shared encoder's turns and passes (``EncoderGraph.stats``), None before any."""
         return self._encoder.stats() if self._encoder is not None else None
+
+    def batch_stats(self) -> dict | None:
+        """The utterances decoded and the batches they took (``UtteranceBatcher.stats``), None before any."""
+        return self._batcher.stats() if self._batcher is not None else None
 
     def new_turn(self) -> "TurnTranscript | None":
         """Incremental ASR state for one user turn, or None where partials would not help
@@ -261,31 +280,88 @@ class WhisperTranscriber:
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    def _borrow(self, plan):
+    def _rows(self) -> int:
+        """Utterances one batch takes (``batch_rows``; 'auto' by where the weights are)."""
+        if self.batch_rows == "auto":
+            return CUDA_BATCH_ROWS if self.model.proj_out.weight.is_cuda else 1
+        return self.batch_rows
+
+    def _batches(self):
+        from pipecat_taste.asr_batches import UtteranceBatcher
+
+        with self._lock:
+            if self._batcher is None:
+                self._batcher = UtteranceBatcher(self._decode_batch, self._rows())
+            return self._batcher
+
+    def _decode_batch(self, batch) -> list[tuple[list[int], int]]:
+        """(A batch's leader thread.) Decode ``batch`` (``asr_batches.Utterance``) in a workspace
+        that holds it; a workspace that fails is dropped."""
+        import torch
+
+        plan = self.plan
+        if plan is None:
+            raise RuntimeError("the static Whisper loop was given up while these utterances waited")
+        for utterance in batch:  # their features were made on their own threads' streams
+            if utterance.ready is not None:
+                torch.cuda.current_stream(utterance.features.device).wait_event(utterance.ready)
+        results: list = []
+        while len(results) < len(batch):  # (in parts where no free workspace holds the whole batch)
+            workspace = self._borrow(plan, len(batch) - len(results))
+            part = batch[len(results):len(results) + workspace.rows]
+            try:
+                results += workspace.decode_many([(u.features, u.draft, u.owner) for u in part])
+            except BaseException:
+                _settle(part[0].features)  # the dropped workspace's buffers are freed: its queued kernels end first
+                raise
+            self._give_back(workspace)
+        return results
+
+    def _borrow(self, plan, utterances: int = 1, new: bool = False):
+        """A free workspace for ``utterances`` - its ``rows`` may hold fewer (the caller decodes the
+        rest next): the smallest free one that holds them all; else, where one that large exists
+        but another batch is in it, the largest free one; else a new one, of the batch's size the
+        first time a batch that large comes (an engine not warmed up for it), of one row otherwise
+        (more utterances at once than ``warm_up`` prepared for). ``new``: a new one of the batch's size."""
+        from taste_speech.batched_steps import step_sizes
+
         from pipecat_taste.whisper_decode import StaticWhisperDecoder
 
         weight = self.model.proj_out.weight
+        size = next(n for n in step_sizes(max(self._rows(), utterances)) if n >= utterances)
         with self._lock:
             # a workspace is bound to the weights' device and dtype (the model may have moved since)
-            self._workspaces = [w for w in self._workspaces if w.plan is plan and
-                                (w.device, w.dtype) == (weight.device, weight.dtype)]
-            if self._workspaces:
-                return self._workspaces.pop()
-        return StaticWhisperDecoder(self.model, plan, self.graph_mode, encoder=self._shared_encoder())
+            usable = lambda w: w.plan is plan and (w.device, w.dtype) == (weight.device, weight.dtype)  # noqa: E731
+            self._workspaces = [w for w in self._workspaces if usable(w)]
+            if not new:
+                fitting = [w for w in self._workspaces if w.rows >= utterances]
+                if fitting:
+                    workspace = min(fitting, key=lambda w: w.rows)
+                elif any(w.rows >= size for w in self._made if usable(w)):
+                    workspace = max(self._workspaces, key=lambda w: w.rows, default=None)
+                    size = 1
+                else:
+                    workspace = None
+                if workspace is not None:
+                    self._workspaces.remove(workspace)
+                    return workspace
+        workspace = StaticWhisperDecoder(self.model, plan, self.graph_mode, encoder=self._shared_encoder(), rows=size)
+        with self._lock:
+            self._made.add(workspace)
+        return workspace
 
     def _shared_encoder(self):
         """The Whisper encoder as one ``EncoderGraph`` for every workspace (it follows the weights
-        when they move or are cast)."""
+        when they move or are cast). Its passes take up to a batch's rows; the batches gather the
+        utterances, so the encoder waits for no announced turn of its own."""
         from taste_speech.encoder_graph import EncoderGraph
 
         from pipecat_taste.whisper_decode import WhisperEncoderStack
 
         with self._lock:
             if self._encoder is None:
-                rows = self.encoder_rows
-                if rows == "auto":
-                    rows = CUDA_ENCODER_ROWS if self.model.proj_out.weight.is_cuda else 1
-                self._encoder = EncoderGraph(WhisperEncoderStack(self.model), self.graph_mode, rows=rows)
+                self._encoder = EncoderGraph(WhisperEncoderStack(self.model), self.graph_mode, rows=self._rows(),
+                                             gather=0)
             return self._encoder
 
     def _give_back(self, workspace) -> None:
@@ -341,8 +417,8 @@ class TurnTranscript:
         self.kept = 0  # draft tokens the final transcription kept
 
     def ended(self) -> None:
-        """The caller stopped speaking: ``finish`` comes next. A pass of the transcriber's shared
-        encoder that another call's turn ending now starts waits a little for this one's."""
+        """The caller stopped speaking: ``finish`` comes next. A decoding batch that another call's
+        turn ending now starts waits a little for this one's (``UtteranceBatcher.expect``)."""
         self.transcriber.expect_turn(self)
 
     def partial(self, audio16k: np.ndarray) -> str:

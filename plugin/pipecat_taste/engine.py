@@ -637,11 +637,12 @@ class TasteSession:
         return new_turn() if new_turn is not None else None
 
     def turn_ended(self, transcript=None) -> None:
-        """The caller stopped speaking: this call's turn comes to the shared encoders soon - the
-        built-in ASR's (``transcript``: the turn's ``start_transcript()``, finished next) and the
-        audio tower's (after the transcript) - and their pass for another call's turn that ends
-        at the same moment waits a little for it (``EncoderGraph.expect_turn``: on the CUDA fast
-        path; elsewhere a pass takes one turn)."""
+        """The caller stopped speaking: this call's turn comes to the shared steps soon - the
+        built-in ASR's decoding batches (``transcript``: the turn's ``start_transcript()``,
+        finished next; ``UtteranceBatcher.expect``) and the audio tower's encoder (after the
+        transcript; ``EncoderGraph.expect_turn``) - and their batch or pass for another call's
+        turn that ends at the same moment waits a little for it (on the CUDA fast path; elsewhere
+        each takes one turn)."""
         ended = getattr(transcript, "ended", None)
         if ended is not None:
             ended()

@@ -15,7 +15,11 @@ kernels (GPU_NOTES.md). This loop keeps every tensor at a fixed address instead:
   that end together;
 - the one-token step (embedding, all layers, logits, suppression, argmax) is a
   :class:`~taste_speech.step_graph.StepGraph`: replayed as a CUDA graph on CUDA, eager on CPU,
-  'rehearse' for CPU tests of the capture protocol.
+  'rehearse' for CPU tests of the capture protocol;
+- a workspace holds ``rows`` utterances side by side (each row its own caches, token and
+  position): the turns of calls that end together are decoded as one batch (``decode_many``); on
+  a GPU, where a step at batch 1 is launch-bound, a row more costs little (the spoken LM's step:
+  8 rows 4.4 ms, 1 row 2.9 ms on the H100, ``lm_batch``).
 
 A *draft* (token ids from an earlier transcription of a prefix of the same audio, e.g. a partial
 transcript taken while the user was still speaking) can be verified in one multi-row pass:
@@ -32,7 +36,7 @@ pick the other token (then the transcripts differ from that token on). The CPU t
 ids; on CUDA in bfloat16 near-ties are likelier (``test_whisper_decode`` has a CUDA test).
 
 Settings supported (``greedy_plan`` returns the reason otherwise, and the caller uses
-``generate``): batch 1, short-form audio (<= 30 s, what the feature extractor gives), no
+``generate``): one utterance per features tensor, short-form audio (<= 30 s, what the feature extractor gives), no
 timestamps, greedy (``num_beams`` 1, no temperature fallback, no log-prob / no-speech /
 compression thresholds), no prompt ids, no two timestamp tokens in a row in the output
 (``splits_into_segments``: then ``generate`` runs for that utterance); the start tokens from ``language``/``task`` (or from the
@@ -203,14 +207,26 @@ class WhisperEncoderStack:
 
 
 class StaticWhisperDecoder:
-    """One decoding workspace (buffers + captured step) for one utterance at a time. A
-    transcriber shared by concurrent calls keeps one per concurrent utterance; they share the
-    ``encoder`` (an ``EncoderGraph`` of ``WhisperEncoderStack``; None: one of their own)."""
+    """One decoding workspace (buffers + captured steps) for up to ``rows`` utterances decoded
+    together: the turns of calls that end at the same moment go through every step as one batch
+    (a step at batch 1 is launch-bound on a GPU: a row more costs little). Each row has its
+    own keys/values, cross keys/values, token and position. A transcriber shared by concurrent
+    calls keeps several workspaces; they share the ``encoder`` (an ``EncoderGraph`` of
+    ``WhisperEncoderStack``; None: one of their own).
 
-    def __init__(self, model, plan: GreedyPlan, graph_mode: str = "auto", encoder=None):
+    A step over m utterances runs the first n rows, n the smallest of ``sizes`` (1, 2, 4 ...
+    ``rows``) that holds them, one captured graph per n; a row without an utterance, or whose
+    utterance has ended, feeds end-of-text at position 0 of its own cache, which no later step of
+    this decode reads (a new decode writes its rows again)."""
+
+    def __init__(self, model, plan: GreedyPlan, graph_mode: str = "auto", encoder=None, rows: int = 1):
+        from taste_speech.batched_steps import step_sizes
         from taste_speech.encoder_graph import EncoderGraph
 
-        self.model, self.plan = model, plan
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows must be an integer >= 1 (utterances decoded together), got {rows!r}")
+        self.model, self.plan, self.rows = model, plan, rows
+        self.sizes = step_sizes(rows)
         self.decoder = model.model.decoder
         weight = model.proj_out.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -218,33 +234,36 @@ class StaticWhisperDecoder:
         config = model.config
         self.heads = config.decoder_attention_heads
         self.head_dim = config.d_model // self.heads
-        rows, sources = plan.max_length, config.max_source_positions
-        zeros = lambda n: torch.zeros(1, self.heads, n, self.head_dim, device=self.device, dtype=self.dtype)  # noqa: E731
+        length, sources = plan.max_length, config.max_source_positions
+        zeros = lambda n: torch.zeros(rows, self.heads, n, self.head_dim, device=self.device, dtype=self.dtype)  # noqa: E731
         layers = len(self.decoder.layers)
-        self.self_k, self.self_v = [zeros(rows) for _ in range(layers)], [zeros(rows) for _ in range(layers)]
+        self.self_k, self.self_v = [zeros(length) for _ in range(layers)], [zeros(length) for _ in range(layers)]
         self.cross_k, self.cross_v = [zeros(sources) for _ in range(layers)], [zeros(sources) for _ in range(layers)]
-        self.key_positions = torch.arange(rows, device=self.device)
+        self.key_positions = torch.arange(length, device=self.device)
+        self.row_ids = torch.arange(rows, device=self.device).unsqueeze(1)  # (rows, 1): each row's own cache
         self.suppress_bias = self._bias(plan.suppress_tokens)
         self.begin_bias = self._bias(plan.begin_suppress_tokens)
-        # The captured step's inputs: the token to feed and its position (device tensors).
-        self.token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.position = torch.zeros(1, dtype=torch.long, device=self.device)
-        # Its only side effect is writing the keys/values of row ``position``, which the real
-        # run writes again: the warm-up runs need no rewind.
-        self.step = StepGraph(self._one_token, self.device, self.graph_mode, name="Whisper decoder step")
-        # The utterance's encoding: the encoder's output in, the cross keys/values written (again
+        # The one-token step's inputs: each row's token to feed and its position (device tensors).
+        # Its only side effect is writing the keys/values of those positions, which the real run
+        # writes again: the warm-up runs need no rewind.
+        self.token = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        self.position = torch.zeros(rows, dtype=torch.long, device=self.device)
+        # The utterances' encodings: the encoder's outputs in, the cross keys/values written (again
         # the same values on a re-run: no rewind either).
         self.encoder = encoder if encoder is not None else EncoderGraph(WhisperEncoderStack(model), graph_mode)
-        self.states = torch.zeros(1, sources, config.d_model, device=self.device, dtype=self.dtype)
-        self.cross_step = StepGraph(self._cross_keys_values, self.device, self.graph_mode,
-                                    name="Whisper cross keys/values")
-        # The draft check per bucket of rows: the rows' tokens in (padding: end-of-text), the
-        # greedy token after each row out; it writes the keys/values of rows 0..bucket-1, which
-        # the real run writes again (no rewind).
-        # (eager, padding would only add rows to compute: the check runs unpadded)
-        self.verify_buckets = () if self.graph_mode == "eager" else tuple(b for b in VERIFY_BUCKETS if b <= rows)
-        self._verify_tokens: dict[int, torch.Tensor] = {}
-        self._verify_steps: dict[int, StepGraph] = {}
+        self.states = torch.zeros(rows, sources, config.d_model, device=self.device, dtype=self.dtype)
+        # The draft check per bucket of rows: each row's tokens in (padding: end-of-text), the greedy
+        # token after each of them out; it writes the keys/values of positions 0..bucket-1, which the
+        # real run writes again (no rewind). (Eager, padding would only add work: the check runs at
+        # the longest row's length.)
+        self.verify_buckets = () if self.graph_mode == "eager" else tuple(b for b in VERIFY_BUCKETS if b <= length)
+        self._check_tokens = {bucket: torch.full((rows, bucket), plan.eos_token_id, dtype=torch.long,
+                                                 device=self.device) for bucket in self.verify_buckets}
+        # Every graph of the workspace, made when first run: ('step', n), ('cross', n), ('check', n, bucket).
+        # They share one memory pool: one thread at a time uses a workspace, and reads each output
+        # before the next graph runs.
+        self._graphs: dict[tuple, StepGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
 
     def _bias(self, tokens: Sequence[int]) -> torch.Tensor:
         vocab = self.model.proj_out.out_features
@@ -256,138 +275,182 @@ class StaticWhisperDecoder:
 
     @property
     def captured(self) -> bool:
-        return self.step.captured and self.cross_step.captured and self.encoder.captured and \
-            all(step.captured for step in self._verify_steps.values())
+        """Every graph made so far (and the shared encoder's) is captured, and some were made."""
+        return bool(self._graphs) and all(graph.captured for graph in self._graphs.values()) and \
+            self.encoder.captured
 
     @property
     def fallback_reason(self) -> str | None:
-        steps = (self.step, self.cross_step, *self._verify_steps.values())
-        return next((step.fallback_reason for step in steps if step.fallback_reason), None) or \
+        return next((graph.fallback_reason for graph in self._graphs.values() if graph.fallback_reason), None) or \
             self.encoder.fallback_reason
+
+    def _graph(self, key: tuple) -> StepGraph:
+        if key not in self._graphs:
+            kind, n = key[:2]
+            if kind == "step":
+                step, name = (lambda: self._one_token(n)), f"Whisper decoder step x{n}"
+            elif kind == "cross":
+                step, name = (lambda: self._cross_keys_values(n)), f"Whisper cross keys/values x{n}"
+            else:
+                bucket = key[2]
+                step, name = (lambda: self._check(n, bucket)), f"Whisper draft check x{n} ({bucket} rows)"
+            self._graphs[key] = StepGraph(step, self.device, self.graph_mode, pool=self._pool, name=name)
+        return self._graphs[key]
+
+    def _size(self, utterances: int) -> int:
+        """The step size (rows run) for ``utterances`` utterances."""
+        if utterances > self.rows:
+            raise ValueError(f"{utterances} utterances do not fit a workspace of {self.rows} rows")
+        return next(n for n in self.sizes if n >= utterances)
 
     # -- the transformer --------------------------------------------------------------------------
     def _rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states (1, T, d) of ``tokens`` (1, T) at ``positions`` (T,), writing their
-        self-attention keys/values. Same operations, in the same order, as transformers'
-        WhisperDecoder (pre-norm layers, query scaled before attention), graph-safe for T = 1."""
-        dec, t = self.decoder, tokens.shape[1]
-        x = dec.embed_tokens(tokens) + dec.embed_positions.weight[positions].unsqueeze(0)
-        visible = self.key_positions.unsqueeze(0) <= positions.unsqueeze(1)  # (T, rows)
+        """Hidden states (n, T, d) of ``tokens`` (n, T) at ``positions`` (n, T) in the first n rows,
+        writing their self-attention keys/values. Same operations, in the same order, as
+        transformers' WhisperDecoder (pre-norm layers, query scaled before attention), graph-safe."""
+        dec, (n, t) = self.decoder, tokens.shape
+        x = dec.embed_tokens(tokens) + dec.embed_positions.weight[positions]
+        visible = (self.key_positions <= positions.unsqueeze(-1)).unsqueeze(1)  # (n, 1, T, length)
+        rows = self.row_ids[:n]
         for i, layer in enumerate(dec.layers):
             attn = layer.self_attn
             h = layer.self_attn_layer_norm(x)
-            q = self._heads(attn.q_proj(h) * attn.scaling, t)
-            self.self_k[i].index_copy_(2, positions, self._heads(attn.k_proj(h), t))
-            self.self_v[i].index_copy_(2, positions, self._heads(attn.v_proj(h), t))
-            o = F.scaled_dot_product_attention(q, self.self_k[i], self.self_v[i], attn_mask=visible, scale=1.0)
-            x = x + attn.out_proj(o.transpose(1, 2).reshape(1, t, -1))
+            q = self._heads(attn.q_proj(h) * attn.scaling)
+            keys, values = self.self_k[i][:n], self.self_v[i][:n]
+            keys[rows, :, positions] = attn.k_proj(h).view(n, t, self.heads, self.head_dim)
+            values[rows, :, positions] = attn.v_proj(h).view(n, t, self.heads, self.head_dim)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=1.0)
+            x = x + attn.out_proj(o.transpose(1, 2).reshape(n, t, -1))
             cross = layer.encoder_attn
             h = layer.encoder_attn_layer_norm(x)
-            q = self._heads(cross.q_proj(h) * cross.scaling, t)
-            o = F.scaled_dot_product_attention(q, self.cross_k[i], self.cross_v[i], scale=1.0)
-            x = x + cross.out_proj(o.transpose(1, 2).reshape(1, t, -1))
+            q = self._heads(cross.q_proj(h) * cross.scaling)
+            o = F.scaled_dot_product_attention(q, self.cross_k[i][:n], self.cross_v[i][:n], scale=1.0)
+            x = x + cross.out_proj(o.transpose(1, 2).reshape(n, t, -1))
             h = layer.final_layer_norm(x)
             x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
         return dec.layer_norm(x)
 
-    def _heads(self, x: torch.Tensor, t: int) -> torch.Tensor:
-        return x.view(1, t, self.heads, self.head_dim).transpose(1, 2).contiguous()
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        n, t = x.shape[:2]
+        return x.view(n, t, self.heads, self.head_dim).transpose(1, 2).contiguous()
 
     def _scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(T, vocab) float32 logits with the always-suppressed tokens at -inf."""
-        return self.model.proj_out(hidden)[0].float() + self.suppress_bias
+        """(n, T, vocab) float32 logits with the always-suppressed tokens at -inf."""
+        return self.model.proj_out(hidden).float() + self.suppress_bias
 
-    def _one_token(self) -> torch.Tensor:
-        """The captured step: the next token (1,) after ``self.token`` at ``self.position``."""
-        return self._scores(self._rows(self.token, self.position)).argmax(-1)
+    def _one_token(self, n: int) -> torch.Tensor:
+        """The captured step: each of the first ``n`` rows' next token (n,) after its ``token`` at its ``position``."""
+        return self._scores(self._rows(self.token[:n], self.position[:n].unsqueeze(1)))[:, 0].argmax(-1)
 
-    def _encode(self, features: torch.Tensor, owner=None) -> None:
-        config = self.model.config
-        expected = (1, config.num_mel_bins, 2 * config.max_source_positions)
-        if tuple(features.shape) != expected:
-            raise ValueError(f"Whisper features must be {expected} (the padded 30 s window), "
-                             f"got {tuple(features.shape)}: use the model's feature extractor")
-        (states,) = self.encoder(features, owner=owner)
-        self.states.copy_(states)
-        self.cross_step.run()
-
-    def _cross_keys_values(self) -> torch.Tensor:
-        """The captured step: ``self.states`` (the encoder's output) -> every layer's cross-attention keys/values."""
-        states = self.states
+    def _cross_keys_values(self, n: int) -> torch.Tensor:
+        """The captured step: the first ``n`` rows of ``states`` (the encoder's outputs) -> every
+        layer's cross-attention keys/values."""
+        states = self.states[:n]
         for i, layer in enumerate(self.decoder.layers):
             cross = layer.encoder_attn
-            self.cross_k[i].copy_(self._heads(cross.k_proj(states), states.shape[1]))
-            self.cross_v[i].copy_(self._heads(cross.v_proj(states), states.shape[1]))
+            self.cross_k[i][:n].copy_(self._heads(cross.k_proj(states)))
+            self.cross_v[i][:n].copy_(self._heads(cross.v_proj(states)))
         return self.cross_v[-1]
 
-    def _verify_step(self, bucket: int) -> StepGraph:
-        if bucket not in self._verify_steps:
-            self._verify_tokens[bucket] = torch.full((1, bucket), self.plan.eos_token_id, dtype=torch.long,
-                                                     device=self.device)
-            self._verify_steps[bucket] = StepGraph(lambda: self._verify(bucket), self.device, self.graph_mode,
-                                                   name=f"Whisper draft check ({bucket} rows)")
-        return self._verify_steps[bucket]
-
-    def _verify(self, bucket: int) -> torch.Tensor:
-        """The captured draft check: the greedy token after every row from the first start token's
-        last (``bucket`` - start tokens + 1 of them; the first with the begin suppression)."""
-        return self._greedy_after_start(self._rows(self._verify_tokens[bucket], self.key_positions[:bucket]))
+    def _check(self, n: int, bucket: int) -> torch.Tensor:
+        """The captured draft check of the first ``n`` rows: the greedy token after each of their
+        ``bucket`` tokens from the last start token on."""
+        return self._greedy_after_start(self._rows(self._check_tokens[bucket][:n],
+                                                   self.key_positions[:bucket].expand(n, bucket)))
 
     def _greedy_after_start(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The greedy token after each row of ``hidden`` from the last start token on (the first
-        with the begin suppression)."""
+        """The greedy token after each row of ``hidden`` (n, T, d) from the last start token on (the
+        first with the begin suppression)."""
         scores = self._scores(hidden[:, len(self.plan.init_tokens) - 1:])
-        scores[0] += self.begin_bias
+        scores[:, 0] += self.begin_bias
         return scores.argmax(-1)
 
-    def _check_draft(self, rows: list[int]) -> list[int]:
-        """The greedy token after each row of ``rows`` from the last start token on (one pass;
-        captured where a bucket holds the rows)."""
-        first = len(self.plan.init_tokens) - 1
-        bucket = next((b for b in self.verify_buckets if b >= len(rows)), None)
+    def _check_drafts(self, rows: list[list[int]]) -> list[list[int]]:
+        """For each utterance's tokens (start tokens + draft), the greedy token after each of them
+        from the last start token on: one pass for all, captured where a bucket holds the longest."""
+        first, eos = len(self.plan.init_tokens) - 1, self.plan.eos_token_id
+        n, longest = self._size(len(rows)), max(len(r) for r in rows)
+        bucket = next((b for b in self.verify_buckets if b >= longest), None)
+        width = bucket or longest
+        padded = torch.tensor([r + [eos] * (width - len(r)) for r in rows] + [[eos] * width] * (n - len(rows)))
         if bucket is None:
-            hidden = self._rows(torch.tensor([rows], device=self.device), torch.arange(len(rows), device=self.device))
-            return self._greedy_after_start(hidden).tolist()
-        step = self._verify_step(bucket)
-        tokens = self._verify_tokens[bucket]
-        tokens[:, :len(rows)].copy_(torch.tensor([rows]))
-        tokens[:, len(rows):].fill_(self.plan.eos_token_id)
-        return step.run()[:len(rows) - first].tolist()
+            padded = padded.to(self.device)
+            predicted = self._greedy_after_start(self._rows(padded, self.key_positions[:width].expand(n, width)))
+        else:
+            self._check_tokens[bucket][:n].copy_(padded)
+            predicted = self._graph(("check", n, bucket)).run()
+        predicted = predicted.tolist()
+        return [predicted[i][:len(r) - first] for i, r in enumerate(rows)]
 
-    def warm_up_verify(self) -> None:
-        """Capture the draft check of every bucket now (its rows: end-of-text tokens; a real check
-        writes its rows again)."""
+    def warm_up(self) -> None:
+        """Run (capture, on CUDA) every graph of every step size now - the cross keys/values, the
+        one-token step and the draft check of every bucket - so that no utterance pays for a capture
+        (their rows: end-of-text at the first positions; a real decode writes its rows again)."""
         with torch.inference_mode():
-            for bucket in self.verify_buckets:
-                self._verify_step(bucket).run()
+            self.token.fill_(self.plan.eos_token_id)
+            self.position.zero_()
+            for n in reversed(self.sizes):  # largest first: the others reuse its pool memory
+                self._graph(("cross", n)).run()
+                self._graph(("step", n)).run()
+                for bucket in self.verify_buckets:
+                    self._check_tokens[bucket].fill_(self.plan.eos_token_id)
+                    self._graph(("check", n, bucket)).run()
 
     # -- decoding ---------------------------------------------------------------------------------
     def decode(self, features: torch.Tensor, draft: Sequence[int] = (), owner=None) -> tuple[list[int], int]:
         """Greedy token ids for ``features`` (1, mels, 3000), as ``generate`` returns them, and
-        how many tokens of ``draft`` were verified and kept. ``owner``: who announced this
-        utterance to the shared encoder (``EncoderGraph.expect_turn``), if anyone."""
-        plan = self.plan
+        how many tokens of ``draft`` were verified and kept. ``owner``: who brings it to the
+        shared encoder, if anyone."""
+        return self.decode_many([(features, draft, owner)])[0]
+
+    def decode_many(self, utterances: list[tuple]) -> list[tuple[list[int], int]]:
+        """``decode`` for several utterances at once, each ``(features, draft, owner)``; at most
+        ``rows`` of them. Each gets what it gets decoded alone: its rows never see another's (in
+        exact arithmetic; the CPU tests see identical ids - on CUDA in bfloat16 a batch's other
+        matrix shapes may round a near-tie the other way, as the module's docstring says)."""
+        plan, eos = self.plan, self.plan.eos_token_id
         room = plan.max_new_tokens
+        n = self._size(len(utterances))
         if room == 0:
-            return [], 0
+            return [([], 0) for _ in utterances]
         with torch.inference_mode():
-            self._encode(features.to(self.device, self.dtype), owner)
-            draft = [int(t) for t in draft][: room - 1]
-            predicted = self._check_draft(list(plan.init_tokens) + draft)
-            generated: list[int] = []
-            for token in predicted:  # accept the draft while greedy decoding agrees with it
-                generated.append(token)
-                k = len(generated) - 1
-                if token == plan.eos_token_id or len(generated) == room or k >= len(draft) or token != draft[k]:
-                    break
-            kept = _common_prefix(generated, draft)
-            position = len(plan.init_tokens) + len(generated) - 1
-            while generated[-1] != plan.eos_token_id and len(generated) < room:
-                self.token.fill_(generated[-1])
-                self.position.fill_(position)
-                generated.append(int(self.step.run()))
-                position += 1
-        return plan.finish(generated), kept
+            self._encode([u[0] for u in utterances], [u[2] if len(u) > 2 else None for u in utterances], n)
+            drafts = [[int(t) for t in u[1]][: room - 1] for u in utterances]
+            checked = self._check_drafts([list(plan.init_tokens) + draft for draft in drafts])
+            generated = []
+            for predicted, draft in zip(checked, drafts):  # accept each draft while greedy decoding agrees
+                tokens: list[int] = []
+                for token in predicted:
+                    tokens.append(token)
+                    k = len(tokens) - 1
+                    if token == eos or len(tokens) == room or k >= len(draft) or token != draft[k]:
+                        break
+                generated.append(tokens)
+            kept = [_common_prefix(tokens, draft) for tokens, draft in zip(generated, drafts)]
+            live = lambda tokens: tokens[-1] != eos and len(tokens) < room  # noqa: E731
+            start = len(plan.init_tokens) - 1
+            while active := [i for i, tokens in enumerate(generated) if live(tokens)]:
+                feed, at = [eos] * n, [0] * n  # idle and ended rows: end-of-text at position 0 of their own cache
+                for i in active:
+                    feed[i], at[i] = generated[i][-1], start + len(generated[i])
+                self.token[:n, 0].copy_(torch.tensor(feed))
+                self.position[:n].copy_(torch.tensor(at))
+                out = self._graph(("step", n)).run().tolist()
+                for i in active:
+                    generated[i].append(out[i])
+        return [(plan.finish(tokens), k) for tokens, k in zip(generated, kept)]
+
+    def _encode(self, features: list[torch.Tensor], owners: list, n: int) -> None:
+        config = self.model.config
+        expected = (1, config.num_mel_bins, 2 * config.max_source_positions)
+        for feats in features:
+            if tuple(feats.shape) != expected:
+                raise ValueError(f"Whisper features must be {expected} (the padded 30 s window), "
+                                 f"got {tuple(feats.shape)}: use the model's feature extractor")
+        windows = [feats.to(self.device, self.dtype) for feats in features]
+        for row, (states,) in enumerate(self.encoder.encode(windows, owners)):
+            self.states[row:row + 1].copy_(states)
+        self._graph(("cross", n)).run()
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
