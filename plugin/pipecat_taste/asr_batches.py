@@ -1,11 +1,10 @@
 """UtteranceBatcher: the transcriptions of calls whose turns end together, decoded as one batch.
 
 When several callers stop speaking at the same moment, each call's listening thread asks the
-shared transcriber for its turn's transcript. Decoded one by one on a GPU those are eight
-launch-bound decodes in a row (the draft check, the tail token by token; even with their encoder
-passes shared, as ``EncoderGraph`` did for them before); decoded as one
-batch (``StaticWhisperDecoder.decode_many``) every step serves all eight, and a row more costs
-little in a launch-bound step.
+shared transcriber for its turn's transcript. One by one, those are eight decodes in a row on a
+GPU, each launch-bound (a draft check, then the tail token by token). As one batch
+(``StaticWhisperDecoder.decode_many``) each step serves all eight, and in a launch-bound step a
+row more costs little.
 
 How the utterances meet (continuous batching without a scheduler thread, as ``EncoderGraph`` does
 for its passes): every utterance joins one queue; a thread whose utterance is waiting and which
