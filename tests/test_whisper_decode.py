@@ -8,6 +8,9 @@ output changes with the audio and the position, with Whisper-large-v3-like gener
 (language and task tokens, <|notimestamps|>, suppressed tokens, tokens suppressed at the start).
 """
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -375,7 +378,6 @@ def test_cuda_turns_ending_together_are_transcribed_as_one_captured_batch(tiny_a
     """Two calls on CUDA streams of their own whose turns end at once: one batch (8 rows on CUDA)
     decodes both - one captured encoder pass, the draft checks and tails side by side - and each
     gets the transcript it gets alone."""
-    import time
 
     from concurrency_helpers import run_in_threads
 
@@ -517,3 +519,49 @@ def test_the_transcribers_features_are_the_whisper_extractors(tiny_asr, audios):
     other.feature_extractor = WhisperFeatureExtractor(feature_size=80, hop_length=200)  # not Whisper's hop
     expected = other.feature_extractor(audios[0], sampling_rate=16000, return_tensors="pt").input_features
     assert torch.equal(other._features(audios[0]), expected)
+
+
+def test_calls_transcribing_at_random_moments_get_the_transcripts_they_get_alone(tiny_asr, audios):
+    """Four calls, three turns each, on their own threads: partial transcripts and turn ends at
+    random moments (a few turns ending together), through a transcriber that batches up to 4
+    utterances. Every partial and every final transcript is the one a transcriber without batches
+    gives, some batches held several utterances, and nobody hung."""
+    import random
+
+    from concurrency_helpers import run_in_threads
+
+    model = varied_model(tiny_asr)
+
+    def transcriber(rows):
+        return WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language="en",
+                                  max_new_tokens=12, graph_mode="rehearse", batch_rows=rows)
+
+    batched, alone = transcriber(4), transcriber(1)
+    batched.warm_up(workspaces=4)
+    cuts = (0.4, 0.7)
+    expected = {(i, cut): alone.transcribe(audio[: int(audio.size * cut)]).ids
+                for i, audio in enumerate(audios) for cut in (*cuts, 1.0)}
+    got, lock = [], threading.Lock()
+
+    def call(c):
+        rng = random.Random(c)
+        for turn_index in range(3):
+            i = (c + turn_index) % len(audios)
+            audio = audios[i]
+            turn = batched.new_turn()
+            for cut in cuts:
+                time.sleep(rng.uniform(0, 0.01))
+                turn.partial(audio[: int(audio.size * cut)])
+                with lock:
+                    got.append(((i, cut), turn.draft))
+            turn.ended()
+            time.sleep(rng.uniform(0, 0.005))
+            result = batched.transcribe(audio, turn.draft, owner=turn)
+            with lock:
+                got.append(((i, 1.0), result.ids))
+
+    run_in_threads(call, [(c,) for c in range(4)])
+    assert len(got) == 4 * 3 * 3
+    assert all(ids == expected[key] for key, ids in got), [key for key, ids in got if ids != expected[key]]
+    stats = batched.batch_stats()
+    assert stats["utterances"] == 4 * 3 * 3 + 1 and stats["batches"] < stats["utterances"], stats  # (+1: warm-up)
