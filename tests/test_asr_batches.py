@@ -67,9 +67,7 @@ def test_announced_utterances_coming_apart_are_decoded_as_one_batch():
         time.sleep(0.02 * i)
         results[i] = batcher.transcribe(torch.tensor(10 + i), [1] * i, owners[i])
 
-    started = time.perf_counter()
     run_in_threads(transcribe, [(i,) for i in range(3)])
-    assert time.perf_counter() - started < 2.0  # not the 10 s limit (nor the 0.2 s cap... much)
     assert results == [([10], 0), ([11], 1), ([12], 2)]
     assert batches == [[10, 11, 12]]
     stats = batcher.stats()
@@ -125,10 +123,8 @@ def test_an_announced_utterance_that_never_comes_is_waited_for_a_bounded_time():
     started = time.perf_counter()
     assert batcher.transcribe(torch.tensor(3), owner=Owner()) == ([3], 0)
     assert 0.04 < time.perf_counter() - started < 1.0
-    started = time.perf_counter()
     batcher.transcribe(torch.tensor(4))
-    assert time.perf_counter() - started < 0.04
-    assert batcher.stats()["waits"] == 1
+    assert batcher.stats()["waits"] == 1  # (the second batch did not wait: the announcement was forgotten)
 
 
 def test_a_failed_batch_fails_each_of_its_utterances_with_its_error():
