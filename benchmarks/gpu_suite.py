@@ -630,6 +630,36 @@ def tower_encoder_ms(engine, repeats: int) -> dict:
 
 
 @torch.inference_mode()
+def tower_text_ms(engine, repeats: int) -> dict:
+    """The whole audio tower on a 3 s turn, its encoder captured both ways (the engine's step): the
+    text side (pooler, word means, RVQ, the codes read back) eager vs the engine's ``PoolerGraph``."""
+    from taste_speech.pooler_graph import PoolerGraph
+
+    tower = engine.model.audio_tower
+    device = tower.encoder.conv1.weight.device
+    features = engine.processor.audio_features(user_audio(), 16000).to(device)
+    aligned = engine.processor.align_llm_ids(engine.processor.process_text(USER_TEXT).llm_token_ids)
+    host_ids = (aligned.asr_token_ids, aligned.asr_word_ids, aligned.llm_word_ids)
+    device_ids = tuple(ids.to(device) for ids in host_ids)
+    encoder = engine.tower_encoder  # (None on a CPU: eager, the harness only)
+    pooler = engine.tower_pooler or PoolerGraph(tower, "eager")
+
+    def median_ms(run) -> float:
+        run()  # warm-up (and capture)
+        times = []
+        for _ in range(repeats):
+            sync(engine.device)
+            t0 = time.perf_counter()
+            run()  # (the codes on the host at the end: a sync either way)
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+    return {"eager": median_ms(lambda: tower.extract_vq(features, *device_ids, encoder=encoder)[1].cpu()),
+            "graph": median_ms(lambda: tower.extract_vq(features, *host_ids, encoder=encoder, pooler=pooler)[1]),
+            "mode": pooler.mode if pooler.fallback_reason is None else "eager: capture failed"}
+
+
+@torch.inference_mode()
 def prefill_ms(engine, repeats: int, rows: int = 48) -> dict:
     """A turn's prefill (``rows`` rows into an empty static cache): eager vs the 64-row bucket's graph."""
     lm = engine.model.spoken_lm
@@ -663,6 +693,7 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
             side = lm_ms_per_token(engine, GRAPHED, context, steps)
         out["lm_ms_per_token"] = {"context": context, "side": side, "merged": merged}
     out["tower_encoder_ms"] = tower_encoder_ms(engine, repeats=steps // 5 or 1)
+    out["tower_text_ms"] = tower_text_ms(engine, repeats=steps // 5 or 1)
     out["prefill_ms"] = prefill_ms(engine, repeats=steps // 5 or 1)
     out["first_chunk_flow"] = first_chunk_steps(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     out["flow_kernels"] = flow_kernel_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
@@ -1200,6 +1231,11 @@ def lever_lines(lever: dict) -> list[str]:
     tower = lever["tower_encoder_ms"]
     rows.append(["audio tower's Whisper encoder ms (3 s turn, padded window)", "eager", fmt(tower["eager"]),
                  f"one captured step ({tower['mode']})", fmt(tower["graph"]), f"{tower['graph'] / tower['eager']:.2f}"])
+    if "tower_text_ms" in lever:
+        text = lever["tower_text_ms"]
+        rows.append(["audio tower ms (3 s turn, encoder captured; codes read back)", "text side eager",
+                     fmt(text["eager"]), f"text side one captured step per length bucket ({text['mode']})",
+                     fmt(text["graph"]), f"{text['graph'] / text['eager']:.2f}"])
     prefill = lever["prefill_ms"]
     rows.append(["spoken LM prefill ms (a 48-row turn)", "eager", fmt(prefill["eager"]),
                  f"64-row bucket step ({prefill['graph_mode']})", fmt(prefill["graph"]),

@@ -251,13 +251,22 @@ class TasteAudioTower(nn.Module):
             cross_attn_probs=probs,
         )
 
-    def extract_vq(self, audio_features, asr_token_ids, asr_word_ids, llm_word_ids, encoder=None):
+    def extract_vq(self, audio_features, asr_token_ids, asr_word_ids, llm_word_ids, encoder=None, pooler=None):
         """TASTE codes of a turn in both token spaces (the original's ``extract_vq``, batch 1):
         returns (asr_indices (1, L, K), llm_indices (1, N, K)); llm_indices holds the word's codes
-        on the first Llama token of each word and -1 elsewhere. ``encoder``: see :meth:`encode_audio`."""
+        on the first Llama token of each word and -1 elsewhere. ``encoder``: see :meth:`encode_audio`.
+        ``pooler``: a ``PoolerGraph`` of this tower to run the text side with (None: eagerly); with
+        it the codes are made on the tower's device and mapped where the ids are (give host ids, and
+        nothing waits for the GPU before the codes are read)."""
         if llm_word_ids.dim() != 2 or llm_word_ids.shape[0] != 1:
             raise ValueError(f"llm_word_ids must be (1, N), got {tuple(llm_word_ids.shape)}")
-        asr_indices = self(audio_features, asr_token_ids, asr_word_ids, encoder).asr_indices
+        if pooler is None:
+            asr_indices = self(audio_features, asr_token_ids, asr_word_ids, encoder).asr_indices
+        else:
+            self._check_text(asr_token_ids, asr_word_ids)
+            target, last = self.encode_audio(audio_features, encoder)
+            asr_indices = pooler(self.decoder_input_ids(asr_token_ids), last, target, asr_word_ids)
+            asr_indices = asr_indices.to(asr_word_ids.device)
         llm_indices = llm_indices_from_asr(asr_indices, asr_word_ids.to(asr_indices.device),
                                            llm_word_ids.to(asr_indices.device))
         return asr_indices, llm_indices

@@ -193,14 +193,16 @@ class TasteForCausalLM(TastePreTrainedModel):
 
     # -- the model-level API ----------------------------------------------------------------------
     @torch.no_grad()
-    def extract_vq(self, audio_features, asr_token_ids, asr_word_ids, llm_word_ids, encoder=None, **unused):
+    def extract_vq(self, audio_features, asr_token_ids, asr_word_ids, llm_word_ids, encoder=None, pooler=None,
+                   **unused):
         """TASTE codes of one turn (batch 1): ``(asr_indices (1, L, K), llm_indices (1, N, K))``.
 
         ``llm_indices`` carries each word's code on its first Llama token and -1 elsewhere (what the
         spoken LM's prompt takes). Extra processor outputs (lengths, llm_token_ids, ...) are accepted
         and ignored, so ``model.extract_vq(**processor_outputs)`` works. ``encoder``: an
-        ``EncoderGraph`` of the audio tower (``taste_speech.encoder_graph``), or None (eager)."""
-        return self.audio_tower.extract_vq(audio_features, asr_token_ids, asr_word_ids, llm_word_ids, encoder)
+        ``EncoderGraph`` of the audio tower (``taste_speech.encoder_graph``), or None (eager);
+        ``pooler``: a ``PoolerGraph`` of it for the text side (``taste_speech.pooler_graph``), or None."""
+        return self.audio_tower.extract_vq(audio_features, asr_token_ids, asr_word_ids, llm_word_ids, encoder, pooler)
 
     @torch.no_grad()
     def inference_completion(self, processor, llm_token_ids=None, llm_word_ids=None, asr_token_ids=None,

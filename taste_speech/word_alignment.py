@@ -92,16 +92,26 @@ def mean_pool_words(states: torch.Tensor, word_ids: torch.Tensor) -> torch.Tenso
     n = word_ids.shape[1]
     if n == 0:
         return states
-    ids = word_ids[0].to(states.device)
-    run_starts = torch.ones(n, dtype=torch.bool, device=states.device)
-    run_starts[1:] = ids[1:] != ids[:-1]
-    run = run_starts.long().cumsum(0) - 1  # run number of every token
-    n_runs = int(run[-1]) + 1
-    words = states[0, :n]
-    sums = words.new_zeros(n_runs, words.shape[-1]).index_add_(0, run, words)
-    counts = torch.bincount(run, minlength=n_runs).unsqueeze(-1)
-    pooled = torch.where(counts[run] > 1, (sums / counts.to(words.dtype))[run], words)
-    return torch.cat([pooled, states[0, n:]], dim=0).unsqueeze(0)
+    run, sizes = word_runs(word_ids[0].to(states.device))
+    return torch.cat([mean_pool_runs(states[0, :n], run, sizes), states[0, n:]], dim=0).unsqueeze(0)
+
+
+def word_runs(word_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T,) word ids -> (run number of every token (T,), size of that token's run (T,)), a run being
+    consecutive equal ids: what ``mean_pool_runs`` takes."""
+    starts = torch.ones(word_ids.shape[0], dtype=torch.bool, device=word_ids.device)
+    starts[1:] = word_ids[1:] != word_ids[:-1]
+    run = starts.long().cumsum(0) - 1
+    return run, torch.bincount(run, minlength=word_ids.shape[0])[run]
+
+
+def mean_pool_runs(rows: torch.Tensor, run: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """rows (T, D); run (T,) each row's run number (< T); sizes (T,) the size of each row's run ->
+    every row of a run of two or more replaced by the run's mean, the others exactly as they are.
+    One shape in, one out, no host reads: a captured step runs it too (``pooler_graph``)."""
+    sums = torch.zeros_like(rows).index_add_(0, run, rows)
+    size = sizes.unsqueeze(-1)
+    return torch.where(size > 1, sums[run] / size.to(rows.dtype), rows)
 
 
 def multi_token_word_spans(word_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:

@@ -162,6 +162,18 @@ def test_segment_operator_benchmark_splits_each_segment_into_its_start_and_its_s
         assert int(per_step) > 10 and int(outside) > 0
 
 
+def test_tower_text_benchmark_counts_what_one_replay_takes_over(model, processor):
+    """bench_tower_text at tiny size: the same codes both ways (it asserts so), the eager text side's
+    host reads gone with the pooler, and most of its operators inside the pooler's one step."""
+    from benchmarks import bench_tower_text
+
+    f = bench_tower_text.figures(model, processor, 3.0, "hello there could you tell me what time it is", repeats=1)
+    eager, pooler = f["eager"], f["pooler"]
+    assert eager["host_reads"] >= 3 and pooler["host_reads"] == 0
+    assert 0.4 * eager["ops"] < pooler["in_step"] < eager["ops"] and f["bucket"] >= f["whisper_tokens"] + 5
+    assert eager["cpu_ms"] > 0 and pooler["cpu_ms"] > 0
+
+
 def test_regenerating_keeps_the_sections_it_did_not_measure(tmp_path):
     """run_all rewrites the sections it measures; a GPU section measured elsewhere, the sections
     other commands wrote (8 onwards) and the sections left out of --sections stay, in order."""

@@ -402,6 +402,35 @@ def test_the_audio_tower_encoder_is_captured_and_equals_eager(model, processor):
     assert graph.step.captured, graph.step.fallback_reason
 
 
+def test_the_audio_tower_text_side_is_captured_per_bucket_and_gives_the_eager_codes(model, processor):
+    """The pooler, the word means and the RVQ search as one CUDA graph per length bucket: turns of
+    three lengths, each the eager codes, from host ids; the golden turn's codes too."""
+    import copy
+
+    from taste_speech.pooler_graph import PoolerGraph
+
+    model = copy.deepcopy(model).to("cuda")
+    tower = model.audio_tower
+    pooler = PoolerGraph(tower)
+    pooler.warm_up()
+    g = torch.Generator().manual_seed(0)
+    texts = ("hello there", "extraordinary circumstances notwithstanding we proceed",
+             "the quick brown fox jumps over the lazy dog while the incomprehensible bureaucrats deliberate")
+    with torch.inference_mode():
+        for text in texts:
+            aligned = processor.align_llm_ids(processor.process_text(text).llm_token_ids)
+            wav = 0.1 * torch.randn(32000, generator=g)
+            features = processor.audio_features(wav.numpy(), 16000).to("cuda")
+            eager = tower(features, aligned.asr_token_ids.cuda(), aligned.asr_word_ids.cuda()).asr_indices
+            _, llm = tower.extract_vq(features, aligned.asr_token_ids, aligned.asr_word_ids, aligned.llm_word_ids,
+                                      pooler=pooler)
+            asr, _ = tower.extract_vq(features, aligned.asr_token_ids.cuda(), aligned.asr_word_ids.cuda(),
+                                      aligned.llm_word_ids.cuda(), pooler=pooler)
+            assert llm.device.type == "cpu" and torch.equal(asr.cpu(), eager.cpu()), text
+    assert pooler.captured, pooler.fallback_reason
+    assert sorted(pooler._steps) == pooler.buckets
+
+
 @pytest.mark.parametrize("decoding", ["auto", "eager"])
 def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding):
     """A whole reply on CUDA with the agent's default sampling (text top-p, top-k speech tokens,
@@ -419,6 +448,8 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     assert (engine.synthesis_graphs is None) == (decoding == "eager")
     assert engine.synthesis_graphs is None or engine.synthesis_graphs.rows == 8
     assert engine.tower_encoder is None or engine.tower_encoder.step.captured
+    assert (engine.tower_pooler is None) == (decoding == "eager")  # and its text side's
+    assert engine.tower_pooler is None or engine.tower_pooler.captured
     hello = load_utterances()["hello"]
     session = engine.new_session(GenerationSettings(max_reply_tokens=6))
     session.warm_up()

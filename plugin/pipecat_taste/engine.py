@@ -221,6 +221,7 @@ class TasteEngine:
             torch.cuda.current_stream(self.synthesis_stream.device).synchronize()  # (not the device: see lm_batch)
         self.speech_policy = _speech_policy(self.synthesis_graphs)
         self.tower_encoder = _tower_encoder(model, decoding, slots)  # the audio tower's encoder as a CUDA graph, or None
+        self.tower_pooler = _tower_pooler(model, decoding)  # its text side as CUDA graphs, or None
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
         self.start_needs = StartNeeds()  # how late recent replies' second chunks came (the playout's start hold)
         # Calls in one process share the weights; every per-call state (KV caches, synthesis
@@ -346,8 +347,9 @@ class TasteEngine:
         if graphs is not None and graphs.mode != "eager":  # (eager steps have nothing to capture)
             with self.on_synthesis_stream():  # (its buffers belong to the stream that replays them)
                 graphs.warm_up()  # every bucket at every batch size
-        if self.tower_encoder is not None:
-            self.tower_encoder.warm_up()
+        for tower_steps in (self.tower_encoder, self.tower_pooler):
+            if tower_steps is not None:
+                tower_steps.warm_up()
         for batch in (self.lm_batch, self.speech_batch):
             if batch is not None:
                 batch.warm_up()  # one captured step per batch size
@@ -436,6 +438,17 @@ def _tower_encoder(model, decoding: str, slots: int | None):
     if decoding == "eager" or model.audio_tower.encoder.conv1.weight.device.type != "cuda":
         return None
     return EncoderGraph(model.audio_tower, rows=slots or CUDA_SYNTHESIS_ROWS)
+
+
+def _tower_pooler(model, decoding: str):
+    """The audio tower's text side (attention pooler, word means, RVQ search) as one captured step
+    per transcript-length bucket, shared by the calls (CUDA fast path only: on a CPU its few hundred
+    operators cost their arithmetic, not their launches, and padding would add to it)."""
+    from taste_speech.pooler_graph import PoolerGraph
+
+    if decoding == "eager" or model.audio_tower.decoder.embed_tokens.weight.device.type != "cuda":
+        return None
+    return PoolerGraph(model.audio_tower)
 
 
 # Calls whose waiting flow or vocoder windows share one step on a GPU, without batch slots (and
@@ -666,7 +679,8 @@ class TasteSession:
         if encoder is not None:  # (this call's pass: the one announced by turn_ended)
             encoder = functools.partial(encoder, owner=self)
         taste_ids = taste_tokenize(self.model, self.processor, torch.from_numpy(wav).view(1, -1),
-                                   text_ids, sampling_rate=self.input_sample_rate, encoder=encoder)
+                                   text_ids, sampling_rate=self.input_sample_rate, encoder=encoder,
+                                   pooler=self.engine.tower_pooler)
         segment = TASTESegment("user", "audio", text_ids, taste_ids)
         return UserTurn(transcript, segment, int(text_ids.shape[1]), wav.size / self.input_sample_rate)
 

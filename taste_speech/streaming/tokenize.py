@@ -10,7 +10,8 @@ from taste_speech.sampler import special_token_ids
 
 
 @torch.no_grad()
-def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int, *, encoder=None) -> torch.Tensor:
+def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int, *, encoder=None,
+                   pooler=None) -> torch.Tensor:
     """(1, S, K) int64 TASTE ids for ``text_ids`` (1, S): each word's K codes on its first token,
     -1 on its other tokens - the original ``extract_vq`` mapping.
 
@@ -21,6 +22,8 @@ def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int, *, enc
     tower sees one window (30 s for the published model): longer turns raise and must be split by
     the caller, e.g. at pauses, each piece with its own part of the transcript. ``encoder``: an
     ``EncoderGraph`` of the model's audio tower (its Whisper encoder as a CUDA graph), or None.
+    ``pooler``: a ``PoolerGraph`` of it (its text side - attention pooler, word means, RVQ - as
+    CUDA graphs, one per length bucket), or None.
     """
     text_ids = _check_text_ids(text_ids)
     check_llm_ids(processor, text_ids, "text_ids")
@@ -39,8 +42,10 @@ def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int, *, enc
                          f"{limit}: split the turn into shorter pieces")
     device = model.audio_tower.vq.rvq.project_out.weight.device
     features = processor.audio_features(wav, 16000).to(device)
-    _, llm_indices = model.extract_vq(features, text.asr_token_ids.to(device), text.asr_word_ids.to(device),
-                                      text.llm_word_ids.to(device), encoder=encoder)
+    # with a pooler the ids stay on the host (it reads them there), so the codes' read is the one wait
+    ids_device = device if pooler is None else torch.device("cpu")
+    _, llm_indices = model.extract_vq(features, text.asr_token_ids.to(ids_device), text.asr_word_ids.to(ids_device),
+                                      text.llm_word_ids.to(ids_device), encoder=encoder, pooler=pooler)
     if llm_indices.shape[1] != text_ids.shape[1]:  # the processor keeps the given ids; guard the contract
         raise ValueError(f"internal alignment error: {llm_indices.shape[1]} code rows for {text_ids.shape[1]} text ids")
     return llm_indices.long().cpu()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from taste_speech.pooler_graph import PoolerGraph
 from taste_speech.verify import FLOAT_TOL, Golden, PointResult, compare
 from taste_speech.word_alignment import (
     convert_embeds_by_word_end,
@@ -64,6 +65,12 @@ def run(golden: Golden, model) -> list[PointResult]:
         results.append(
             compare("a.out.llm_indices (TasteAudioTower.extract_vq)", llm_indices, golden["a.out.llm_indices"])
         )
+        # The fast path's text side (padded to a length bucket; a CUDA graph on CUDA, the capture
+        # protocol elsewhere) must give the same codes from host ids.
+        pooler = PoolerGraph(tower, "auto" if device.type == "cuda" else "rehearse")
+        _, llm_indices = tower.extract_vq(golden["in.audio_features"].to(device), asr_ids.cpu(), asr_word_ids.cpu(),
+                                          llm_word_ids.cpu(), pooler=pooler)
+        results.append(compare("a.out.llm_indices (PoolerGraph)", llm_indices, golden["a.out.llm_indices"]))
 
     # Pure helpers on the batch-of-2 padded examples.
     p = "in.e.word_start_map."
