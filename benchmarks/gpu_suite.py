@@ -49,7 +49,9 @@ Tables (one run each, all figures from the same process):
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
 ``levers``, ``chunk_limits``, ``pipelined_reply``, then the calls tables ``graphed_calls``,
 ``batched_calls``, ``synthesis_stream_calls``, ``call_streams_calls``, ``eager_calls``, and last
-what compiles or profiles: ``compiled_flow_reply``, ``gpu_busy``, ``compiled_flow``. Each part's figures are written
+what compiles or profiles: ``gpu_busy_calls`` (CUDA: eight calls ending at once under the profiler,
+graphed and batched: how busy the GPU and the host were), ``compiled_flow_reply``, ``gpu_busy``,
+``compiled_flow``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
 (``benchmarks/device_check.sh``). A part that fails is reported and the next one runs.
@@ -277,20 +279,29 @@ def reply_script(engine) -> tuple[list[int], int]:
 
 
 def first_audio(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray, seed: int = 0,
-                whole_reply: bool = False, turn_ends: Callable[[], None] | None = None) -> dict:
+                whole_reply: bool = False, turn_ends: Callable[[], None] | None = None,
+                span=contextlib.nullcontext) -> dict:
     """One user turn -> first audio (and, with ``whole_reply``, the rest), timed per stage;
     ``engine``: the path's engine (``path_engine``). Untimed before the end of the turn: the call's
     start (its session's warm-up) and the partial transcripts made while the user spoke; then
-    ``turn_ends()`` (concurrent calls: a barrier, so that every caller stops speaking at once)."""
-    from taste_speech.streaming import every_n_words, streaming_generate
-
-    device = engine.device
+    ``turn_ends()`` (concurrent calls: a barrier, so that every caller stops speaking at once).
+    ``span()``: a context around the timed part (``timed_span``: marks it for the profiler)."""
     session = new_session(engine, seed)
     script, stop = reply_script(engine)
     forced.script(script)
     turn = asr_while_speaking(asr[path.name], audio) if asr is not None else None
     if turn_ends is not None:
         turn_ends()
+    with span():
+        return _after_the_turn(engine, asr, path, session, turn, audio, stop, whole_reply)
+
+
+def _after_the_turn(engine, asr, path: DecodePath, session, turn, audio: np.ndarray, stop: int,
+                    whole_reply: bool) -> dict:
+    """``first_audio`` from the end of the user's turn on (the timed part)."""
+    from taste_speech.streaming import every_n_words, streaming_generate
+
+    device = engine.device
     session.turn_ended(turn)  # (as the agent's turn capture does: an ASR or tower pass of several calls waits for it)
     clock = Clock(device)
     if asr is not None:
@@ -473,8 +484,19 @@ def gpu_activity(events) -> dict:
               and e.time_range.end > start and e.time_range.start < end]
     busy, summed = busy_us(device), sum(b - a for a, b in device)
     span = end - start
+    # the host: per thread, the time it ran operators in the span; summed over the threads against the
+    # time any of them did - near 1 with several threads at work, they took turns (one interpreter lock)
+    threads: dict = {}
+    for e in events:
+        if (e.device_type == DeviceType.CPU and e.name != TIMED_SPAN and not getattr(e, "is_user_annotation", False)
+                and e.time_range.end > start and e.time_range.start < end):
+            threads.setdefault(e.thread, []).append((max(e.time_range.start, start), min(e.time_range.end, end)))
+    host = busy_us([interval for intervals in threads.values() for interval in intervals])
+    host_summed = sum(busy_us(intervals) for intervals in threads.values())
     return {"span_ms": span / 1000, "busy_ms": busy / 1000, "kernel_ms": summed / 1000, "device_events": len(device),
-            "busy_share": busy / span if span else 0.0, "side_by_side": summed / busy if busy else 0.0}
+            "busy_share": busy / span if span else 0.0, "side_by_side": summed / busy if busy else 0.0,
+            "host_busy_share": host / span if span else 0.0, "host_threads": len(threads),
+            "host_side_by_side": host_summed / host if host else 0.0}
 
 
 def profiled_pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray) -> dict:
@@ -487,6 +509,32 @@ def profiled_pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply,
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         reply = pipelined_reply(engine, asr, path, forced, audio, span=timed_span)
     return {**reply, **gpu_activity(prof.events())}
+
+
+def all_threads():
+    """The profiler's setting to record the operators of every thread (the calls' threads too), not
+    only of the one that started it."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # an older torch: the calling thread only (the calls' spans are then missing, and said so)
+        return None
+
+
+def profiled_calls(engine, asr, path: DecodePath, forced: ForcedReply, calls: int) -> dict:
+    """``calls`` calls ending at once under the profiler, after one unprofiled row (warm-up): their
+    first audio (slowed by the profiler) and the GPU's and the host's activity from the first end of
+    a turn to the last first audio. GPU busy near all of the span: the GPU's work bounds the row
+    (batch it); well below, with the host busy all along and its threads seldom side by side: the
+    calls' host work does, one thread at a time (capture it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    concurrent_first_audio(engine, asr, path, forced, calls)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], experimental_config=all_threads()) as prof:
+        row = concurrent_first_audio(engine, asr, path, forced, calls, span=timed_span)
+    return {"calls": calls, "first_audio_median_ms": row["first_audio_median_ms"],
+            "first_audio_max_ms": row["first_audio_max_ms"], **gpu_activity(prof.events())}
 
 
 # -- per-token and per-chunk figures --------------------------------------------------------------------
@@ -859,9 +907,11 @@ def lm_parity(engine, steps: int = 32) -> dict:
 
 
 # -- concurrency ---------------------------------------------------------------------------------------
-def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, calls: int) -> dict:
+def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, calls: int,
+                           span=contextlib.nullcontext) -> dict:
     """``calls`` calls in progress whose callers stop speaking at the same moment (each call started
-    and transcribed its caller's partials before; one thread each): first audio of each."""
+    and transcribed its caller's partials before; one thread each): first audio of each. ``span()``:
+    around each call's timed part (``timed_span``: the profiler's span is from the first to the last)."""
     audio = user_audio()
     results: list[dict] = [None] * calls
     errors: list[BaseException] = []
@@ -875,7 +925,7 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
 
         try:
             with on_stream(engine.new_call_stream()):  # (streams='calls': the call's own; else None: its thread's)
-                results[i] = first_audio(engine, asr, path, forced, audio, seed=i, turn_ends=barrier.wait)
+                results[i] = first_audio(engine, asr, path, forced, audio, seed=i, turn_ends=barrier.wait, span=span)
         except BaseException as exc:
             errors.append(exc)
 
@@ -971,8 +1021,8 @@ STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speec
 # (The batched calls right after the graphed ones: eight calls ending at once decode in lockstep, one
 # token each in turn, which is the case batched steps are for - the lever measured next.)
 PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "graphed_calls",
-         "batched_calls", "synthesis_stream_calls", "call_streams_calls", "eager_calls", "compiled_flow_reply",
-         "gpu_busy", "compiled_flow")
+         "batched_calls", "synthesis_stream_calls", "call_streams_calls", "eager_calls", "gpu_busy_calls",
+         "compiled_flow_reply", "gpu_busy", "compiled_flow")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "synthesis_stream_calls": SYNTHESIS_STREAM,
               "call_streams_calls": CALL_STREAMS, "eager_calls": EAGER}
 # where each path's concurrency rows go in ``data["paths"][path.name]``
@@ -1004,7 +1054,7 @@ class Suite:
     def __init__(self, args, save=lambda data: None):
         self.args, self.save = args, save
         self.started = time.perf_counter()
-        if "gpu_busy" in args.parts and torch.device(args.device).type == "cuda":
+        if {"gpu_busy", "gpu_busy_calls"} & set(args.parts) and torch.device(args.device).type == "cuda":
             # the profiler must have been set up before the first CUDA graph is captured, or profiling
             # replays of graphs captured earlier can fault (PyTorch issue 75504)
             torch.profiler._utils._init_for_cuda_graphs()
@@ -1114,6 +1164,21 @@ class Suite:
             progress(f"gpu busy, {key}: {rounded(busy[key])}")
             self.save(self.data)
 
+    def part_gpu_busy_calls(self, name) -> None:
+        """How busy the GPU and the host were while the most calls of ``--calls`` ended at once, on the
+        graphed path and the batched one."""
+        if torch.device(self.args.device).type != "cuda":
+            self.data["needs_cuda"].append(name)
+            progress(f"{name}: not measured (GPU activity needs a CUDA device)")
+            return
+        calls = self.args.calls or (8,)
+        calls = 8 if 8 in calls else max(calls)  # (issue 9's target: eight calls)
+        busy = self.data["gpu_busy_calls"] = {}
+        for path, key in ((GRAPHED, "graphed"), (BATCHED, "batched")):
+            busy[key] = profiled_calls(self.engine_for(path), self.asr, path, self.forced, calls)
+            progress(f"gpu busy, {key} calls: {rounded(busy[key])}")
+            self.save(self.data)
+
     def part_compiled_flow(self, _name) -> None:
         self.data["compiled_flow"] = compiled_flow(self.engine, self.args.repeats, left_s=self.left_s)
         progress(f"compiled flow: {rounded(self.data['compiled_flow'])}")
@@ -1209,6 +1274,17 @@ def markdown(data: dict, command: str) -> list[str]:
                              [[key.replace("_", " "), fmt(b["span_ms"]), fmt(b["busy_ms"]), f"{b['busy_share']:.2f}",
                                fmt(b["kernel_ms"]), f"{b['side_by_side']:.2f}", str(b["device_events"]),
                                f"{b['rtf']:.3f}"] for key, b in data["gpu_busy"].items()]) + [""]
+    if data.get("gpu_busy_calls"):
+        lines += ["The GPU's and the host's activity while calls ended at once (profiled, from the first end of a "
+                  "turn to the last first audio; GPU busy share near 1: the GPU's work bounds the row; host busy "
+                  "near 1 with its threads seldom side by side: the calls' host work, one thread at a time, does; "
+                  "the profiler slows the host):", ""]
+        lines += table_lines(["path", "calls", "first audio median / max ms (profiled)", "span ms", "GPU busy share",
+                              "host busy share", "host threads side by side", "host threads"],
+                             [[key, str(b["calls"]), f"{fmt(b['first_audio_median_ms'])} / {fmt(b['first_audio_max_ms'])}",
+                               fmt(b["span_ms"]), f"{b['busy_share']:.2f}", f"{b['host_busy_share']:.2f}",
+                               f"{b['host_side_by_side']:.2f}", str(b["host_threads"])]
+                              for key, b in data["gpu_busy_calls"].items()]) + [""]
     if data.get("compiled_flow", {}).get("rows"):
         lines += ["The flow's estimator compiled (`torch.compile`, inductor, static shapes; the engine's opt-in "
                   "`compile_flow` compiles with dynamic shapes): one unpadded ODE captured as one step:", ""]

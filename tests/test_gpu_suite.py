@@ -90,7 +90,7 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert not data["not_measured"] and not data["failed"]
     # a CUDA stream needs CUDA: said, not failed
     assert data["needs_cuda"] == ["pipelined_reply with the synthesis stream", "synthesis_stream_calls",
-                                  "call_streams_calls", "compiled_flow_reply", "gpu_busy"]
+                                  "call_streams_calls", "gpu_busy_calls", "compiled_flow_reply", "gpu_busy"]
     for key in ("pipelined", "pipelined_one_segment_ahead"):  # the agent's back-pressure, and the LM held closer
         pipelined = graphed[key]
         assert pipelined["audio_s"] > 1.0 and 0 < pipelined["first_audio_ms"] < 1000 * pipelined["wall_s"]
@@ -204,9 +204,9 @@ def test_gpu_activity_is_the_union_of_the_device_events_inside_the_timed_span():
     assert gpu_suite.busy_us([]) == 0
     assert gpu_suite.busy_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
 
-    def event(name, device, start, end, annotation=False):
+    def event(name, device, start, end, annotation=False, thread=1):
         return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
-                               is_user_annotation=annotation)
+                               is_user_annotation=annotation, thread=thread)
 
     events = [event(gpu_suite.TIMED_SPAN, DeviceType.CPU, 1000, 5000),
               event("before", DeviceType.CUDA, 0, 900),  # outside the span
@@ -220,8 +220,19 @@ def test_gpu_activity_is_the_union_of_the_device_events_inside_the_timed_span():
     assert activity["span_ms"] == 4.0 and activity["device_events"] == 3
     assert activity["busy_ms"] == 2.0 and activity["kernel_ms"] == 2.5
     assert activity["busy_share"] == 0.5 and activity["side_by_side"] == 1.25
+    # the host: thread 1's operator 1000-4000; its span range is not work
+    assert activity["host_threads"] == 1 and activity["host_busy_share"] == 0.75
+    assert activity["host_side_by_side"] == 1.0
     with pytest.raises(ValueError, match="timed_span"):
         gpu_suite.gpu_activity(events[1:])
+    # two threads taking turns (an interpreter lock): busy most of the span, never side by side
+    turns = [event("aten::mm", DeviceType.CPU, 1000 + 500 * i, 1500 + 500 * i, thread=i % 2) for i in range(6)]
+    activity = gpu_suite.gpu_activity(events[:1] + turns)
+    assert activity["host_threads"] == 2 and activity["host_busy_share"] == 0.75
+    assert activity["host_side_by_side"] == 1.0
+    # and side by side: each thread's union counted apart, summed over the threads
+    both = [event("aten::mm", DeviceType.CPU, 1000, 3000, thread=t) for t in (0, 1)]
+    assert gpu_suite.gpu_activity(events[:1] + both)["host_side_by_side"] == 2.0
 
 
 def test_a_profiled_pipelined_reply_marks_its_timed_span_for_the_profiler():
@@ -233,3 +244,19 @@ def test_a_profiled_pipelined_reply_marks_its_timed_span_for_the_profiler():
         result = gpu_suite.profiled_pipelined_reply(engine, asr, gpu_suite.GRAPHED, forced, gpu_suite.user_audio())
     assert result["audio_s"] > 1.0 and result["rtf"] == pytest.approx(result["wall_s"] / result["audio_s"])
     assert result["span_ms"] >= 1000 * result["wall_s"] and result["device_events"] == 0 and result["busy_ms"] == 0
+
+
+def test_profiled_calls_span_from_the_first_turn_end_to_the_last_first_audio():
+    """Two calls ending at once under the profiler (on a CPU no device events): the span covers every
+    call's timed part, and the host's threads are seen."""
+    base = gpu_suite.build_engine("tiny", "cpu", None)
+    asr = gpu_suite.build_asr("tiny", base, "cpu", None, calls=2)
+    engine = gpu_suite.path_engine(base, gpu_suite.GRAPHED)
+    with gpu_suite.ForcedReply(base.model.spoken_lm) as forced:
+        result = gpu_suite.profiled_calls(engine, asr, gpu_suite.GRAPHED, forced, 2)
+    assert result["calls"] == 2 and result["device_events"] == 0 and result["busy_share"] == 0
+    assert result["span_ms"] >= result["first_audio_max_ms"] * 0.9 > 0
+    assert result["host_threads"] >= 2 and 0 < result["host_busy_share"] <= 1
+    lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "paths": {"eager": {}, "graphed": {}},
+                                "gpu_busy_calls": {"graphed": result}}, "cmd")
+    assert any(line.startswith("| graphed | 2 |") for line in lines)
