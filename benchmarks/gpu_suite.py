@@ -464,6 +464,33 @@ def busy_us(intervals) -> float:
     return total
 
 
+# CPU-side profiler events in which a thread waits for the GPU (CUDA runtime calls)
+HOST_WAITS = ("Synchronize", "cudaMemcpy")
+
+
+def without(intervals, holes) -> list[tuple[float, float]]:
+    """The parts of the union of ``intervals`` outside the union of ``holes``."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > start:
+            merged.append([start, end])
+    out = []
+    for start, end in merged:
+        for hole_start, hole_end in sorted(holes):
+            if hole_end <= start or hole_start >= end:
+                continue
+            if hole_start > start:
+                out.append((start, hole_start))
+            start = max(start, hole_end)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 def gpu_activity(events) -> dict:
     """From profiler events: the timed span (``timed_span``) and the GPU's activity inside it -
     ``busy_ms`` the time any kernel or copy ran, ``kernel_ms`` their summed durations (above
@@ -484,15 +511,21 @@ def gpu_activity(events) -> dict:
               and e.time_range.end > start and e.time_range.start < end]
     busy, summed = busy_us(device), sum(b - a for a, b in device)
     span = end - start
-    # the host: per thread, the time it ran operators in the span; summed over the threads against the
-    # time any of them did - near 1 with several threads at work, they took turns (one interpreter lock)
-    threads: dict = {}
+    # the host: per thread, the time it ran operators in the span, less the time it waited for the GPU
+    # inside them (synchronisations, copies back: the interpreter lock is free meanwhile); summed over
+    # the threads against the time any of them did - near 1 with several threads at work, they took
+    # turns (one interpreter lock). The Python between operators is not seen: a lower bound.
+    ran: dict = {}
+    waited: dict = {}
     for e in events:
         if (e.device_type == DeviceType.CPU and e.name != TIMED_SPAN and not getattr(e, "is_user_annotation", False)
                 and e.time_range.end > start and e.time_range.start < end):
-            threads.setdefault(e.thread, []).append((max(e.time_range.start, start), min(e.time_range.end, end)))
-    host = busy_us([interval for intervals in threads.values() for interval in intervals])
-    host_summed = sum(busy_us(intervals) for intervals in threads.values())
+            kind = waited if any(word in e.name for word in HOST_WAITS) else ran
+            kind.setdefault(e.thread, []).append((max(e.time_range.start, start), min(e.time_range.end, end)))
+    working = {thread: without(intervals, waited.get(thread, [])) for thread, intervals in ran.items()}
+    host = busy_us([interval for intervals in working.values() for interval in intervals])
+    host_summed = sum(busy_us(intervals) for intervals in working.values())
+    threads = working
     return {"span_ms": span / 1000, "busy_ms": busy / 1000, "kernel_ms": summed / 1000, "device_events": len(device),
             "busy_share": busy / span if span else 0.0, "side_by_side": summed / busy if busy else 0.0,
             "host_busy_share": host / span if span else 0.0, "host_threads": len(threads),
@@ -518,7 +551,7 @@ def all_threads():
 
     try:
         return _ExperimentalConfig(profile_all_threads=True)
-    except TypeError:  # an older torch: the calling thread only (the calls' spans are then missing, and said so)
+    except TypeError:  # an older torch: the calling thread only
         return None
 
 
@@ -531,7 +564,11 @@ def profiled_calls(engine, asr, path: DecodePath, forced: ForcedReply, calls: in
     from torch.profiler import ProfilerActivity, profile
 
     concurrent_first_audio(engine, asr, path, forced, calls)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], experimental_config=all_threads()) as prof:
+    config = all_threads()
+    if config is None:
+        raise RuntimeError("this torch's profiler records the calling thread only (no profile_all_threads): the "
+                           "calls' threads cannot be profiled")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], experimental_config=config) as prof:
         row = concurrent_first_audio(engine, asr, path, forced, calls, span=timed_span)
     return {"calls": calls, "first_audio_median_ms": row["first_audio_median_ms"],
             "first_audio_max_ms": row["first_audio_max_ms"], **gpu_activity(prof.events())}
@@ -1276,9 +1313,10 @@ def markdown(data: dict, command: str) -> list[str]:
                                f"{b['rtf']:.3f}"] for key, b in data["gpu_busy"].items()]) + [""]
     if data.get("gpu_busy_calls"):
         lines += ["The GPU's and the host's activity while calls ended at once (profiled, from the first end of a "
-                  "turn to the last first audio; GPU busy share near 1: the GPU's work bounds the row; host busy "
-                  "near 1 with its threads seldom side by side: the calls' host work, one thread at a time, does; "
-                  "the profiler slows the host):", ""]
+                  "turn to the last first audio; GPU busy share near 1: the GPU's work bounds the row; host busy: "
+                  "the time the calls' threads ran operators, less their waits for the GPU - the Python between "
+                  "operators is not seen, so a lower bound - near 1 with its threads seldom side by side: the "
+                  "calls' host work, one thread at a time, does; the profiler slows the host):", ""]
         lines += table_lines(["path", "calls", "first audio median / max ms (profiled)", "span ms", "GPU busy share",
                               "host busy share", "host threads side by side", "host threads"],
                              [[key, str(b["calls"]), f"{fmt(b['first_audio_median_ms'])} / {fmt(b['first_audio_max_ms'])}",

@@ -9,7 +9,10 @@ launch-bound, and with many calls on one GPU each host read also waits for the o
 ``PoolerGraph`` runs it as one step per length bucket - the decoder's input (prompt + transcript +
 <|endoftext|>) padded to 16, 32 ... tokens - replayed as a CUDA graph on CUDA:
 
-- the decoder's self-attention is causal, so the padding after <|endoftext|> changes no real row;
+- the decoder's self-attention is causal, so the padding after <|endoftext|> changes no real row
+  in exact arithmetic (on a CPU the codes are the eager ones bit for bit; on a GPU a matrix
+  product over more rows may pick another kernel and round differently, which moves a code only
+  where two codes are about equally near);
 - the word runs (which rows average together) are computed on the host from the word ids, which
   are host data anyway, and copied in (``word_alignment.mean_pool_runs``: the eager pooling's
   own arithmetic); padded rows are runs of their own and are dropped at the end;
@@ -20,7 +23,8 @@ The model is the tower's own (``attention_pool``, ``mean_pool_runs``, ``rvq.quan
 functions the eager path runs, at a padded shape. Calls share one ``PoolerGraph``; a step runs for
 one turn at a time (its GPU work is a fraction of a millisecond), on the caller's stream, and the
 next turn's inputs wait for the last step's reads (an event), as the calls may run on streams of
-their own. Moving or casting the tower is detected and the steps are rebuilt.
+their own. Moving or casting the tower (any of the decoder's or the RVQ's tensors in new storage)
+is detected and the steps are rebuilt.
 """
 
 from __future__ import annotations
@@ -97,7 +101,8 @@ class PoolerGraph:
             self.inputs.copy_(inputs, non_blocking=True)
             self.keys.copy_(keys_from)
             self.values.copy_(values_from)
-            codes = self._step(size).run()[:n].unsqueeze(0).clone()
+            with torch.inference_mode(False):  # the turn's own, a normal tensor (as the eager path's)
+                codes = self._step(size).run()[:n].unsqueeze(0).clone()
             self._last_step = event_after_current_work(self.device)
             self.turns += 1
         return codes
@@ -107,11 +112,14 @@ class PoolerGraph:
         """Make every bucket's step now (a capture each on CUDA), so that no turn pays for one."""
         with self._lock:
             self._check_weights()
+            if self._last_step is not None:  # a turn's step on another stream has read the buffers
+                torch.cuda.current_stream(self.device).wait_event(self._last_step)
             self.inputs.zero_()  # (run 0 of size 0 everywhere: every row its own, nothing averaged)
             for size in reversed(self.buckets):  # largest first: the others reuse its pool memory
                 self._step(size).run()
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
+                self._last_step = None
 
     # -- internals ------------------------------------------------------------------------------
     def _host_inputs(self, ids: torch.Tensor, words: torch.Tensor, size: int) -> torch.Tensor:
@@ -143,8 +151,11 @@ class PoolerGraph:
         return self._steps[size]
 
     def _weights(self):
+        """Where the steps' weights live: every parameter and buffer of the decoder and the RVQ."""
         weight = self.tower.decoder.embed_tokens.weight
-        return weight.device, weight.dtype, weight.data_ptr(), self.tower.rvq.project_in.weight.data_ptr()
+        tensors = [*self.tower.decoder.parameters(), *self.tower.decoder.buffers(), *self.tower.rvq.parameters(),
+                   *self.tower.rvq.buffers()]
+        return (weight.device, weight.dtype, *(t.data_ptr() for t in tensors))
 
     def _check_weights(self) -> None:
         """A graph replays the weights at the addresses it was captured with: rebuild after a move or cast."""

@@ -233,6 +233,12 @@ def test_gpu_activity_is_the_union_of_the_device_events_inside_the_timed_span():
     # and side by side: each thread's union counted apart, summed over the threads
     both = [event("aten::mm", DeviceType.CPU, 1000, 3000, thread=t) for t in (0, 1)]
     assert gpu_suite.gpu_activity(events[:1] + both)["host_side_by_side"] == 2.0
+    # a wait for the GPU inside an operator is not host work (the interpreter lock is free meanwhile)
+    waiting = [event("aten::_local_scalar_dense", DeviceType.CPU, 1000, 3000),
+               event("cudaStreamSynchronize", DeviceType.CPU, 1200, 2800)]
+    assert gpu_suite.gpu_activity(events[:1] + waiting)["host_busy_share"] == pytest.approx(0.1)
+    assert gpu_suite.without([(0, 10), (5, 20)], [(2, 4), (18, 30)]) == [(0, 2), (4, 18)]
+    assert gpu_suite.without([(0, 10)], []) == [(0, 10)] and gpu_suite.without([(0, 10)], [(0, 10)]) == []
 
 
 def test_a_profiled_pipelined_reply_marks_its_timed_span_for_the_profiler():
