@@ -129,9 +129,12 @@ class ResidualVQ(nn.Module):
         return torch.stack(indices, dim=-1)
 
     # -- decoding ---------------------------------------------------------------------------
-    def codes_from_indices(self, indices: torch.Tensor) -> torch.Tensor:
-        """The chosen code vectors per level, (K, ..., codebook_dim) fp32; index -1 gives zeros."""
-        self._check_indices(indices)
+    def codes_from_indices(self, indices: torch.Tensor, check: bool = True) -> torch.Tensor:
+        """The chosen code vectors per level, (K, ..., codebook_dim) fp32; index -1 gives zeros.
+        ``check=False`` skips the range check, which reads the indices back (on CUDA a wait for the
+        GPU): for indices this RVQ's own search just made."""
+        if check:
+            self._check_indices(indices)
         out = []
         for k, book in enumerate(self.codebooks()):
             idx = indices[..., k].long()
@@ -139,10 +142,10 @@ class ResidualVQ(nn.Module):
             out.append(book.codes[idx.clamp(min=0)] * present)
         return torch.stack(out, dim=0)
 
-    def decode(self, indices: torch.Tensor) -> torch.Tensor:
+    def decode(self, indices: torch.Tensor, check: bool = True) -> torch.Tensor:
         """TASTE embedding of indices (..., K): project_out of the summed codes, (..., dim), in the
-        dtype of project_out."""
-        summed = self.codes_from_indices(indices).sum(dim=0)
+        dtype of project_out. ``check``: see ``codes_from_indices``."""
+        summed = self.codes_from_indices(indices, check).sum(dim=0)
         return self.project_out(summed.to(self.project_out.weight.dtype))
 
     def _check_indices(self, indices: torch.Tensor) -> None:

@@ -99,6 +99,11 @@ class TopKSampler:
 
     def __call__(self, logp: torch.Tensor, eos_id: int, allow_eos: bool) -> int:
         probs, ids = logp.softmax(dim=-1).topk(min(self.k, logp.shape[-1]))
+        if self.generator is not None and probs.device != self.generator.device and probs.dtype == torch.float32:
+            # the draws happen where the generator is: bring the k probabilities and ids over in one
+            # copy (on CUDA one wait for the GPU per token, not one for each; ids < 2^24 are exact)
+            both = torch.cat([probs, ids.to(probs.dtype)]).to(self.generator.device)
+            probs, ids = both[:ids.shape[0]], both[ids.shape[0]:].long()
         for _ in range(self.MAX_REDRAWS):
             token = int(ids[draw(probs, self.generator, replacement=True)])
             if allow_eos or token != eos_id:

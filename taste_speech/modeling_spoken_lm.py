@@ -31,7 +31,7 @@ from transformers.utils import ModelOutput
 from taste_speech.configuration_taste import TasteConfig
 from taste_speech.lm_cache import CACHE_KINDS, DynamicLMCache, StaticLMCache
 from taste_speech.modeling_rvq import ResidualVQ
-from taste_speech.sampler import Action, Decision, TasteAction, TasteSampler
+from taste_speech.sampler import Action, Decision, TasteAction, TasteSampler, to_device
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IGNORE = -1
@@ -74,7 +74,9 @@ class LatentTasteHead(nn.Module):
         """(indices (…, K) long, logits (…, K, C) = one_hot(indices) x 1000) of latents z (…, d):
         the residual search directly in code space (no project_in)."""
         indices = rvq.indices_from_code(z)
-        return indices, F.one_hot(indices, rvq.codebook_size).float() * TASTE_LOGIT_SCALE
+        # one_hot(indices) x 1000, scattered: F.one_hot checks the indices' range by reading them back
+        logits = torch.zeros(*indices.shape, rvq.codebook_size, device=indices.device)
+        return indices, logits.scatter_(-1, indices.unsqueeze(-1), TASTE_LOGIT_SCALE)
 
     def forward(self, hidden_states: torch.Tensor, rvq: ResidualVQ):
         return self.quantize(self.latent(hidden_states), rvq)
@@ -308,10 +310,14 @@ class TasteSpokenLM(nn.Module):
 
     def token_embeds(self, ids) -> torch.Tensor:
         """Raw ``embed_tokens`` rows (n, H) of a list / 1-D tensor of ids."""
-        ids = torch.as_tensor(ids, device=self.embed_tokens.weight.device).long().reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
-        return self.embed_tokens(ids)
+        device = self.embed_tokens.weight.device
+        host = not isinstance(ids, torch.Tensor) or ids.device.type == "cpu"
+        ids = torch.as_tensor(ids).long().reshape(-1)
+        values = ids.tolist()  # (device ids: one read; host ids: none of the GPU)
+        if values and (min(values) < 0 or max(values) >= self.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got [{min(values)}, {max(values)}]")
+        # host ids (a sampled token's, every step) are checked and copied without waiting for the GPU
+        return self.embed_tokens(to_device(ids, device) if host else ids)
 
     def fuse(self, text_vec: torch.Tensor, audio_vec: torch.Tensor) -> torch.Tensor:
         """Fused rows (…, H) in the LM dtype."""
@@ -468,7 +474,8 @@ class TasteSpokenLM(nn.Module):
         action = decision.taste_action
         if action == TasteAction.SAMPLE:
             if decision.has_taste:  # otherwise keep the current code (fill forward)
-                state.audio_vec = rvq.decode(decision.taste_ids.view(1, 1, -1))[0, 0].float()
+                # (the sampler's codes come from this RVQ's own search: no range check to wait for)
+                state.audio_vec = rvq.decode(decision.taste_ids.view(1, 1, -1), check=False)[0, 0].float()
         elif action == TasteAction.USE_PREFIX:
             if state.pending_audio is None:
                 raise ValueError("the sampler asked for the prompt's last code but the decode state holds none")

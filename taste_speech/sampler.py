@@ -28,6 +28,14 @@ def check_generator(generator) -> None:
                          f"got {type(generator).__name__}")
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the kernels queued there (pinned, copied
+    asynchronously on CUDA; a plain copy waits for the stream); as it is elsewhere."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None, replacement: bool = False) -> int:
     """One index drawn from the 1-D ``probs`` with ``generator``, on the generator's device: the
     callers' generators are CPU ones (the same draws whatever the device), the probabilities may
@@ -237,9 +245,12 @@ class Decision:
     action: Action
     taste_action: TasteAction
     text_logits: torch.Tensor  # (V,) the banned (and filtered) logits the choice was made from
+    taste_sampled: bool | None = None  # whether taste_ids is a sampled code, as the sampler knows it (None: read them)
 
     @property
     def has_taste(self) -> bool:
+        if self.taste_sampled is not None:  # (no read of taste_ids, which may wait for the GPU)
+            return self.taste_sampled
         return bool((self.taste_ids >= 0).all())
 
     @property
@@ -253,6 +264,9 @@ class TasteSampler:
         self.tables = tables
         self.params = params or SamplingParams()
         self._banned_here = tables.banned  # the ban mask on the device of the last logits seen
+        # the per-step lookups as Python lists: a tensor read per step costs more than the lookup
+        self._word_start = tables.word_start.tolist()
+        self._sentence_end = tables.sentence_end.tolist()
 
     def _banned_on(self, device: torch.device) -> torch.Tensor:
         if self._banned_here.device != device:
@@ -304,16 +318,18 @@ class TasteSampler:
         repetition penalty over ``input_ids`` (CTRL style) -> temperature -> one multinomial draw."""
         self._check_vocab(logits)
         p = self.params
-        logits = logits.float().clone()
-        logits[self._banned_on(logits.device)] = BAN_VALUE
+        # On CUDA nothing here reads the GPU before the choice itself (masks as masked_fill, the
+        # penalised ids made on the host): a read waits for every kernel queued before it.
+        logits = logits.float().masked_fill(self._banned_on(logits.device), BAN_VALUE)
         if p.text_top_p == 0:
             return int(logits.argmax()), logits
         logits = self._top_p(logits, p.text_top_p)
         if p.repetition_penalty != 1.0 and len(input_ids):
-            ids = torch.as_tensor(list(input_ids), dtype=torch.long, device=logits.device).unique()
-            ids = ids[(ids >= 0) & (ids < logits.numel())]
-            chosen = logits[ids]
-            logits[ids] = torch.where(chosen < 0, chosen * p.repetition_penalty, chosen / p.repetition_penalty)
+            ids = sorted({int(i) for i in input_ids if 0 <= int(i) < logits.numel()})
+            if ids:
+                ids = to_device(torch.tensor(ids, dtype=torch.long), logits.device)
+                chosen = logits[ids]
+                logits[ids] = torch.where(chosen < 0, chosen * p.repetition_penalty, chosen / p.repetition_penalty)
         logits = logits / p.text_temperature
         return draw(logits.softmax(-1), generator), logits
 
@@ -324,9 +340,8 @@ class TasteSampler:
         sorted_logits, order = logits.sort(descending=True)
         remove = sorted_logits.softmax(-1).cumsum(-1) > top_p
         remove[..., 0] = False
-        out = logits.clone()
-        out[order[remove]] = BAN_VALUE
-        return out
+        # back to vocabulary order by scattering (a mask as indices would read the GPU)
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(remove, BAN_VALUE))
 
     # -- TASTE -------------------------------------------------------------------------------------
     def sample_taste(self, taste_logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -354,11 +369,11 @@ class TasteSampler:
             state.end_countdown = (delay if state.end_countdown is None else state.end_countdown) - 1
             is_word_start = True  # forced, so the last word's code is read now
         else:
-            is_word_start = bool(self.tables.word_start[text_id])
+            is_word_start = self._word_start[text_id]
         state.word_start_history.append(is_word_start)
 
         # max_words is checked before this word is counted: up to 3E + 1 words.
-        if state.word_counter >= state.extra_words and bool(self.tables.sentence_end[text_id]):
+        if state.word_counter >= state.extra_words and self._sentence_end[text_id]:
             state.end_reason = state.end_reason or "sentence_end"
             state.end_text = True
         elif state.word_counter >= state.max_words:
@@ -394,4 +409,4 @@ class TasteSampler:
             taste_action = TasteAction.USE_PREFIX_IGNORE
         else:
             taste_action = TasteAction.WAIT
-        return Decision(text_id, taste_ids, action, taste_action, used_logits)
+        return Decision(text_id, taste_ids, action, taste_action, used_logits, taste_sampled=started and is_word_start)

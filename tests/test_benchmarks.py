@@ -174,6 +174,15 @@ def test_tower_text_benchmark_counts_what_one_replay_takes_over(model, processor
     assert eager["cpu_ms"] > 0 and pooler["cpu_ms"] > 0
 
 
+def test_step_reads_benchmark_counts_one_read_per_decode_step(taste_lm_tiny_a, capsys):
+    """bench_step_reads on this checkout: the chosen token is the only value a step reads back."""
+    from benchmarks import bench_step_reads
+
+    assert bench_step_reads.main(["--golden", str(taste_lm_tiny_a)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| greedy", "| top-p"))]
+    assert len(rows) == 2 and all(row.split(" | ")[2] == "1.00" for row in rows), rows
+
+
 def test_regenerating_keeps_the_sections_it_did_not_measure(tmp_path):
     """run_all rewrites the sections it measures; a GPU section measured elsewhere, the sections
     other commands wrote (8 onwards) and the sections left out of --sections stay, in order."""

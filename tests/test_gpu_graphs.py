@@ -52,6 +52,62 @@ def test_spoken_lm_graphed_greedy_equals_eager(golden, loaded):
     assert diff.max() < 1e-3
 
 
+def test_a_graphed_lm_step_waits_for_the_gpu_once(golden, loaded, monkeypatch):
+    """Outside the captured backbone a decode step reads one value back (the chosen text token):
+    counted with torch's sync debug mode around the heads, the sampler, the audio side and the next
+    row, greedy and with top-p sampling and a repetition penalty."""
+    import warnings
+
+    from taste_speech.modeling_spoken_lm import TasteSpokenLM
+    from taste_speech.sampler import SamplingParams, TasteSampler
+
+    lm, rvq = loaded.spoken_lm, loaded.audio_tower.vq.rvq
+    prompt = dict(llm_token_ids=on_cuda(golden, "in.llm_token_ids"), llm_indices=on_cuda(golden, "a.out.llm_indices"),
+                  llm_word_ids=on_cuda(golden, "in.llm_word_ids"))
+    syncs = {"count": 0}
+
+    def counted(method):
+        def wrapper(*args, **kwargs):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    syncs["count"] += sum("synchroniz" in str(w.message) for w in caught)
+        return wrapper
+
+    tables = golden_sampler(golden).tables
+    for params in (SamplingParams(text_top_p=0.0, extra_words=6),
+                   SamplingParams(text_top_p=0.8, text_temperature=0.9, repetition_penalty=1.2, extra_words=6)):
+        sampler = TasteSampler(tables, params)
+        syncs["count"] = 0
+        with monkeypatch.context() as patch:
+            for name in ("heads", "advance_audio", "next_row"):
+                patch.setattr(TasteSpokenLM, name, counted(getattr(TasteSpokenLM, name)))
+            patch.setattr(sampler, "update", counted(sampler.update))
+            with torch.no_grad():
+                out = lm.generate(rvq, sampler, "audio", max_steps=30, cache_kind="static",
+                                  generator=torch.Generator().manual_seed(0), **prompt)
+        steps = len(out.trace.action)
+        assert steps > 5 and syncs["count"] == steps, (params, syncs, steps)
+
+
+def test_speech_token_draws_on_cuda_are_the_cpu_draws(golden):
+    """A CPU generator's top-k draws from CUDA log-probs (one copy of the k probabilities and ids)
+    are the draws from the same log-probs on the CPU."""
+    from taste_speech.modeling_speech_decoder import TopKSampler
+
+    logp = torch.randn(20, 4097, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    on_cpu = TopKSampler(generator=torch.Generator().manual_seed(3))
+    on_gpu = TopKSampler(generator=torch.Generator().manual_seed(3))
+    eos = 4096
+    for row in logp:
+        assert on_gpu(row.cuda(), eos, allow_eos=False) == on_cpu(row, eos, allow_eos=False)
+        assert on_gpu(row.cuda(), eos, allow_eos=True) == on_cpu(row, eos, allow_eos=True)
+
+
 def test_spoken_lm_step_is_really_captured(loaded):
     lm = loaded.spoken_lm
     rows = torch.randn(1, 40, lm.causal_lm.config.hidden_size, device="cuda")

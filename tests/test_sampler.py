@@ -258,3 +258,65 @@ def test_reset_rearms_the_state():
     assert (state.extra_words, state.max_words, state.has_prefix, state.stop_id) == (4, 12, False, None)
     with pytest.raises(ValueError, match="extra_words"):
         s.reset(has_prefix=False, extra_words=0)
+
+
+# -- no reads of the GPU before the choice ------------------------------------------------------------
+# Operators that read a tensor back to the host (on CUDA each waits for every kernel queued before it)
+READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "_unique2", "unique_dim",
+         "unique_consecutive"}
+
+
+def reads_in(run):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in READS:
+                Reads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        out = run()
+    return Reads.count, out
+
+
+def masked_top_p(logits, top_p):
+    """The top-p filter written with a mask as indices (the sampler's way before it scattered)."""
+    sorted_logits, order = logits.sort(descending=True)
+    remove = sorted_logits.softmax(-1).cumsum(-1) > top_p
+    remove[..., 0] = False
+    out = logits.clone()
+    out[order[remove]] = BAN_VALUE
+    return out
+
+
+def test_top_p_by_scatter_is_the_masked_filter_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(300, generator=g).round(decimals=1)  # ties among the logits
+        for p in (0.01, 0.3, 0.9, 1.0):
+            assert torch.equal(TasteSampler._top_p(logits, p), masked_top_p(logits, p))
+
+
+def test_choosing_a_text_token_reads_the_logits_once():
+    """Greedy, and top-p with a repetition penalty: the one read is the choice itself."""
+    logits = torch.randn(len(PIECES), generator=torch.Generator().manual_seed(2))
+    greedy = sampler(text_top_p=0.0)
+    assert reads_in(lambda: greedy.sample_text(logits, [A, D]))[0] == 1
+    top_p = sampler(text_top_p=0.9, repetition_penalty=1.3, text_temperature=0.7)
+    reads, (text_id, used) = reads_in(lambda: top_p.sample_text(logits, [A, D, D, 99], torch.Generator().manual_seed(0)))
+    assert reads == 1 and 0 <= text_id < len(PIECES)
+    assert used[A] != logits[A] / 0.7  # the penalty applied (an out-of-range id is skipped)
+
+
+def test_a_decision_knows_whether_it_sampled_a_code_without_reading_it():
+    s = sampler(extra_words=5)
+    state = s.reset(has_prefix=False)
+    decisions = run_steps(s, state, [A, D, C_, A, D, B_DOT])
+    assert any(d.taste_sampled for d in decisions) and not all(d.taste_sampled for d in decisions)
+    for d in decisions:
+        assert d.taste_sampled == bool((d.taste_ids >= 0).all())
+        reads, has = reads_in(lambda d=d: d.has_taste)
+        assert reads == 0 and has == d.taste_sampled

@@ -216,3 +216,29 @@ def test_bad_inputs_raise_value_errors(golden, lm, rvq):
         lm.feed(lm.new_decode_state(), torch.zeros(1, 0, 64))
     with pytest.raises(ValueError, match="needs rvq"):
         lm(golden["b.inputs_embeds"])
+
+
+def test_a_decode_step_reads_back_only_the_chosen_token(golden, lm, rvq, monkeypatch):
+    """Outside the backbone (a replayed graph on CUDA) a step reads one value back to the host: the
+    text token chosen. Every other read - range checks of the codes, a mask used as indices, the
+    one-hot check - would wait for the GPU (on CUDA every kernel queued before it, other calls' too)."""
+    from test_sampler import reads_in
+
+    reads = {"heads": 0, "update": 0, "advance_audio": 0, "next_row": 0}
+
+    def counted(name, method):
+        def wrapper(*args, **kwargs):
+            n, out = reads_in(lambda: method(*args, **kwargs))
+            reads[name] += n
+            return out
+        return wrapper
+
+    sampler = golden_sampler(golden, extra_words=6)
+    for name in ("heads", "advance_audio", "next_row"):
+        monkeypatch.setattr(TasteSpokenLM, name, counted(name, getattr(TasteSpokenLM, name)))
+    monkeypatch.setattr(sampler, "update", counted("update", sampler.update))
+    with torch.no_grad():
+        out = lm.generate(rvq, sampler, mode="audio", max_steps=40, **audio_prompt(golden))
+    steps = len(out.trace.action)
+    assert steps > 5 and any(a != out.trace.action[0] for a in out.trace.taste_action)  # codes were sampled
+    assert reads == {"heads": 0, "update": steps, "advance_audio": 0, "next_row": 0}, (reads, steps)
