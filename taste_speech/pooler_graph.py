@@ -101,8 +101,9 @@ class PoolerGraph:
             self.inputs.copy_(inputs, non_blocking=True)
             self.keys.copy_(keys_from)
             self.values.copy_(values_from)
-            with torch.inference_mode(False):  # the turn's own, a normal tensor (as the eager path's)
-                codes = self._step(size).run()[:n].unsqueeze(0).clone()
+            codes = self._step(size).run()[:n]
+            with torch.inference_mode(False):  # the turn's own copy, a normal tensor (as the eager path's)
+                codes = codes.unsqueeze(0).clone()
             self._last_step = event_after_current_work(self.device)
             self.turns += 1
         return codes
