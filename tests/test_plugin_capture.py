@@ -146,12 +146,15 @@ async def test_an_stt_s_late_words_for_a_turn_the_built_in_asr_took_are_not_the_
     hello, time_u = utterances["hello"], utterances["time"]
     half = time_u.audio.size // 2
     frames = (audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.8), time_u.audio[:half]]))
-              + [SleepFrame(0.5)] + transcript(hello.text)  # late: turn 1 went to the built-in ASR
+              # late: turn 1 went to the built-in ASR after the 0.3 s grace, and words for it are absorbed
+              # for transcript_timeout_secs after that (1.2 s and 3 s: a busy CI machine's event loop
+              # can fire the grace's timer a few hundred milliseconds late)
+              + [SleepFrame(1.2)] + transcript(hello.text)
               + audio_frames(np.concatenate([time_u.audio[half:], silence(0.8)])) + transcript(time_u.text)
               + audio_frames(silence(0.5)))
     call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="hello there"),
-                                      params=TurnCaptureParams(transcripts="auto", transcript_timeout_secs=1.0),
-                                      tail_secs=1.5)
+                                      params=TurnCaptureParams(transcripts="auto", transcript_timeout_secs=3.0),
+                                      tail_secs=2.0)
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["hello there", time_u.text]
 
 
