@@ -38,7 +38,7 @@ import torch
 
 from taste_speech.announcements import Announcements, StepTimer
 from taste_speech.batched_steps import step_sizes
-from taste_speech.step_graph import StepGraph
+from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason
 
 
 class _Turn:
@@ -98,12 +98,12 @@ class EncoderGraph:
     @property
     def captured(self) -> bool:
         """Every step made so far is a captured graph (and one was made)."""
-        return bool(self._steps) and all(step.captured for step in self._steps.values())
+        return all_captured(self._steps.values())
 
     @property
     def fallback_reason(self) -> str | None:
         """Why a step runs eagerly where a graph was asked for, if one does."""
-        return next((step.fallback_reason for step in self._steps.values() if step.fallback_reason), None)
+        return first_fallback_reason(self._steps.values())
 
     def stats(self) -> dict:
         with self._lock:

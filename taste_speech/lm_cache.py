@@ -34,7 +34,7 @@ import inspect
 import torch
 from transformers import DynamicCache, LlamaModel, StaticCache
 
-from taste_speech.step_graph import StepGraph, resolve_mode
+from taste_speech.step_graph import StepGraph, first_fallback_reason, resolve_mode
 
 CACHE_KINDS = ("auto", "static", "dynamic")
 DEFAULT_CAPACITY = 1024
@@ -117,8 +117,7 @@ class StaticLMCache:
 
     @property
     def fallback_reason(self) -> str | None:
-        steps = [self._step, *self._prefill_steps.values()]
-        return next((step.fallback_reason for step in steps if step is not None and step.fallback_reason), None)
+        return first_fallback_reason([self._step, *self._prefill_steps.values()])
 
     def prefill_bucket(self, rows: int) -> int | None:
         """The captured prefill step a feed of ``rows`` rows would take now (None: eager)."""

@@ -34,7 +34,7 @@ import threading
 import torch
 
 from taste_speech.encoder_graph import event_after_current_work
-from taste_speech.step_graph import StepGraph, resolve_mode
+from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode
 from taste_speech.word_alignment import mean_pool_runs, word_runs
 
 MIN_BUCKET = 16  # decoder tokens of the smallest step (the prompt and <|endoftext|> take 5)
@@ -69,12 +69,12 @@ class PoolerGraph:
     @property
     def captured(self) -> bool:
         """Every step made so far is a captured graph (and one was made)."""
-        return bool(self._steps) and all(step.captured for step in self._steps.values())
+        return all_captured(self._steps.values())
 
     @property
     def fallback_reason(self) -> str | None:
         """Why a step runs eagerly where a graph was asked for, if one does."""
-        return next((step.fallback_reason for step in self._steps.values() if step.fallback_reason), None)
+        return first_fallback_reason(self._steps.values())
 
     @torch.inference_mode()
     def __call__(self, decoder_input_ids: torch.Tensor, keys_from: torch.Tensor, values_from: torch.Tensor,

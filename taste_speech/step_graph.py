@@ -138,6 +138,18 @@ class StepGraph(Generic[Outputs]):
             logger.warning("CUDA graph capture of %s failed, running it eagerly: %s", self.name, self.fallback_reason)
 
 
+def all_captured(steps) -> bool:
+    """Every one of ``steps`` (the ``StepGraph`` s an owner made so far) is a captured graph, and
+    there is one."""
+    steps = [step for step in steps if step is not None]
+    return bool(steps) and all(step.captured for step in steps)
+
+
+def first_fallback_reason(steps) -> str | None:
+    """Why one of ``steps`` runs eagerly where a graph was asked for, if one does."""
+    return next((step.fallback_reason for step in steps if step is not None and step.fallback_reason), None)
+
+
 @contextmanager
 def _no_garbage_collection():
     """No automatic garbage collection while a graph is captured. A collection runs in the thread

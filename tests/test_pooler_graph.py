@@ -119,6 +119,7 @@ def test_warm_up_makes_every_bucket_and_changes_no_later_turn(model, processor):
     pooler = PoolerGraph(model.audio_tower, "rehearse")
     pooler.warm_up()
     assert sorted(pooler._steps) == pooler.buckets and all(s._prepared for s in pooler._steps.values())
+    assert not pooler.captured and pooler.fallback_reason is None  # rehearsed: no CUDA graph, nothing failed
     features, asr_ids, asr_words, _ = turn_inputs(processor, SENTENCES[1])
     target, last = model.audio_tower.encode_audio(features)
     codes = pooler(model.audio_tower.decoder_input_ids(asr_ids), last, target, asr_words)

@@ -54,7 +54,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from taste_speech.step_graph import StepGraph, resolve_mode
+from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode
 
 VERIFY_BUCKETS = (8, 16, 32, 64)  # rows of the captured draft check (4 start tokens + the draft)
 
@@ -276,13 +276,11 @@ class StaticWhisperDecoder:
     @property
     def captured(self) -> bool:
         """Every graph made so far (and the shared encoder's) is captured, and some were made."""
-        return bool(self._graphs) and all(graph.captured for graph in self._graphs.values()) and \
-            self.encoder.captured
+        return all_captured(self._graphs.values()) and self.encoder.captured
 
     @property
     def fallback_reason(self) -> str | None:
-        return next((graph.fallback_reason for graph in self._graphs.values() if graph.fallback_reason), None) or \
-            self.encoder.fallback_reason
+        return first_fallback_reason(self._graphs.values()) or self.encoder.fallback_reason
 
     def _graph(self, key: tuple) -> StepGraph:
         if key not in self._graphs:
