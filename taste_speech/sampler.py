@@ -13,6 +13,7 @@ temperature, and greedy decoding (``text_top_p == 0``) ignores penalty and tempe
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field, replace
@@ -115,6 +116,18 @@ class VocabularyTables:
     @property
     def vocab_size(self) -> int:
         return self.word_start.numel()
+
+    def starts_word(self, token_id: int) -> bool:
+        return self._lists[0][token_id]
+
+    def ends_sentence(self, token_id: int) -> bool:
+        return self._lists[1][token_id]
+
+    @functools.cached_property
+    def _lists(self) -> tuple[list[bool], list[bool]]:
+        """The per-step lookups as Python lists, made once per tables (they are kept on the
+        processor): a read of a tensor element costs more than the lookup."""
+        return self.word_start.tolist(), self.sentence_end.tolist()
 
     @classmethod
     def from_pieces(cls, pieces: list[str], special_ids=(), banned_extra=()) -> "VocabularyTables":
@@ -264,9 +277,6 @@ class TasteSampler:
         self.tables = tables
         self.params = params or SamplingParams()
         self._banned_here = tables.banned  # the ban mask on the device of the last logits seen
-        # the per-step lookups as Python lists: a tensor read per step costs more than the lookup
-        self._word_start = tables.word_start.tolist()
-        self._sentence_end = tables.sentence_end.tolist()
 
     def _banned_on(self, device: torch.device) -> torch.Tensor:
         if self._banned_here.device != device:
@@ -369,11 +379,11 @@ class TasteSampler:
             state.end_countdown = (delay if state.end_countdown is None else state.end_countdown) - 1
             is_word_start = True  # forced, so the last word's code is read now
         else:
-            is_word_start = self._word_start[text_id]
+            is_word_start = self.tables.starts_word(text_id)
         state.word_start_history.append(is_word_start)
 
         # max_words is checked before this word is counted: up to 3E + 1 words.
-        if state.word_counter >= state.extra_words and self._sentence_end[text_id]:
+        if state.word_counter >= state.extra_words and self.tables.ends_sentence(text_id):
             state.end_reason = state.end_reason or "sentence_end"
             state.end_text = True
         elif state.word_counter >= state.max_words:
