@@ -30,6 +30,12 @@ VIEWS = {"view", "_unsafe_view", "transpose", "expand", "slice", "select", "unsq
          "lift_fresh"}
 
 
+# operators that read a tensor's values back to the host: .item() / int() / bool() of a tensor, a mask
+# used as indices (nonzero), unique
+READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "_unique2", "unique_dim",
+         "unique_consecutive"}
+
+
 class OperatorCount(TorchDispatchMode):
     """Counts the non-view ATen operators dispatched inside the ``with`` block."""
 
@@ -46,6 +52,11 @@ class OperatorCount(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+    @property
+    def reads(self) -> int:
+        """Operators that read a tensor's values back to the host (on CUDA each waits for the GPU)."""
+        return sum(self.ops[name] for name in READS)
 
 
 def load_model(size: str, dtype: str | None):

@@ -26,36 +26,26 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
-READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "_unique2", "unique_dim",
-         "unique_consecutive"}
+sys.path.insert(0, str(HERE))
+
+from benchmarks.bench_lora_merge import OperatorCount  # noqa: E402 - this checkout's counter, whatever --root
 STEP_PARTS = ("heads", "advance_audio", "next_row")  # the spoken LM's; and the sampler's update
 
 
 def count(root: Path, golden_dir: Path, steps: int = 40) -> dict:
     """{label: (steps, {function: reads per step})} for a greedy and a top-p generation."""
     sys.path.insert(0, str(root))  # (a process counts one checkout: modules imported before stay)
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from taste_speech.modeling_spoken_lm import TasteSpokenLM
     from taste_speech.verify import Golden
     from taste_speech.verify.points_spoken_lm import golden_sampler, load_golden_spoken_lm
-
-    class Reads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func.overloadpacket.__name__ in READS
-            return func(*args, **(kwargs or {}))
 
     totals: dict[str, int] = {}
 
     def counted(name, method):
         def wrapper(*args, **kwargs):
-            with Reads() as reads:
+            with OperatorCount() as count:
                 out = method(*args, **kwargs)
-            totals[name] = totals.get(name, 0) + reads.n
+            totals[name] = totals.get(name, 0) + count.reads
             return out
         return wrapper
 

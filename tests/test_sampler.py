@@ -261,25 +261,14 @@ def test_reset_rearms_the_state():
 
 
 # -- no reads of the GPU before the choice ------------------------------------------------------------
-# Operators that read a tensor back to the host (on CUDA each waits for every kernel queued before it)
-READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "_unique2", "unique_dim",
-         "unique_consecutive"}
-
-
 def reads_in(run):
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """(values read back to the host while ``run()`` ran - on CUDA each waits for every kernel
+    queued before it -, what it returned)."""
+    from benchmarks.bench_lora_merge import OperatorCount
 
-    class Reads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in READS:
-                Reads.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with Reads():
+    with OperatorCount() as count:
         out = run()
-    return Reads.count, out
+    return count.reads, out
 
 
 def masked_top_p(logits, top_p):
