@@ -57,7 +57,7 @@ tests_rc=0
 if [ "${TESTS:-1}" != 0 ]; then
     echo "== tests ($(date +%H:%M:%S))"
     timeout -k 10 "${TESTS_S:-$((budget / 3))}" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
-        tests/test_gpu_graphs.py tests/test_whisper_decode.py 2>&1 | tee "$out/tests.log"
+        tests/test_gpu_graphs.py tests/test_whisper_decode.py tests/test_device_copies.py 2>&1 | tee "$out/tests.log"
     tests_rc=${PIPESTATUS[0]}
 fi
 

@@ -26,7 +26,7 @@ parts=("$@")
 for part in "${parts[@]}"; do
     echo "== $part ($(date +%H:%M:%S))"
     case "$part" in
-        tests) "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_graphs.py tests/test_whisper_decode.py ;;
+        tests) "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_graphs.py tests/test_whisper_decode.py tests/test_device_copies.py ;;
         suite) "$PYTHON" -m benchmarks.gpu_suite --device cuda --dtype bfloat16 --size full ;;
         asr) "$PYTHON" benchmarks/bench_asr.py --models large --device cuda --dtype bfloat16 ;;
         cpu-suite) "$PYTHON" benchmarks/run_all.py --device cuda --dtype bfloat16 \

@@ -184,7 +184,7 @@ class RelPositionMultiHeadedAttention(nn.Module):
         distance = query_pos - key_pos  # (t, total)
         visible = distance >= 0
         position = by_distance.gather(-1, distance.clamp(min=0).expand(1, self.h, t_new, total))
-        mask = None if bool(visible.all()) else visible.unsqueeze(0)
+        mask = None if t_new == 1 else visible.unsqueeze(0)  # one new row sees every key (no read of the mask)
         return self._attend(q, cache.keys, cache.values, position, mask)
 
     def _extend_pos_keys(self, cache: LayerCache, needed: int, like: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from taste_speech.batched_steps import BatchedSteps, SlotCache
+from taste_speech.device_copies import copy_in
 from taste_speech.lm_cache import StaticLMCache, _check_crop, run_backbone
 from taste_speech.step_graph import resolve_mode
 
@@ -216,7 +217,7 @@ class LMStepBatch(BatchedSteps):
         for slot in batch:
             positions[slot] = self.length(slot)
             self._rows[slot].copy_(batch[slot].reshape(1, -1))
-        self._positions[:n].copy_(torch.tensor(positions))
+        copy_in(self._positions[:n], positions)  # (no wait for the GPU before the step is launched)
         if self.graph_mode == "eager":
             furthest = max(self.length(s) for s in batch) + 1
             self._step_caches[n].set_view_rows(min(self.capacity + 1, _round_up_to(furthest, _EAGER_VIEW_QUANTUM)))

@@ -134,7 +134,7 @@ class ResidualVQ(nn.Module):
         ``check=False`` skips the range check, which reads the indices back (on CUDA a wait for the
         GPU): for indices this RVQ's own search just made."""
         if check:
-            self._check_indices(indices)
+            self.check_indices(indices)
         out = []
         for k, book in enumerate(self.codebooks()):
             idx = indices[..., k].long()
@@ -148,14 +148,17 @@ class ResidualVQ(nn.Module):
         summed = self.codes_from_indices(indices, check).sum(dim=0)
         return self.project_out(summed.to(self.project_out.weight.dtype))
 
-    def _check_indices(self, indices: torch.Tensor) -> None:
+    def check_indices(self, indices: torch.Tensor) -> None:
+        """Raise on indices that are not (..., K) integers in [0, codebook_size) or IGNORE. Reads
+        them as a list: host indices are checked without waiting for a GPU."""
         if indices.is_floating_point() or indices.dim() == 0 or indices.shape[-1] != self.num_quantizers:
             raise ValueError(
                 f"RVQ indices must be an integer tensor (..., {self.num_quantizers}), got "
                 f"{indices.dtype} {tuple(indices.shape)}"
             )
-        if indices.numel() and bool(((indices < IGNORE) | (indices >= self.codebook_size)).any()):
+        values = indices.reshape(-1).tolist()
+        if values and (min(values) < IGNORE or max(values) >= self.codebook_size):
             raise ValueError(
                 f"RVQ indices must lie in [0, {self.codebook_size}) or be {IGNORE} (no code); got values in "
-                f"[{int(indices.min())}, {int(indices.max())}]"
+                f"[{min(values)}, {max(values)}]"
             )

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taste_speech.configuration_taste import TasteConfig
+from taste_speech.device_copies import to_device
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, KVCache, RelPositionTransformer
 from taste_speech.modeling_rvq import ResidualVQ
 from taste_speech.sampler import draw
@@ -321,35 +322,37 @@ class TasteSpeechDecoder(nn.Module):
 
     @staticmethod
     def asr_taste_indices(taste_rows: torch.Tensor, asr_word_ids: torch.Tensor) -> torch.Tensor:
-        """Spread per-word codes onto the Whisper tokens (1, L, K).
+        """Spread per-word codes onto the Whisper tokens (1, L, K), on the host.
 
         ``taste_rows`` (1, T, K) holds one valid row per word, in order (rows whose first index is
         IGNORE are skipped, e.g. the -1 rows of ``llm_indices``); ``asr_word_ids`` (1, L) are the
-        0-based word ids of the Whisper tokens."""
+        0-based word ids of the Whisper tokens. Both are small and read as lists: host inputs are
+        checked without waiting for a GPU."""
         if taste_rows.dim() != 3 or taste_rows.shape[0] != 1 or taste_rows.is_floating_point():
             raise ValueError(f"taste_rows must be integer codes (1, T, K), got {taste_rows.dtype} "
                              f"{tuple(taste_rows.shape)}")
         if asr_word_ids.dim() != 2 or asr_word_ids.shape[0] != 1 or asr_word_ids.shape[1] == 0:
             raise ValueError(f"asr_word_ids must be (1, L) with L >= 1, got {tuple(asr_word_ids.shape)}")
-        rows = taste_rows[0][taste_rows[0, :, 0] != IGNORE].long()
-        if bool((rows < 0).any()):
+        rows = [row for row in taste_rows[0].tolist() if row[0] != IGNORE]
+        if any(code < 0 for row in rows for code in row):
             raise ValueError("a TASTE row mixes valid and IGNORE (-1) indices: every word needs all its codes")
-        word_ids = asr_word_ids[0].long()
-        steps = word_ids.diff()
-        if int(word_ids[0]) != 0 or bool(((steps != 0) & (steps != 1)).any()):
+        word_ids = asr_word_ids[0].tolist()
+        if word_ids[0] != 0 or any(b - a not in (0, 1) for a, b in zip(word_ids, word_ids[1:])):
             raise ValueError("asr_word_ids must start at 0 and grow by at most 1 per token (0, 0, 1, 2, 2, ...)")
-        n_words = int(word_ids[-1]) + 1
-        if rows.shape[0] != n_words:
-            raise ValueError(f"got {rows.shape[0]} TASTE code rows for {n_words} words: give exactly one row "
+        n_words = word_ids[-1] + 1
+        if len(rows) != n_words:
+            raise ValueError(f"got {len(rows)} TASTE code rows for {n_words} words: give exactly one row "
                              "per word (prompt rows followed by generated rows)")
-        return rows[word_ids].unsqueeze(0)
+        return torch.tensor([[rows[w] for w in word_ids]], dtype=torch.long).view(1, len(word_ids), -1)
 
     def audio_embeds_from_taste(self, rvq: ResidualVQ, taste_rows: torch.Tensor,
                                 asr_word_ids: torch.Tensor) -> torch.Tensor:
         """Per-word codes -> per-Whisper-token TASTE embeddings (1, L, dim) via ``rvq.decode``
-        (the original's ``get_audio_embeds_from_taste``, batch 1)."""
-        indices = self.asr_taste_indices(taste_rows.to(rvq.project_out.weight.device), asr_word_ids)
-        return rvq.decode(indices).float()
+        (the original's ``get_audio_embeds_from_taste``, batch 1). The codes are spread and checked
+        on the host, then copied without waiting for the GPU."""
+        indices = self.asr_taste_indices(taste_rows, asr_word_ids)
+        rvq.check_indices(indices)
+        return rvq.decode(to_device(indices, rvq.project_out.weight.device), check=False).float()
 
     # -- conditioning (§6.2 - §6.3) -------------------------------------------------------------
     def _check_conditioning_inputs(self, speaker_embeds, audio_unit_embeds, asr_token_ids) -> None:
@@ -358,7 +361,8 @@ class TasteSpeechDecoder(nn.Module):
                              f"{tuple(asr_token_ids.shape)}")
         if asr_token_ids.shape[1] == 0:
             raise ValueError("asr_token_ids is empty: the speech decoder needs at least one Whisper token")
-        if bool(((asr_token_ids < 0) | (asr_token_ids >= self.text_token_size)).any()):
+        ids = asr_token_ids[0].tolist()  # (host ids: checked without waiting for the GPU)
+        if min(ids) < 0 or max(ids) >= self.text_token_size:
             raise ValueError(f"asr_token_ids must lie in [0, {self.text_token_size}) (transcript tokens without "
                              "Whisper special tokens)")
         if speaker_embeds.shape != (1, self.spk_embed_dim):
@@ -390,6 +394,10 @@ class TasteSpeechDecoder(nn.Module):
         """All prefix pieces. ``audio_unit_embeds=None`` skips the TASTE side (the original's
         ``skip_audio_in_audio_decoder``: the fused rows are the text encoding alone)."""
         self._check_conditioning_inputs(speaker_embeds, audio_unit_embeds, asr_token_ids)
+        # inputs made on the host (ids, a speaker vector) are copied in without waiting for the GPU
+        asr_token_ids, speaker_embeds = to_device(asr_token_ids, self.device), to_device(speaker_embeds, self.device)
+        if audio_unit_embeds is not None:
+            audio_unit_embeds = to_device(audio_unit_embeds, self.device)
         text = self.encode_text(asr_token_ids)
         audio = None if audio_unit_embeds is None else self.encode_audio(audio_unit_embeds)
         fused = text if audio is None else self.fuse_encoded_audio_text_module(audio, text)
@@ -548,7 +556,7 @@ class TasteSpeechDecoder(nn.Module):
         if not tokens:
             return
         to_feed = ([] if state.pending_token is None else [state.pending_token]) + tokens
-        rows = self.speech_embedding.weight[torch.tensor(to_feed, device=self.device)].unsqueeze(0)
+        rows = self.speech_embedding.weight[to_device(torch.tensor(to_feed), self.device)].unsqueeze(0)
         state.next_logp, state.pending_token = self.feed(state, rows), None
         state.tokens.extend(tokens)
         if len(state.tokens) >= state.max_len:

@@ -29,9 +29,10 @@ from transformers import LlamaForCausalLM
 from transformers.utils import ModelOutput
 
 from taste_speech.configuration_taste import TasteConfig
+from taste_speech.device_copies import to_device
 from taste_speech.lm_cache import CACHE_KINDS, DynamicLMCache, StaticLMCache
 from taste_speech.modeling_rvq import ResidualVQ
-from taste_speech.sampler import Action, Decision, TasteAction, TasteSampler, to_device
+from taste_speech.sampler import Action, Decision, TasteAction, TasteSampler
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IGNORE = -1

@@ -21,20 +21,14 @@ from enum import IntEnum
 
 import torch
 
+from taste_speech.device_copies import to_device
+
 
 def check_generator(generator) -> None:
     """A wrong ``generator`` would only fail deep in a sampling call."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
                          f"got {type(generator).__name__}")
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without waiting for the kernels queued there (pinned, copied
-    asynchronously on CUDA; a plain copy waits for the stream); as it is elsewhere."""
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None, replacement: bool = False) -> int:

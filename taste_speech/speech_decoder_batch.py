@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from taste_speech.batched_steps import BatchedSteps, SlotCache
+from taste_speech.device_copies import copy_in
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, sinusoid_encoding
 from taste_speech.speech_decoder_cache import DEFAULT_CAPACITY, StaticSpeechCache, _plain_tensors
 from taste_speech.step_graph import resolve_mode
@@ -113,8 +114,8 @@ class SpeechStepBatch(BatchedSteps):
         positions, tokens = [self.capacity] * n, [0] * n
         for slot, token in batch.items():
             positions[slot], tokens[slot] = self.length(slot), token
-        self._positions[:n].copy_(torch.tensor(positions))
-        self._tokens[:n].copy_(torch.tensor(tokens))
+        copy_in(self._positions[:n], positions)  # (no wait for the GPU before the step is launched)
+        copy_in(self._tokens[:n], tokens)
         logp = self._graph(n).run()
         out = {slot: logp[slot].clone() for slot in batch}
         if self.device.type == "cuda":

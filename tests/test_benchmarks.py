@@ -149,17 +149,17 @@ def test_flow_windows_benchmark_measures_both_changes_against_their_baselines():
 
 def test_segment_operator_benchmark_splits_each_segment_into_its_start_and_its_steps(capsys):
     """bench_segment_ops at tiny size: a row per segment, one decode step per speech token (and
-    one for the end), the same operators in every step, and some operators outside them (the
-    segment's prefix and feeds)."""
+    one for the end), the same operators in every step, some operators outside them (the
+    segment's prefix and feeds) and no reads outside them (the draws are the steps')."""
     from benchmarks import bench_segment_ops
 
     assert bench_segment_ops.main(["--size", "tiny", "--segments", "2"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
             if re.match(r"\| \d+ \|", line)]
     assert [int(r[0]) for r in rows] == [0, 1]
-    for _, tokens, steps, per_step, outside in rows:
+    for _, tokens, steps, per_step, outside, reads in rows:
         assert int(tokens) > 0 and int(steps) in (int(tokens), int(tokens) + 1)
-        assert int(per_step) > 10 and int(outside) > 0
+        assert int(per_step) > 10 and int(outside) > 0 and int(reads) == 0
 
 
 def test_tower_text_benchmark_counts_what_one_replay_takes_over(model, processor):

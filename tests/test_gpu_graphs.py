@@ -534,6 +534,57 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     assert wav.numel() > 0 and torch.isfinite(wav).all()
 
 
+def test_speaking_waits_for_the_gpu_only_at_the_draws_and_the_audio(monkeypatch):
+    """Starting each segment's speech decoder (the words' codes spread and checked on the host, the
+    voice and the previous segment's tokens copied from pinned memory) does not wait for the GPU,
+    and vocoding waits once per chunk, for its audio (the tokens, positions and noise go in from
+    pinned memory): counted with torch's sync debug mode."""
+    import warnings
+
+    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from taste_agents.caller import load_utterances
+
+    engine = TasteEngine.from_pretrained(None, device="cuda", asr=None)
+    hello = load_utterances()["hello"]
+    session = engine.new_session(GenerationSettings(max_reply_tokens=8, seed=3))
+    session.warm_up()
+    segments = [e for e in session.reply(session.user_turn(hello.audio, hello.text), threading.Event())
+                if e.kind == "segment"][:3]
+    assert len(segments) == 3
+    decoder, waits = engine.model.speech_decoder, {"speech_tokens": 0, "draws": 0, "steps": 0, "vocode": 0}
+    step = decoder.step
+
+    def counted(key, run):
+        before = len(caught)
+        out = run()
+        waits[key] += sum("synchroniz" in str(w.message) for w in caught[before:])
+        return out
+
+    def counted_step(*args, **kwargs):
+        waits["steps"] += 1
+        return counted("draws", lambda: step(*args, **kwargs))
+
+    monkeypatch.setattr(decoder, "step", counted_step)
+    state = session.start_speech(16000)
+    tokens, chunks = [], 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for seg in segments:
+                pieces = session.speech_tokens(state, seg.segment)
+                while (piece := counted("speech_tokens", lambda: next(pieces, None))) is not None:
+                    tokens += piece
+                    chunks += len(counted("vocode", lambda: session.vocode(state, piece)))
+            chunks += len(counted("vocode", lambda: session.vocode(state, [], final=True)))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(tokens) > 10 and waits["steps"] == len(tokens) + 3 and chunks > 0
+    assert waits["draws"] >= len(tokens) and waits["speech_tokens"] == waits["draws"], waits
+    assert waits["vocode"] <= chunks, (waits, chunks)
+    session.close()
+
+
 @pytest.mark.parametrize("streams", ["synthesis", "calls"])
 def test_cuda_streams_give_the_same_audio_alone_and_beside_other_calls(streams):
     """TasteEngine(streams='synthesis'): every call's flow and vocoder work on one CUDA stream

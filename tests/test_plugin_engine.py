@@ -167,6 +167,41 @@ def test_split_synthesis_equals_taste_detokenize_stream(engine, hello):
     assert session.speech_samples(len(tokens), 16000) == pytest.approx(ours.size, abs=16000 * 0.03)
 
 
+@pytest.mark.parametrize("decoding", ["auto", "graphed"])
+def test_speaking_reads_back_only_the_speech_token_draws(engine, hello, monkeypatch, decoding):
+    """Starting each segment's speech decoder (its words' codes, the voice, the previous segment's
+    tokens) and vocoding read no tensor back: on a GPU a read waits for every call's queued work.
+    The speech-token draws are the one read per token. Counted as operators on this CPU (the
+    copies from host memory, waits on a GPU too, are the CUDA test's)."""
+    from benchmarks.bench_lora_merge import OperatorCount
+
+    path = TasteEngine(engine.model, engine.processor, engine.voice_generator, checkpoint_dir=engine.checkpoint_dir,
+                       asr=None, decoding=decoding)
+    session = path.new_session(GenerationSettings(max_reply_tokens=8, seed=3))
+    segments, _ = reply_segments(session, session.user_turn(hello.audio, hello.text), n_words=3)
+    decoder, draws = path.model.speech_decoder, []
+    step = decoder.step
+
+    def counted_step(*args, **kwargs):
+        with OperatorCount() as count:
+            token = step(*args, **kwargs)
+        draws.append(count.reads)
+        return token
+
+    monkeypatch.setattr(decoder, "step", counted_step)
+    state = session.start_speech(16000)  # (its seeds are drawn from a CPU generator, read once a reply)
+    tokens, audio = [], []
+    with OperatorCount() as everything:
+        for seg in segments:
+            for piece in session.speech_tokens(state, seg.segment):
+                tokens += piece
+                audio += session.vocode(state, piece)
+        audio += session.vocode(state, [], final=True)
+    assert len(segments) == 3 and len(tokens) > 10 and sum(chunk.size for chunk in audio)
+    assert len(draws) == len(tokens) + 3 and sum(draws) >= len(tokens)  # (+ one ending step a segment)
+    assert everything.reads == sum(draws), everything.ops
+
+
 def test_generation_settings_default_to_the_samplers_defaults():
     """The plugin repeats the model library's sampling defaults (importing them would make
     ``import pipecat_taste`` import torch): this keeps the two from drifting apart."""

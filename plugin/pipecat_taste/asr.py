@@ -258,6 +258,8 @@ class WhisperTranscriber:
         feature extractor is Whisper's standard one (the same numbers to float rounding: it
         transforms the audio, not the silence after it - BENCHMARKS.md section 9), else (and for
         no audio at all: the silent window) the extractor itself."""
+        from taste_speech.device_copies import to_device
+
         audio16k = np.asarray(audio16k, np.float32)
         if audio16k.size and _standard_whisper_front_end(self.feature_extractor, self.model.config.num_mel_bins):
             from taste_speech.audio import whisper_log_mel
@@ -266,7 +268,8 @@ class WhisperTranscriber:
                                        n_samples=self.feature_extractor.n_samples).transpose(1, 2)
         else:
             features = self.feature_extractor(audio16k, sampling_rate=16000, return_tensors="pt").input_features
-        return features.to(self.device, next(self.model.parameters()).dtype)
+        # (pinned on CUDA: the copy does not wait for the kernels queued before it, other calls')
+        return to_device(features, self.device).to(next(self.model.parameters()).dtype)
 
     def _generate(self, features) -> list[int]:
         import torch

@@ -831,6 +831,8 @@ class TasteSession:
     def _speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:
         import torch
 
+        from taste_speech.device_copies import to_device
+
         model, processor = self.model, self.processor
         decoder = model.speech_decoder
         text_ids, taste_ids = segment.text_ids, segment.taste_ids
@@ -843,14 +845,16 @@ class TasteSession:
         full_taste = torch.cat([prev_taste, taste_ids], dim=1)
         aligned = processor.align_llm_ids(full_text)
         current = processor.align_llm_ids(text_ids)
-        device = decoder.device
         with torch.inference_mode():
-            audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste.to(device), aligned.asr_word_ids.to(device))
-            prefix = decoder.prefix_embeds(self.voice.to(device), audio_embeds, aligned.asr_token_ids.to(device))
+            # the words, codes and voice are host tensors: checked there and copied in without
+            # waiting for the GPU (a wait would be for every call's queued work); the speech-token
+            # draws are this path's only reads
+            audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste, aligned.asr_word_ids)
+            prefix = decoder.prefix_embeds(self.voice, audio_embeds, aligned.asr_token_ids)
             min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
             dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=self.speech_cache())
             if state.prev_speech_ids:
-                prev = torch.tensor([state.prev_speech_ids], dtype=torch.long, device=device)
+                prev = to_device(torch.tensor([state.prev_speech_ids], dtype=torch.long), decoder.device)
                 dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev))
             new: list[int] = []
             while (token := decoder.step(dec_state, state.sampler)) is not None:

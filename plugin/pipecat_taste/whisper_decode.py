@@ -54,6 +54,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from taste_speech.device_copies import copy_in, to_device
 from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode
 
 VERIFY_BUCKETS = (8, 16, 32, 64)  # rows of the captured draft check (4 start tokens + the draft)
@@ -372,10 +373,10 @@ class StaticWhisperDecoder:
         width = bucket or longest
         padded = torch.tensor([r + [eos] * (width - len(r)) for r in rows] + [[eos] * width] * (n - len(rows)))
         if bucket is None:
-            padded = padded.to(self.device)
+            padded = to_device(padded, self.device)
             predicted = self._greedy_after_start(self._rows(padded, self.key_positions[:width].expand(n, width)))
         else:
-            self._check_tokens[bucket][:n].copy_(padded)
+            copy_in(self._check_tokens[bucket][:n], padded)
             predicted = self._graph(("check", n, bucket)).run()
         predicted = predicted.tolist()
         return [predicted[i][:len(r) - first] for i, r in enumerate(rows)]
@@ -431,8 +432,8 @@ class StaticWhisperDecoder:
                 feed, at = [eos] * n, [0] * n  # idle and ended rows: end-of-text at position 0 of their own cache
                 for i in active:
                     feed[i], at[i] = generated[i][-1], start + len(generated[i])
-                self.token[:n, 0].copy_(torch.tensor(feed))
-                self.position[:n].copy_(torch.tensor(at))
+                copy_in(self.token[:n, 0], feed)  # (no wait for the GPU before the step: its read is the wait)
+                copy_in(self.position[:n], at)
                 out = self._graph(("step", n)).run().tolist()
                 for i in active:
                     generated[i].append(out[i])
@@ -445,7 +446,7 @@ class StaticWhisperDecoder:
             if tuple(feats.shape) != expected:
                 raise ValueError(f"Whisper features must be {expected} (the padded 30 s window), "
                                  f"got {tuple(feats.shape)}: use the model's feature extractor")
-        windows = [feats.to(self.device, self.dtype) for feats in features]
+        windows = [to_device(feats, self.device).to(self.dtype) for feats in features]
         for row, (states,) in enumerate(self.encoder.encode(windows, owners)):
             self.states[row:row + 1].copy_(states)
         self._graph(("cross", n)).run()

@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from taste_speech.device_copies import to_device
 from taste_speech.processing_taste import as_speaker_embedding
 from taste_speech.sampler import check_generator
 from taste_speech.streaming.synthesis import SpeechChunk, speak, start_speaking
@@ -253,9 +254,9 @@ def taste_detokenize_stream(
     full_taste = torch.cat([prev_taste_ids, taste_ids], dim=1)
     aligned = processor.align_llm_ids(full_text)
     current = processor.align_llm_ids(text_ids)
-    device = decoder.device
-    audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste.to(device), aligned.asr_word_ids.to(device))
-    prefix = decoder.prefix_embeds(speaker_embeds.to(device), audio_embeds, aligned.asr_token_ids.to(device))
+    # (host tensors: checked there and copied in without waiting for the GPU)
+    audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste, aligned.asr_word_ids)
+    prefix = decoder.prefix_embeds(speaker_embeds, audio_embeds, aligned.asr_token_ids)
 
     # 2. the speech decoder, continuing the previous segment's speech tokens. With a state they are
     # the last segment's (the prefix holds that segment's words; feeding the whole utterance would
@@ -266,7 +267,7 @@ def taste_detokenize_stream(
     if state is not None and state.segment_tokens:  # (0: the state spoke tokens outside detokenize)
         continued = prev_speech_ids[:, prev_speech_ids.shape[1] - state.segment_tokens:]
     if continued.shape[1]:
-        dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(continued.to(device)))
+        dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(to_device(continued, decoder.device)))
     sampler = TopKSampler(generator=generator) if sampler is None else sampler
 
     # 3. the voice generator, fed token by token

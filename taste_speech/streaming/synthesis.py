@@ -53,6 +53,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from taste_speech.device_copies import to_device
 from taste_speech.streaming.synthesis_graphs import SynthesisGraphs, resolve_kind, shared_graphs
 from taste_speech.streaming.synthesis_state import (
     SAMPLES_PER_FRAME,
@@ -134,12 +135,12 @@ def start_speaking(
             raise ValueError("these SynthesisGraphs belong to another voice generator: make one for this one")
     elif resolve_kind(kind, device) == "static":
         graphs = shared_graphs(vg)
-    speaker_embeds = torch.as_tensor(speaker_embeds).to(device)
+    speaker_embeds = to_device(torch.as_tensor(speaker_embeds), device)
     spks = vg.flow.speaker_projection(speaker_embeds)
     harmonics = vg.hift.m_source.n_harmonics
     flow_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
     source_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    phase_u01 = torch.rand((1, harmonics, 1), generator=generator).to(device)
+    phase_u01 = to_device(torch.rand((1, harmonics, 1), generator=generator), device)
     resampler = None
     if out_sampling_rate != SOURCE_RATE:
         import soxr
@@ -179,7 +180,7 @@ def speak(vg: VoiceGenerator, state: SynthesisState, speech_tokens=None, final: 
     """
     if state.finished:
         raise ValueError("this utterance's synthesis already ended (final=True); start a new state with start_speaking")
-    new = _check_new_tokens(vg, speech_tokens).to(state.tokens.device)
+    new = to_device(_check_new_tokens(vg, speech_tokens), state.tokens.device)
     if new.shape[1]:
         state.tokens = torch.cat([state.tokens, new], dim=1)
         state.n_tokens += new.shape[1]
@@ -256,7 +257,7 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
         first_token = state.token_of(first_frame)
     h = flow.encode_tokens(state.window_tokens(first_token, right))  # (1, n, 80)
     # nearest-neighbour stretch on the utterance's grid (441/256 frames per token)
-    rows = torch.tensor([state.token_of(f) - first_token for f in range(first_frame, frames_right)], device=h.device)
+    rows = to_device(torch.tensor([state.token_of(f) - first_token for f in range(first_frame, frames_right)]), h.device)
     rows = rows.clamp(0, h.shape[1] - 1)
     mu = flow.length_regulator.model(h[:, rows].transpose(1, 2))
     n_frames = frames_right - first_frame

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from taste_speech.device_copies import to_device
+
 SAMPLES_PER_FRAME = 256  # HiFT: 22050 Hz output, one mel frame per 256 samples
 SOURCE_RATE = 22050
 SUPPORTED_OUTPUT_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
@@ -203,7 +205,8 @@ class NoiseTape:
         last = (stop - 1) // self.block - self._first_block
         joined = torch.cat(self._blocks[first:last + 1], dim=1)
         offset = (first + self._first_block) * self.block
-        return joined[:, start - offset:stop - offset].unsqueeze(0).to(self.device, self.dtype)
+        # (pinned on CUDA: the copy does not wait for the kernels queued before it)
+        return to_device(joined[:, start - offset:stop - offset].unsqueeze(0).to(self.dtype), self.device)
 
     def forget_before(self, position: int) -> None:
         drop = position // self.block - self._first_block

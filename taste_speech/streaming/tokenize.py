@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from taste_speech.device_copies import to_device
 from taste_speech.processing_taste import SILENCE_PEAK
 from taste_speech.sampler import special_token_ids
 
@@ -41,10 +42,8 @@ def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int, *, enc
         raise ValueError(f"the transcript has {text.asr_token_ids.shape[1]} ASR tokens; the audio tower takes at most "
                          f"{limit}: split the turn into shorter pieces")
     device = model.audio_tower.vq.rvq.project_out.weight.device
-    features = processor.audio_features(wav, 16000)
-    if device.type == "cuda":  # pinned, the copy does not wait for the kernels queued before it (other calls')
-        features = features.pin_memory()
-    features = features.to(device, non_blocking=True)
+    # (pinned on CUDA: the copy does not wait for the kernels queued before it, other calls')
+    features = to_device(processor.audio_features(wav, 16000), device)
     # with a pooler the ids stay on the host (it reads them there), so the codes' read is the one wait
     ids_device = device if pooler is None else torch.device("cpu")
     _, llm_indices = model.extract_vq(features, text.asr_token_ids.to(ids_device), text.asr_word_ids.to(ids_device),

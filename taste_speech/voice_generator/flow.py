@@ -212,9 +212,10 @@ class MelFlow(nn.Module):
             raise ValueError(f"{name} must be shaped (1, N) (batch size 1), got {tuple(tokens.shape)}")
         if tokens.is_floating_point():
             raise ValueError(f"{name} must be integer ids, got dtype {tokens.dtype}")
-        if tokens.numel() and int(tokens.max()) >= self.vocab_size:
+        values = tokens.reshape(-1).tolist()  # (host ids: checked without waiting for the GPU)
+        if values and max(values) >= self.vocab_size:
             raise ValueError(
-                f"{name} contain id {int(tokens.max())} >= vocab_size {self.vocab_size}; the speech decoder's "
+                f"{name} contain id {max(values)} >= vocab_size {self.vocab_size}; the speech decoder's "
                 "EOS (4096) or other special ids must be stripped before the voice generator"
             )
         return tokens

@@ -1,0 +1,44 @@
+"""Host -> device copies that do not wait for the GPU (taste_speech/device_copies.py)."""
+
+import warnings
+
+import pytest
+import torch
+
+from taste_speech.device_copies import copy_in, to_device
+
+
+def test_to_device_gives_the_values_where_asked_and_leaves_them_for_none():
+    host = torch.arange(6).view(2, 3)[:, 1:]  # (not contiguous)
+    assert to_device(host, None) is host
+    moved = to_device(host, "cpu")
+    assert moved.device.type == "cpu" and torch.equal(moved, host)
+
+
+def test_copy_in_takes_lists_in_the_buffer_s_dtype_and_tensors_as_they_are():
+    buffer = torch.zeros(4, dtype=torch.long)
+    assert copy_in(buffer[:3], [7, 8, 9]) is not None
+    assert buffer.tolist() == [7, 8, 9, 0]
+    floats = torch.zeros(2, 2)
+    copy_in(floats, torch.tensor([[1.5, 2.5], [3.5, 4.5]]))
+    assert floats.tolist() == [[1.5, 2.5], [3.5, 4.5]]
+    with pytest.raises(RuntimeError):
+        copy_in(buffer, [1, 2])  # a size mismatch is still an error
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_neither_waits_for_the_gpu_and_the_values_arrive():
+    busy = torch.randn(2048, 2048, device="cuda")
+    buffer = torch.zeros(3, dtype=torch.long, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(8):
+                busy = busy @ busy / 2048  # kernels queued before the copies
+            moved = to_device(torch.tensor([4, 5, 6]), "cuda")
+            copy_in(buffer, [1, 2, 3])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not [w for w in caught if "synchroniz" in str(w.message)]
+    assert moved.tolist() == [4, 5, 6] and buffer.tolist() == [1, 2, 3]
