@@ -32,8 +32,14 @@ VIEWS = {"view", "_unsafe_view", "transpose", "expand", "slice", "select", "unsq
 
 # operators that read a tensor's values back to the host: .item() / int() / bool() of a tensor, a mask
 # used as indices (nonzero), unique
+HOST_COPY = "_to_copy (to the host)"
 READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "_unique2", "unique_dim",
-         "unique_consecutive"}
+         "unique_consecutive", HOST_COPY}
+
+
+def _to_the_host(tensor, kwargs) -> bool:
+    """A ``_to_copy`` that only moves values to the host (not a dtype conversion that names the device)."""
+    return str(kwargs.get("device")) == "cpu" and kwargs.get("dtype") in (None, tensor.dtype)
 
 
 class OperatorCount(TorchDispatchMode):
@@ -45,6 +51,8 @@ class OperatorCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if name == "_to_copy" and _to_the_host(args[0], kwargs or {}):
+            name = HOST_COPY  # counted as a read (on a CPU it reads nothing, on a GPU it waits)
         if name not in VIEWS:
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
@@ -55,7 +63,8 @@ class OperatorCount(TorchDispatchMode):
 
     @property
     def reads(self) -> int:
-        """Operators that read a tensor's values back to the host (on CUDA each waits for the GPU)."""
+        """Operators that read a tensor's values back to the host (on CUDA each waits for the GPU),
+        copies to the host included (``device_copies.read_back``)."""
         return sum(self.ops[name] for name in READS)
 
 

@@ -149,16 +149,23 @@ class ResidualVQ(nn.Module):
         return self.project_out(summed.to(self.project_out.weight.dtype))
 
     def check_indices(self, indices: torch.Tensor) -> None:
-        """Raise on indices that are not (..., K) integers in [0, codebook_size) or IGNORE. Reads
-        them as a list: host indices are checked without waiting for a GPU."""
+        """Raise on indices that are not (..., K) integers in [0, codebook_size) or IGNORE. Host
+        indices are read as a list (no tensor reduction, nothing waits for a GPU); device ones
+        through their least and largest value (one read)."""
         if indices.is_floating_point() or indices.dim() == 0 or indices.shape[-1] != self.num_quantizers:
             raise ValueError(
                 f"RVQ indices must be an integer tensor (..., {self.num_quantizers}), got "
                 f"{indices.dtype} {tuple(indices.shape)}"
             )
-        values = indices.reshape(-1).tolist()
-        if values and (min(values) < IGNORE or max(values) >= self.codebook_size):
+        if not indices.numel():
+            return
+        if indices.device.type == "cpu":
+            values = indices.reshape(-1).tolist()
+            low, high = min(values), max(values)
+        else:
+            low, high = torch.stack([indices.min(), indices.max()]).tolist()
+        if low < IGNORE or high >= self.codebook_size:
             raise ValueError(
                 f"RVQ indices must lie in [0, {self.codebook_size}) or be {IGNORE} (no code); got values in "
-                f"[{min(values)}, {max(values)}]"
+                f"[{low}, {high}]"
             )

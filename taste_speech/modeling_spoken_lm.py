@@ -476,7 +476,8 @@ class TasteSpokenLM(nn.Module):
         if action == TasteAction.SAMPLE:
             if decision.has_taste:  # otherwise keep the current code (fill forward)
                 # (the sampler's codes come from this RVQ's own search: no range check to wait for)
-                state.audio_vec = rvq.decode(decision.taste_ids.view(1, 1, -1), check=False)[0, 0].float()
+                codes = to_device(decision.taste_ids.view(1, 1, -1), rvq.project_out.weight.device)
+                state.audio_vec = rvq.decode(codes, check=False)[0, 0].float()
         elif action == TasteAction.USE_PREFIX:
             if state.pending_audio is None:
                 raise ValueError("the sampler asked for the prompt's last code but the decode state holds none")
@@ -591,7 +592,7 @@ class TasteSpokenLM(nn.Module):
         return GenerationOutput(
             token_ids=torch.tensor([gen_ids], dtype=torch.long, device=device),
             word_ids=torch.tensor([gen_word_ids], dtype=torch.int32, device=device),
-            taste_rows=(torch.stack(gen_taste).unsqueeze(0) if gen_taste
+            taste_rows=(to_device(torch.stack(gen_taste), device).unsqueeze(0) if gen_taste
                         else torch.zeros(1, 0, k, dtype=torch.long, device=device)),
             first_inputs_embeds=context.rows,
             final_inputs_embeds=state.inputs_embeds(),

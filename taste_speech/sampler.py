@@ -21,7 +21,7 @@ from enum import IntEnum
 
 import torch
 
-from taste_speech.device_copies import to_device
+from taste_speech.device_copies import read_back, to_device
 
 
 def check_generator(generator) -> None:
@@ -248,7 +248,7 @@ class Decision:
     """The sampler's choice at one step."""
 
     text_id: int
-    taste_ids: torch.Tensor  # (K,) long; all -1 when no code was sampled at this step
+    taste_ids: torch.Tensor  # (K,) long, on the host; all -1 when no code was sampled at this step
     action: Action
     taste_action: TasteAction
     text_logits: torch.Tensor  # (V,) the banned (and filtered) logits the choice was made from
@@ -320,13 +320,25 @@ class TasteSampler:
 
         ban -> if p == 0: argmax; else top-p (remove cumulative prob > p, keep the best) ->
         repetition penalty over ``input_ids`` (CTRL style) -> temperature -> one multinomial draw."""
+        text_id, used, _ = self._choose_text(logits, input_ids, generator)
+        return text_id, used
+
+    def _choose_text(self, logits: torch.Tensor, input_ids, generator: torch.Generator | None = None,
+                     rider: torch.Tensor | None = None):
+        """``sample_text``, and ``rider`` - a few integers on the logits' device (the TASTE head's
+        codes) - read back in the same copy as the choice where the choice is read in one copy
+        (greedy; a draw with a CPU generator): one wait for the GPU, not two.
+        Returns (id, logits used, the rider's values, or None where it did not ride)."""
         self._check_vocab(logits)
         p = self.params
         # On CUDA nothing here reads the GPU before the choice itself (masks as masked_fill, the
         # penalised ids made on the host): a read waits for every kernel queued before it.
         logits = logits.float().masked_fill(self._banned_on(logits.device), BAN_VALUE)
         if p.text_top_p == 0:
-            return int(logits.argmax()), logits
+            if rider is None:
+                return int(logits.argmax()), logits, None
+            values = read_back(torch.cat([logits.argmax().view(1), rider.view(-1)]))
+            return values[0], logits, values[1:]
         logits = self._top_p(logits, p.text_top_p)
         if p.repetition_penalty != 1.0 and len(input_ids):
             ids = sorted({int(i) for i in input_ids if 0 <= int(i) < logits.numel()})
@@ -335,7 +347,14 @@ class TasteSampler:
                 chosen = logits[ids]
                 logits[ids] = torch.where(chosen < 0, chosen * p.repetition_penalty, chosen / p.repetition_penalty)
         logits = logits / p.text_temperature
-        return draw(logits.softmax(-1), generator), logits
+        probs = logits.softmax(-1)
+        if rider is not None and generator is not None and generator.device.type == "cpu":
+            # the probabilities go to the host for the draw (from a GPU: the one copy back, the
+            # wait): the rider goes with them (integers below 2**24, exact in float32)
+            both = torch.cat([probs, rider.view(-1).to(probs.dtype)]).to(generator.device)
+            n = rider.numel()
+            return draw(both[:-n], generator), logits, both[-n:].long().tolist()
+        return draw(probs, generator), logits, None
 
     @staticmethod
     def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -349,15 +368,15 @@ class TasteSampler:
 
     # -- TASTE -------------------------------------------------------------------------------------
     def sample_taste(self, taste_logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        """(K, C) logits of the last position -> (K,) codes. The published head's logits are
-        one-hot x 1000, so this is the head's own code whatever ``taste_top_p`` is."""
+        """(K, C) logits of the last position -> (K,) codes, on the host. The published head's
+        logits are one-hot x 1000, so this is the head's own code whatever ``taste_top_p`` is."""
         if self.params.taste_top_p == 0:
-            return taste_logits.argmax(-1)
+            return torch.tensor(read_back(taste_logits.argmax(-1)), dtype=torch.long)
         codes = [
             draw(self._top_p(level.float(), self.params.taste_top_p).softmax(-1), generator)
             for level in taste_logits
         ]
-        return torch.tensor(codes, dtype=torch.long, device=taste_logits.device)
+        return torch.tensor(codes, dtype=torch.long)
 
     # -- one step ----------------------------------------------------------------------------------
     def update(self, state: SamplerState, text_logits: torch.Tensor, taste_logits: torch.Tensor, input_ids,
@@ -365,7 +384,9 @@ class TasteSampler:
         """One generation step from the last position's text logits (V,) and TASTE logits (K, C).
         ``input_ids``: every id so far (prompt + generated), for the repetition penalty."""
         delay = state.delay
-        text_id, used_logits = self.sample_text(text_logits, input_ids, generator)
+        # the head's code (greedy) rides with the text choice's read: a word's code costs no wait of its own
+        rider = taste_logits.argmax(-1) if self.params.taste_top_p == 0 else None
+        text_id, used_logits, codes = self._choose_text(text_logits, input_ids, generator, rider)
         waiting = state.end_text  # decided at an earlier step
         if state.word_counter == 0:
             is_word_start = True  # the first generated token always starts a word
@@ -402,9 +423,10 @@ class TasteSampler:
 
         started = sum(state.word_start_history) > delay  # a finished word's code is due
         if started and is_word_start:
-            taste_ids = self.sample_taste(taste_logits, generator)
+            taste_ids = (torch.tensor(codes, dtype=torch.long) if codes is not None
+                         else self.sample_taste(taste_logits, generator))
         else:
-            taste_ids = torch.full((taste_logits.shape[-2],), -1, dtype=torch.long, device=taste_logits.device)
+            taste_ids = torch.full((taste_logits.shape[-2],), -1, dtype=torch.long)
         if started:
             taste_action = TasteAction.SAMPLE
         elif state.has_prefix and is_word_start:

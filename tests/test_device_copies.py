@@ -42,3 +42,21 @@ def test_on_cuda_neither_waits_for_the_gpu_and_the_values_arrive():
             torch.cuda.set_sync_debug_mode("default")
     assert not [w for w in caught if "synchroniz" in str(w.message)]
     assert moved.tolist() == [4, 5, 6] and buffer.tolist() == [1, 2, 3]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_sliced_host_tensor_is_copied_from_pinned_memory():
+    """A slice (as the noise tapes hand over) is made dense in pinned memory first: a strided pinned
+    source would be staged through pageable memory by the copy, a copy that may wait for the stream.
+    The CUDA profiler names each host-to-device copy's source memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    noise = torch.randn(80, 4096)[:, 100:900].unsqueeze(0)  # (not contiguous)
+    buffer = torch.zeros(1, 80, 800, device="cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        moved = to_device(noise, "cuda")
+        copy_in(buffer, noise)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if "HtoD" in e.name]
+    assert copies and all("Pinned" in name for name in copies), copies
+    assert torch.equal(moved.cpu(), noise) and torch.equal(buffer.cpu(), noise)

@@ -94,6 +94,45 @@ def test_a_graphed_lm_step_waits_for_the_gpu_once(golden, loaded, monkeypatch):
         assert steps > 5 and syncs["count"] == steps, (params, syncs, steps)
 
 
+@pytest.mark.parametrize("top_p", [0.0, 0.8])
+def test_a_streamed_reply_waits_for_the_gpu_about_once_per_step(monkeypatch, top_p):
+    """The agent's reply (the turn added, then word by word): each step's one wait is the chosen
+    token, and a finished word's TASTE code rides with it (before, each word's code was a wait of
+    its own when its segment was made). A few waits more are allowed for the turn's prefill and the
+    reply's commit; a wait per word is not."""
+    import warnings
+
+    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from taste_agents.caller import load_utterances
+    from taste_speech.sampler import TasteSampler
+
+    engine = TasteEngine.from_pretrained(None, device="cuda", asr=None)
+    hello = load_utterances()["hello"]
+    session = engine.new_session(GenerationSettings(max_reply_tokens=16, seed=3, text_top_p=top_p))
+    session.warm_up()
+    turn = session.user_turn(hello.audio, hello.text)
+    steps = {"n": 0}
+    update = TasteSampler.update
+
+    def counted_update(*args, **kwargs):
+        steps["n"] += 1
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(TasteSampler, "update", counted_update)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            events = list(session.reply(turn, threading.Event()))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = sum("synchroniz" in str(w.message) for w in caught)
+    words = sum(e.n_words for e in events if e.kind == "segment")
+    assert words >= 3 and steps["n"] >= words
+    assert steps["n"] <= waits <= steps["n"] + 3, (waits, steps, words)
+    session.close()
+
+
 def test_speech_token_draws_on_cuda_are_the_cpu_draws(golden):
     """A CPU generator's top-k draws from CUDA log-probs (one copy of the k probabilities and ids)
     are the draws from the same log-probs on the CPU."""
