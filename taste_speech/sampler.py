@@ -253,6 +253,7 @@ class Decision:
     taste_action: TasteAction
     text_logits: torch.Tensor  # (V,) the banned (and filtered) logits the choice was made from
     taste_sampled: bool | None = None  # whether taste_ids is a sampled code, as the sampler knows it (None: read them)
+    head_codes: list[int] | None = None  # the TASTE head's own code at this step, where it was read with the choice
 
     @property
     def has_taste(self) -> bool:
@@ -273,8 +274,8 @@ class TasteSampler:
         self._banned_here = tables.banned  # the ban mask on the device of the last logits seen
 
     def _banned_on(self, device: torch.device) -> torch.Tensor:
-        if self._banned_here.device != device:
-            self._banned_here = self.tables.banned.to(device)
+        if self._banned_here.device != device:  # (pinned: a sampler's first step does not wait for the GPU)
+            self._banned_here = to_device(self.tables.banned, device)
         return self._banned_here
 
     @classmethod
@@ -326,8 +327,7 @@ class TasteSampler:
     def _choose_text(self, logits: torch.Tensor, input_ids, generator: torch.Generator | None = None,
                      rider: torch.Tensor | None = None):
         """``sample_text``, and ``rider`` - a few integers on the logits' device (the TASTE head's
-        codes) - read back in the same copy as the choice where the choice is read in one copy
-        (greedy; a draw with a CPU generator): one wait for the GPU, not two.
+        codes) - read back in the same copy as the choice: one wait for the GPU, not two.
         Returns (id, logits used, the rider's values, or None where it did not ride)."""
         self._check_vocab(logits)
         p = self.params
@@ -348,13 +348,19 @@ class TasteSampler:
                 logits[ids] = torch.where(chosen < 0, chosen * p.repetition_penalty, chosen / p.repetition_penalty)
         logits = logits / p.text_temperature
         probs = logits.softmax(-1)
-        if rider is not None and generator is not None and generator.device.type == "cpu":
-            # the probabilities go to the host for the draw (from a GPU: the one copy back, the
-            # wait): the rider goes with them (integers below 2**24, exact in float32)
+        if rider is None:
+            return draw(probs, generator), logits, None
+        n = rider.numel()
+        if generator is not None and (generator.device.type == "cpu" or generator.device != probs.device):
+            # the probabilities go to the generator's device for the draw (from a GPU to a CPU
+            # generator: the one copy back, the wait): the rider goes with them (integers below
+            # 2**24, exact in float32)
             both = torch.cat([probs, rider.view(-1).to(probs.dtype)]).to(generator.device)
-            n = rider.numel()
             return draw(both[:-n], generator), logits, both[-n:].long().tolist()
-        return draw(probs, generator), logits, None
+        # drawn where the probabilities are (the global generator, or one on their device): the
+        # pick is read back with the rider
+        values = read_back(torch.cat([torch.multinomial(probs, 1, generator=generator), rider.view(-1)]))
+        return values[0], logits, values[1:]
 
     @staticmethod
     def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -435,4 +441,15 @@ class TasteSampler:
             taste_action = TasteAction.USE_PREFIX_IGNORE
         else:
             taste_action = TasteAction.WAIT
-        return Decision(text_id, taste_ids, action, taste_action, used_logits, taste_sampled=started and is_word_start)
+        return Decision(text_id, taste_ids, action, taste_action, used_logits, taste_sampled=started and is_word_start,
+                        head_codes=codes)
+
+    def word_code(self, decision: Decision, taste_logits: torch.Tensor,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+        """(K,) host code of a word ending at this step: the one the sampler sampled, else the
+        head's own (``sample_taste``; read with the text choice where it rode along)."""
+        if decision.has_taste:
+            return decision.taste_ids
+        if decision.head_codes is not None:
+            return torch.tensor(decision.head_codes, dtype=torch.long)
+        return self.sample_taste(taste_logits, generator)

@@ -311,21 +311,29 @@ def test_a_decision_knows_whether_it_sampled_a_code_without_reading_it():
         assert reads == 0 and has == d.taste_sampled
 
 
-@pytest.mark.parametrize("top_p", [0.0, 0.9])
-def test_a_word_s_code_rides_with_the_text_choice_and_changes_no_draw(top_p):
-    """update() reads the TASTE head's code in the same copy as the text choice (greedy, and a
-    top-p draw with a CPU generator): the text ids are sample_text's with the same seed, a word's
-    code is the head's, on the host, and a step reads back once, word start or not."""
+@pytest.mark.parametrize("top_p,own_generator", [(0.0, True), (0.9, True), (0.9, False)])
+def test_a_word_s_code_rides_with_the_text_choice_and_changes_no_draw(top_p, own_generator):
+    """update() reads the TASTE head's code in the same copy as the text choice (greedy; a top-p
+    draw with a CPU generator, or with the global one): the text ids are sample_text's with the
+    same seed, a word's code is the head's, on the host, and a step reads back once, word start
+    or not."""
     g = torch.Generator().manual_seed(5)
     rows = [torch.randn(len(PIECES), generator=g) for _ in range(12)]
     codes = [int(c) for c in torch.randint(0, C, (12,), generator=g)]
     plain, riding = sampler(text_top_p=top_p), sampler(text_top_p=top_p, extra_words=50)
-    alone = [plain.sample_text(row, [], torch.Generator().manual_seed(i))[0] for i, row in enumerate(rows)]
+
+    def seeded(i):
+        if own_generator:
+            return torch.Generator().manual_seed(i)
+        torch.manual_seed(i)  # (the global generator)
+        return None
+
+    alone = [plain.sample_text(row, [], seeded(i))[0] for i, row in enumerate(rows)]
     state = riding.reset(has_prefix=False)
     for i, (row, code) in enumerate(zip(rows, codes)):
-        reads, decision = reads_in(lambda: riding.update(state, row, taste_logits(code), [],
-                                                         torch.Generator().manual_seed(i)))
+        reads, decision = reads_in(lambda: riding.update(state, row, taste_logits(code), [], seeded(i)))
         assert reads == 1 and decision.text_id == alone[i]
+        assert decision.head_codes == [code] * K
         assert decision.taste_ids.device.type == "cpu"
         if decision.taste_sampled:
             assert decision.taste_ids.tolist() == [code] * K

@@ -291,7 +291,7 @@ def _reply(model, processor, conversation: Conversation, sampler: TasteSampler, 
             break
         decision = sampler.update(sstate, heads.text_logits, heads.taste_logits, decode.input_ids, generator)
         if current and (decision.action == Action.TERMINATE or decision.action == Action.CONTINUE_AT_WORD_START):
-            code = decision.taste_ids if decision.has_taste else sampler.sample_taste(heads.taste_logits, generator)
+            code = sampler.word_code(decision, heads.taste_logits, generator)
             word = PendingWord(current, code, tokenizer.decode(current))
             words.append(word)
             reply_words.append(word)

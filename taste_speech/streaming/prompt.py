@@ -127,7 +127,7 @@ class PromptFormat:
         """(S, dim) audio side of an audio segment's rows: ``first`` (or pad) on word 0, then the
         previous word's code carried over each word."""
         embeds = self.word_embeds(segment)
-        word_ids = segment.word_ids().to(embeds.device)
+        word_ids = to_device(segment.word_ids(), embeds.device)
         head = self._pad(1) if first is None else first.float().unsqueeze(0)
         table = torch.cat([head, embeds], dim=0)  # row w holds what word w is fused with
         return table[word_ids]
