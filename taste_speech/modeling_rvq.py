@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from taste_speech.device_copies import to_device
+
 IGNORE = -1  # "no code" marker: decodes to a zero vector at that level
 
 
@@ -144,8 +146,12 @@ class ResidualVQ(nn.Module):
 
     def decode(self, indices: torch.Tensor, check: bool = True) -> torch.Tensor:
         """TASTE embedding of indices (..., K): project_out of the summed codes, (..., dim), in the
-        dtype of project_out. ``check``: see ``codes_from_indices``."""
-        summed = self.codes_from_indices(indices, check).sum(dim=0)
+        dtype of project_out. ``check``: see ``codes_from_indices``. Host indices (a turn's or a
+        word's codes) are checked on the host and copied in without waiting for the GPU."""
+        if check:
+            self.check_indices(indices)
+        indices = to_device(indices, self.project_out.weight.device)
+        summed = self.codes_from_indices(indices, check=False).sum(dim=0)
         return self.project_out(summed.to(self.project_out.weight.dtype))
 
     def check_indices(self, indices: torch.Tensor) -> None:

@@ -350,9 +350,7 @@ class TasteSpeechDecoder(nn.Module):
         """Per-word codes -> per-Whisper-token TASTE embeddings (1, L, dim) via ``rvq.decode``
         (the original's ``get_audio_embeds_from_taste``, batch 1). The codes are spread and checked
         on the host, then copied without waiting for the GPU."""
-        indices = self.asr_taste_indices(taste_rows, asr_word_ids)
-        rvq.check_indices(indices)
-        return rvq.decode(to_device(indices, rvq.project_out.weight.device), check=False).float()
+        return rvq.decode(self.asr_taste_indices(taste_rows, asr_word_ids)).float()
 
     # -- conditioning (§6.2 - §6.3) -------------------------------------------------------------
     def _check_conditioning_inputs(self, speaker_embeds, audio_unit_embeds, asr_token_ids) -> None:

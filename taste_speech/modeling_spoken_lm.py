@@ -476,8 +476,7 @@ class TasteSpokenLM(nn.Module):
         if action == TasteAction.SAMPLE:
             if decision.has_taste:  # otherwise keep the current code (fill forward)
                 # (the sampler's codes come from this RVQ's own search: no range check to wait for)
-                codes = to_device(decision.taste_ids.view(1, 1, -1), rvq.project_out.weight.device)
-                state.audio_vec = rvq.decode(codes, check=False)[0, 0].float()
+                state.audio_vec = rvq.decode(decision.taste_ids.view(1, 1, -1), check=False)[0, 0].float()
         elif action == TasteAction.USE_PREFIX:
             if state.pending_audio is None:
                 raise ValueError("the sampler asked for the prompt's last code but the decode state holds none")

@@ -119,9 +119,7 @@ class PromptFormat:
         if codes.shape[-1] != self.rvq.num_quantizers:
             raise ValueError(f"the segment's taste_ids have {codes.shape[-1]} codes per word but the model's RVQ has "
                              f"{self.rvq.num_quantizers} levels")
-        self.rvq.check_indices(codes)  # (host codes: checked and copied in without waiting for the GPU)
-        codes = to_device(codes, self.rvq.project_out.weight.device)
-        return self.rvq.decode(codes.unsqueeze(0), check=False)[0].float()
+        return self.rvq.decode(codes.unsqueeze(0))[0].float()  # (host codes: no wait for the GPU)
 
     def delayed_audio(self, segment: TASTESegment, first: torch.Tensor | None) -> torch.Tensor:
         """(S, dim) audio side of an audio segment's rows: ``first`` (or pad) on word 0, then the
