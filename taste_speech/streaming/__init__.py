@@ -17,11 +17,12 @@ from taste_speech.streaming.generate import (
 )
 from taste_speech.streaming.prompt import CONTINUATION, DIALOGUE, FORMATS, INSTRUCT
 from taste_speech.streaming.segment import TASTESegment
+from taste_speech.streaming.synthesis_state import EmissionPolicy
 from taste_speech.streaming.tokenize import taste_tokenize
 
 __all__ = [
     "TASTESegment", "taste_tokenize", "streaming_generate", "Conversation", "ConversationState", "PendingWord",
     "ReplyIterator",
     "every_word", "every_n_words", "at_punctuation", "vocabulary_tables",
-    "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS", "taste_detokenize",
+    "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS", "taste_detokenize", "EmissionPolicy",
 ]
