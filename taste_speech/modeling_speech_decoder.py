@@ -100,13 +100,15 @@ class TopKSampler:
 
     def __call__(self, logp: torch.Tensor, eos_id: int, allow_eos: bool) -> int:
         probs, ids = logp.softmax(dim=-1).topk(min(self.k, logp.shape[-1]))
-        if self.generator is not None and probs.device != self.generator.device and probs.dtype == torch.float32:
-            # the draws happen where the generator is: bring the k probabilities and ids over in one
-            # copy (on CUDA one wait for the GPU per token, not one for each; ids < 2^24 are exact)
-            both = torch.cat([probs, ids.to(probs.dtype)]).to(self.generator.device)
+        host = self.generator.device if self.generator is not None else torch.device("cpu")
+        if probs.device != host and host.type == "cpu" and probs.dtype == torch.float32:
+            # the draws happen on the host (a CPU generator, or torch's global one): bring the k
+            # probabilities and ids over in one copy (on CUDA one wait for the GPU per token, not
+            # one per read of a pick and an id; ids < 2^24 are exact)
+            both = torch.cat([probs, ids.to(probs.dtype)]).to(host)
             probs, ids = both[:ids.shape[0]], both[ids.shape[0]:].long()
         for _ in range(self.MAX_REDRAWS):
-            token = int(ids[draw(probs, self.generator, replacement=True)])
+            token = int(ids[draw(probs, self.generator)])
             if allow_eos or token != eos_id:
                 return token
         # EOS holds nearly all the mass, so re-drawing could take forever (the original would

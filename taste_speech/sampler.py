@@ -31,13 +31,36 @@ def check_generator(generator) -> None:
                          f"got {type(generator).__name__}")
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None, replacement: bool = False) -> int:
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One index drawn from the 1-D ``probs`` with ``generator``, on the generator's device: the
     callers' generators are CPU ones (the same draws whatever the device), the probabilities may
-    be on CUDA, and ``multinomial`` wants both in one place."""
+    be on CUDA, and ``multinomial`` wants both in one place. A draw on a GPU reads it once
+    (``pick_on_device``)."""
     if generator is not None and probs.device != generator.device:
         probs = probs.to(generator.device)
-    return int(torch.multinomial(probs, 1, replacement=replacement, generator=generator))
+    if probs.device.type == "cpu":
+        return int(torch.multinomial(probs, 1, generator=generator))
+    return checked_pick(read_back(pick_on_device(probs, generator)))
+
+
+def pick_on_device(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``torch.multinomial(probs, 1)``'s own algorithm (argmax of p / q, q ~ Exp(1): the same pick
+    for the same generator state) without its input checks, which read the GPU twice before the
+    draw; the check comes along instead. Returns [pick, 1 if ``probs`` is a distribution else 0],
+    on the device, unread: read it with what else the step reads and give it to ``checked_pick``."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    pick = (probs / q).argmax().view(1)
+    valid = (probs.isfinite().all() & (probs.min() >= 0) & (probs.sum() > 0)).view(1)
+    return torch.cat([pick, valid.long()])
+
+
+def checked_pick(values: list[int]) -> int:
+    """The pick of ``pick_on_device``'s two values, read back (as multinomial would, refuses a
+    broken distribution: NaN logits from a broken model must not become a token)."""
+    if not values[1]:
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to 0")
+    return values[0]
+
 
 BAN_VALUE = -100000.0  # the original's "minus infinity" (representable in bf16 logits)
 LLAMA3_SPECIAL_START = 128000  # every Llama-3 special token counts as a word start
@@ -101,11 +124,12 @@ def end_of_text_ids(tokenizer=None, eos_token_id=None) -> list[int]:
 
 @dataclass
 class VocabularyTables:
-    """Per-id boolean tables, shape (V,)."""
+    """Per-id boolean tables, shape (V,), and the ids of the vocabulary's special tokens."""
 
     word_start: torch.Tensor
     sentence_end: torch.Tensor
     banned: torch.Tensor
+    special: frozenset[int] = frozenset()  # reserved tokens, headers, ...: never a word of a reply
 
     @property
     def vocab_size(self) -> int:
@@ -145,7 +169,7 @@ class VocabularyTables:
         for i in banned_extra:
             if 0 <= int(i) < size:  # the original's 128001 does not exist in a small vocabulary
                 banned[int(i)] = True
-        return cls(word_start, sentence_end, banned)
+        return cls(word_start, sentence_end, banned, frozenset(i for i in specials if 0 <= i < size))
 
     def allowing(self, ids) -> "VocabularyTables":
         """These tables with ``ids`` no longer banned: a stop id the caller names (e.g. the
@@ -209,7 +233,7 @@ class SamplerState:
 
     extra_words: int
     has_prefix: bool
-    stop_id: int | tuple[int, ...] | None = None  # one stop id or several
+    stop_id: int | frozenset[int] | None = None  # one stop id or several
     delay: int = 1
     word_start_history: list[bool] = field(default_factory=list)
     end_countdown: int | None = None
@@ -298,9 +322,9 @@ class TasteSampler:
 
     def reset(self, has_prefix: bool, stop_id=None, extra_words: int | None = None) -> SamplerState:
         """A fresh per-sequence state (the original's ``reset``). ``stop_id``: an id, several ids
-        (a tuple) or None; sampling one ends the sequence at once (spec §5.3)."""
+        (any collection) or None; sampling one ends the sequence at once (spec §5.3)."""
         if stop_id is not None and not isinstance(stop_id, int):
-            stop_id = tuple(int(i) for i in stop_id)
+            stop_id = frozenset(int(i) for i in stop_id)
         words = self.params.extra_words if extra_words is None else int(extra_words)
         if words < 1:
             raise ValueError(f"extra_words must be >= 1, got {words}")
@@ -358,9 +382,9 @@ class TasteSampler:
             both = torch.cat([probs, rider.view(-1).to(probs.dtype)]).to(generator.device)
             return draw(both[:-n], generator), logits, both[-n:].long().tolist()
         # drawn where the probabilities are (the global generator, or one on their device): the
-        # pick is read back with the rider
-        values = read_back(torch.cat([torch.multinomial(probs, 1, generator=generator), rider.view(-1)]))
-        return values[0], logits, values[1:]
+        # pick (and its check) read back with the rider
+        values = read_back(torch.cat([pick_on_device(probs, generator), rider.view(-1)]))
+        return checked_pick(values[:2]), logits, values[2:]
 
     @staticmethod
     def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:

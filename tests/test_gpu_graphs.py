@@ -79,8 +79,11 @@ def test_a_graphed_lm_step_waits_for_the_gpu_once(golden, loaded, monkeypatch):
         return wrapper
 
     tables = golden_sampler(golden).tables
-    for params in (SamplingParams(text_top_p=0.0, extra_words=6),
-                   SamplingParams(text_top_p=0.8, text_temperature=0.9, repetition_penalty=1.2, extra_words=6)):
+    top_p = SamplingParams(text_top_p=0.8, text_temperature=0.9, repetition_penalty=1.2, extra_words=6)
+    # a CPU generator (the engine's), and torch's global one: drawn on the GPU, where multinomial's
+    # own input checks would read it twice more per step
+    for params, generator in ((SamplingParams(text_top_p=0.0, extra_words=6), torch.Generator().manual_seed(0)),
+                              (top_p, torch.Generator().manual_seed(0)), (top_p, None)):
         sampler = TasteSampler(tables, params)
         syncs["count"] = 0
         with monkeypatch.context() as patch:
@@ -88,10 +91,10 @@ def test_a_graphed_lm_step_waits_for_the_gpu_once(golden, loaded, monkeypatch):
                 patch.setattr(TasteSpokenLM, name, counted(getattr(TasteSpokenLM, name)))
             patch.setattr(sampler, "update", counted(sampler.update))
             with torch.no_grad():
-                out = lm.generate(rvq, sampler, "audio", max_steps=30, cache_kind="static",
-                                  generator=torch.Generator().manual_seed(0), **prompt)
+                out = lm.generate(rvq, sampler, "audio", max_steps=30, cache_kind="static", generator=generator,
+                                  **prompt)
         steps = len(out.trace.action)
-        assert steps > 5 and syncs["count"] == steps, (params, syncs, steps)
+        assert steps > 5 and syncs["count"] == steps, (params, generator, syncs, steps)
 
 
 @pytest.mark.parametrize("top_p", [0.0, 0.8])
@@ -531,7 +534,9 @@ def test_the_audio_tower_text_side_is_captured_per_bucket_and_gives_the_eager_co
             padded, _ = tower.extract_vq(features, aligned.asr_token_ids, aligned.asr_word_ids, aligned.llm_word_ids,
                                          pooler=padded_eager)
             assert llm.device.type == "cpu" and host.shape == eager.shape
-            assert torch.equal(device.cpu(), host)  # where the ids are does not matter
+            # where the ids are does not matter (two replays of one graph: only the word sums'
+            # atomics could round apart, at a near-tie)
+            assert device.shape == host.shape and int((device.cpu() == host).all(-1).sum()) >= host.shape[1] - 1
             same += int((host == eager).all(-1).sum())
             same_padded += int((host == padded).all(-1).sum())
             tokens += eager.shape[1]

@@ -179,6 +179,30 @@ def test_injected_generator_makes_sampling_reproducible():
     assert len(set(draw(3))) > 1
 
 
+def test_the_device_draw_is_multinomial_s_own_and_refuses_what_it_refuses():
+    """``pick_on_device`` (used where the probabilities live on a GPU, so that the draw reads the
+    GPU once) gives torch.multinomial's pick for the same generator state, and still refuses NaN,
+    negative and all-zero probabilities."""
+    from taste_speech.sampler import checked_pick, draw, pick_on_device
+
+    probs = torch.rand(500, generator=torch.Generator().manual_seed(0)) ** 8
+    probs[::3] = 0.0  # banned entries
+    probs = probs / probs.sum()
+    for seed in range(50):
+        ours = pick_on_device(probs, torch.Generator().manual_seed(seed)).tolist()
+        assert ours[1] == 1 and checked_pick(ours) == int(
+            torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)))
+    picks = {checked_pick(pick_on_device(probs, torch.Generator().manual_seed(s)).tolist()) for s in range(50)}
+    assert len(picks) > 5 and all(probs[i] > 0 for i in picks)
+    for broken in (torch.full((4,), float("nan")), torch.tensor([0.5, -0.1, 0.6]), torch.zeros(3),
+                   torch.tensor([1.0, float("inf")])):
+        values = pick_on_device(broken, torch.Generator().manual_seed(0)).tolist()
+        with pytest.raises(RuntimeError, match="probability tensor"):
+            checked_pick(values)
+        with pytest.raises(RuntimeError):
+            draw(broken, torch.Generator().manual_seed(0))  # on the CPU: multinomial's own check
+
+
 def test_taste_sampling_returns_the_head_code():
     for top_p in (0.0, 0.9):
         s = sampler(taste_top_p=top_p)
