@@ -296,6 +296,8 @@ class TasteProcessor:
 
     def process_text(self, text: str | None = None, words: list[str] | None = None) -> TextInputs:
         """Transcript (or ready-made words, each with its leading space) -> both token streams."""
+        if text is not None and words is not None:
+            raise ValueError("give process_text a transcript (text) or its words, not both")
         if words is None:
             if text is None:
                 raise ValueError("process_text needs text (a transcript) or words")
@@ -309,6 +311,11 @@ class TasteProcessor:
         for i, word in enumerate(words):
             if not isinstance(word, str) or not word:
                 raise ValueError(f"word {i} is {word!r}; words must be non-empty strings (' ' + word)")
+            if word[0] != " " or any(c.isspace() for c in word[1:]):
+                # the word alignment finds each word by its leading space: 'hello' 'there' would
+                # silently become one word, ' good morning' two
+                raise ValueError(f"word {i} ({word!r}) must be one word after one space (' ' + word, as "
+                                 "split_words(text) makes them)")
             # a transcript's "<|eot_id|>" is text the caller said, never a control token
             l_ids = self.llm_tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
             a_ids = self.asr_tokenizer.encode(word, add_special_tokens=False)

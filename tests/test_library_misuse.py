@@ -62,6 +62,33 @@ def test_the_tokenizers_eos_id_ends_the_reply(model, processor, user_turn, monke
             generate(model, processor, [user_turn], eos_id=bad)
 
 
+def test_a_special_token_the_model_picks_ends_the_reply_and_the_reply_stays_speakable(model, processor, user_turn,
+                                                                                     monkeypatch):
+    """A reserved token or a role header is not banned by the original's tables (it holds letters),
+    but it is no word: the speech side refuses it. The model picking one ends its reply there."""
+    tables = vocabulary_tables(processor, model.spoken_lm.vocab_size)
+    reserved = [i for i in sorted(tables.special) if not bool(tables.banned[i])]
+    assert reserved, "the tiny vocabulary has sampleable special tokens"
+    special, heads, steps = reserved[len(reserved) // 2], model.spoken_lm.heads, []
+
+    def special_after_some_words(hidden, rvq):  # a model that leaves the text after a few tokens
+        out = heads(hidden, rvq)
+        steps.append(1)
+        if len(steps) > 4:
+            out.text_logits[special] += 50.0
+        return out
+
+    monkeypatch.setattr(model.spoken_lm, "heads", special_after_some_words)
+    conversation = Conversation(model, processor)
+    last = list(generate(model, processor, [user_turn], conversation=conversation, extra_words=8))[-1]
+    assert last["end_reason"] == "stop_id" and last["reply"] is not None
+    reply_ids = last["reply"].text_ids[0].tolist()
+    assert special not in reply_ids and not set(reply_ids) & tables.special and len(reply_ids) >= 3
+    monkeypatch.undo()
+    Conversation(model, processor).add_turn(last["reply"])  # the reply is a valid turn (it was refused)
+    assert conversation.turns[-1] is last["reply"]
+
+
 # -- 2. close() under a reply; Conversation as a context manager -----------------------------------------
 def test_close_during_a_reply_raises_and_the_reply_goes_on(model, processor, user_turn):
     conv = Conversation(model, processor)
@@ -125,6 +152,12 @@ def test_streaming_generate_checks_and_claims_at_the_call(model, processor, user
     assert list(items)[-1]["is_complete"] and [t.role for t in conv.turns] == ["user", "assistant"]
     items.close()  # closing a finished iterator is harmless
     assert not conv.reply_in_progress
+    with pytest.raises(ValueError, match="sampler_tables"):
+        generate(model, processor, [user_turn], sampler_tables="tables")
+    assert list(generate(model, processor, [user_turn], max_length=np.int64(2)))[-1]["steps"] <= 2
+    conv.close()
+    with pytest.raises(RuntimeError, match="closed"):  # at the call, not at the first item
+        generate(model, processor, [user_turn], conversation=conv)
 
 
 # -- 5, 6. the sampling rate is required; too short audio and absurd rates ------------------------------------

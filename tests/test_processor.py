@@ -216,6 +216,12 @@ def test_process_text_words_and_errors(processor):
         processor.process_text(42)
     with pytest.raises(ValueError, match="non-empty strings"):
         processor.process_text(words=[" ok", ""])
+    for glued in (["hello", " there"], [" good morning"], [" ok", " a\tb"]):  # one word each after one space
+        with pytest.raises(ValueError, match="one word after one space"):
+            processor.process_text(words=glued)
+    with pytest.raises(ValueError, match="not both"):
+        processor.process_text("good morning", words=[" good", " morning"])
+    assert processor.process_text("a  b").words == [" a", " ", " b"]  # the original's lone-space word passes
 
 
 def test_words_from_llm_ids_and_align(processor):

@@ -3,7 +3,6 @@ and Conversation - on the golden set tiny_a (greedy parity with the original) an
 checkpoint with real tokenizers (all three prompt formats, cache reuse, barge-in, window,
 snapshots, bad input)."""
 
-import copy
 import threading
 from types import SimpleNamespace
 
@@ -130,6 +129,9 @@ def test_segment_words_and_concat():
         TASTESegment.concat([seg, TASTESegment("user", "audio", seg.text_ids, seg.taste_ids)])
     with pytest.raises(ValueError, match="nothing"):
         TASTESegment.concat([])
+    # a segment is one turn: compared and hashed by identity (a value comparison of tensors is ambiguous)
+    twin = TASTESegment("assistant", "audio", seg.text_ids.clone(), seg.taste_ids.clone())
+    assert seg == seg and seg != twin and [twin, seg].index(seg) == 1 and len({seg, twin, seg}) == 2
 
 
 # -- taste_tokenize ------------------------------------------------------------------------------------
@@ -236,7 +238,8 @@ def test_greedy_streaming_equals_the_no_cache_loop(model, processor, user_turn, 
     pending = conv.format.word_embeds(user_turn)[-1] if fmt == CONTINUATION else None
     ctx = InitialContext(rows, [], pending, pending is not None)
     with torch.no_grad():
-        ref = lm.generate(rvq, sampler, context=ctx, stop_id=opening.stop_ids or None, use_cache=False, max_steps=200)
+        ref = lm.generate(rvq, sampler, context=ctx, stop_id=set(opening.stop_ids) | tables.special, use_cache=False,
+                          max_steps=200)
     assert reply.text_ids[0].tolist() == ref.token_ids[0].tolist()
     assert torch.equal(reply.word_codes(), ref.word_codes())
     assert items[-1]["end_reason"] == ref.end_reason
@@ -311,20 +314,14 @@ def test_dialogue_rows_use_reserved_tokens(model, processor, user_turn):
 
 
 def forced_choice(model, processor, turn, winner):
-    """A copy of the model whose text head (untied for the test) makes ``winner`` the next role."""
-    forced = copy.deepcopy(model)
-    lm = forced.spoken_lm
-    conv = Conversation(forced, processor, prompt_format=DIALOGUE)
+    """A dialogue conversation whose turn decision ``winner`` wins: its format's (user, assistant)
+    logits are set, the model is left as it is (a head made to favour a role token would also make
+    the reply pick it, a special token, which ends a reply)."""
+    conv = Conversation(model, processor, prompt_format=DIALOGUE)
     conv.add_turn(turn)
-    hidden = conv.ready().last_hidden[0]
-    head = torch.nn.Parameter(lm.embed_tokens.weight.detach().clone(), requires_grad=False)
-    lm.causal_lm.lm_head.weight = head
-    ids = conv.format.ids
-    direction = hidden / hidden.norm()
-    with torch.no_grad():
-        head[getattr(ids, winner)] = 50 * direction
-        head[ids.assistant if winner == "user" else ids.user] = -50 * direction
-    return forced, conv
+    choice = torch.tensor([50.0, -50.0] if winner == "user" else [-50.0, 50.0])
+    conv.format.turn_logits = lambda text_logits: choice.to(text_logits.device)
+    return model, conv
 
 
 def test_dialogue_turn_decision(model, processor, user_turn):

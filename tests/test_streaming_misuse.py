@@ -392,3 +392,19 @@ def test_a_voice_generator_in_half_precision_is_refused_by_name(model, processor
     out = taste_detokenize(model, processor, processor.default_speaker_embedding(), None, None, None, 0, ids, taste,
                            voice_generator=half.float())
     assert out["audio_waveform"].abs().max() > 0
+
+
+def test_start_speaking_checks_the_voice_vector():
+    """``start_speaking`` is public (batched synthesis uses it directly): a NaN, all-zero or batched
+    voice is refused by name, as ``taste_detokenize`` refuses it, not turned into NaN audio or a
+    size error deep in the flow."""
+    from taste_speech.streaming.synthesis import start_speaking
+    from taste_speech.voice_generator.tiny import make_tiny_voice_generator
+
+    vg = make_tiny_voice_generator(0)
+    for voice, message in ((torch.full((1, 192), float("nan")), "NaN"), (torch.zeros(1, 192), "all zeros"),
+                           (torch.randn(2, 192), r"\(1, 192\)"), (np.ones(100, dtype=np.float32), r"\(1, 192\)")):
+        with pytest.raises(ValueError, match=message):
+            start_speaking(vg, voice, "low_latency", 16000, torch.Generator().manual_seed(0))
+    state = start_speaking(vg, torch.randn(192).numpy(), "low_latency", 16000, torch.Generator().manual_seed(0))
+    assert not state.finished

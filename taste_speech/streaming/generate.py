@@ -10,6 +10,7 @@ one reply concatenate to exactly the whole reply.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import threading
 import weakref
@@ -135,8 +136,9 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
     out again, a system segment among them too, and turns the rolling window dropped meanwhile
     back in) before it propagates, so the same turns can be given again.
     """
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+    if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length < 1:
         raise ValueError(f"max_length must be an integer >= 1 (generated tokens), got {max_length!r}")
+    max_length = int(max_length)
     if should_emit_segment is not None and not callable(should_emit_segment):
         raise ValueError("should_emit_segment must be a callable taking the list of pending words")
     check_generator(generator)
@@ -162,6 +164,11 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
         if prompt_format is not None and prompt_format != conversation.prompt_format:
             raise ValueError(f"prompt_format {prompt_format!r} differs from the conversation's "
                              f"{conversation.prompt_format!r}: the format is fixed per conversation")
+    if conversation.closed:
+        raise RuntimeError("this conversation was closed: start a new Conversation")
+    if sampler_tables is not None and not isinstance(sampler_tables, VocabularyTables):
+        raise ValueError(f"sampler_tables must be VocabularyTables (vocabulary_tables(processor, vocab_size)), "
+                         f"got {type(sampler_tables).__name__}")
     if not segments and not conversation.state.turns and conversation.state.system is None:
         raise ValueError("input_segments is empty and the conversation has no history: give at least one turn")
 
@@ -265,7 +272,10 @@ def _reply(model, processor, conversation: Conversation, sampler: TasteSampler, 
             return
 
     opening = conversation._begin_reply(eos_id)
-    sstate = sampler.reset(has_prefix=opening.pending_audio is not None, stop_id=opening.stop_ids or None)
+    # A special token is not a word (the speech side refuses it): sampling one - a reserved token,
+    # a role header - means the model left the reply's text, so it ends the reply like a stop id.
+    stop_ids = frozenset(opening.stop_ids) | sampler.tables.special
+    sstate = sampler.reset(has_prefix=opening.pending_audio is not None, stop_id=stop_ids or None)
     decode.audio_vec = lm.pad_audio()
     decode.pending_audio = opening.pending_audio
     tokenizer = processor.llm_tokenizer

@@ -20,7 +20,7 @@ def _is_integer_tensor(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
-@dataclass
+@dataclass(eq=False)  # one turn is one object: == and hash by identity (as Conversation finds its turns)
 class TASTESegment:
     role: str  # 'system' | 'user' | 'assistant'
     modality: str  # 'text' | 'audio'

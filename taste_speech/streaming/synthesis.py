@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from taste_speech.device_copies import to_device
+from taste_speech.processing_taste import as_speaker_embedding
 from taste_speech.streaming.synthesis_graphs import SynthesisGraphs, resolve_kind, shared_graphs
 from taste_speech.streaming.synthesis_state import (
     SAMPLES_PER_FRAME,
@@ -135,7 +136,14 @@ def start_speaking(
             raise ValueError("these SynthesisGraphs belong to another voice generator: make one for this one")
     elif resolve_kind(kind, device) == "static":
         graphs = shared_graphs(vg)
-    speaker_embeds = to_device(torch.as_tensor(speaker_embeds), device)
+    dim = vg.flow.spk_embed_affine_layer.in_features
+    if isinstance(speaker_embeds, torch.Tensor) and speaker_embeds.device.type != "cpu":
+        # already on the GPU: its values are not read here (a read waits for the GPU's queue)
+        if tuple(speaker_embeds.shape) != (1, dim):
+            raise ValueError(f"speaker_embeds must be one (1, {dim}) voice vector, got {tuple(speaker_embeds.shape)}")
+    else:  # NaN, zeros or a batch of voices would otherwise surface deep in the flow, or as noise
+        speaker_embeds = as_speaker_embedding(speaker_embeds, dim)
+    speaker_embeds = to_device(speaker_embeds, device)
     spks = vg.flow.speaker_projection(speaker_embeds)
     harmonics = vg.hift.m_source.n_harmonics
     flow_seed = int(torch.randint(0, 2**62, (1,), generator=generator))
