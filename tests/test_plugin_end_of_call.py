@@ -236,3 +236,25 @@ async def test_a_barge_in_while_the_turn_is_decided_marks_only_a_reply_interrupt
     record = call.log.turns[1]
     assert record.decision == decision and record.interrupted == (decision == "reply")
     assert not [f for f in down if isinstance(f, TasteReplySegmentFrame)]  # stopped before its first word
+
+
+async def test_a_session_whose_warm_up_fails_is_closed_and_the_next_try_makes_a_fresh_one(monkeypatch):
+    """A session that cannot warm up (e.g. out of GPU memory while capturing) holds the engine's
+    shared batch slots and caches: it is closed before the error goes on, every time."""
+    from pipecat_taste.testing import FakeSession
+
+    def out_of_memory(session):
+        raise RuntimeError("CUDA out of memory (while capturing)")
+
+    monkeypatch.setattr(FakeSession, "warm_up", out_of_memory)
+    engine = FakeEngine()
+    call = TasteCall(engine)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            await call.ensure_session()
+    assert len(engine.sessions) == 3 and all(session.closed for session in engine.sessions)
+    assert call.session is None
+    monkeypatch.undo()
+    session = await call.ensure_session()  # the next try works
+    assert session is engine.sessions[-1] and not session.closed
+    await call.close()

@@ -82,7 +82,7 @@ async def test_a_gap_in_the_synthesis_fades_out_and_back_in(rate):
     await run_test(Pipeline([TastePlayout(call), timed]), frames_to_send=frames,
                    pipeline_params=PipelineParams(audio_out_sample_rate=rate))
     # played back to back; a frame that comes after the transport ran dry starts after silence
-    ends_before_silence, starts_after_silence, heard_until = [], [], None
+    ends_before_silence, starts_after_silence, heard_until, previous = [], [], None, None
     for arrived, samples in timed.audio:
         if heard_until is not None and arrived > heard_until + 0.002:
             ends_before_silence.append(previous[-1])
@@ -129,8 +129,6 @@ async def test_segments_dropped_by_an_interruption_give_their_slots_back(when):
     their slots back, or the next reply waits for room that never comes. ``late``: segments of the
     interrupted reply that arrive after the interruption; ``starting``: the interruption comes while
     the reply's speech state is being made (the first segment is off the queue, not yet decoded)."""
-    import asyncio
-
     from pipecat.frames.frames import InterruptionFrame
 
     from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame
@@ -263,3 +261,25 @@ async def test_a_reply_whose_synthesis_fails_ends_where_it_failed():
     assert record.underruns == 0 and record.audio_gaps == []
     audio = np.concatenate([pcm16_to_float(f.audio) for _, f in tap.seen if isinstance(f, TTSAudioRawFrame)])
     assert abs(audio[-1]) < 1e-3  # faded out
+
+
+async def test_an_interruption_before_the_reply_s_first_segment_drops_the_segments_that_follow_it():
+    """The caller barges in while the generator is on the reply's first word: nothing of it reached
+    the synthesizer yet. A segment the interruption overtook, and the reply's end, arrive after it:
+    no speech is started for them, and without a playout no audio of the cut reply goes out."""
+    from pipecat.frames.frames import TTSAudioRawFrame as Audio
+
+    from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeSegment
+
+    engine = FakeEngine()
+    call = TasteCall(engine)
+    call.active_reply_turn = 1  # the generator answers turn 1, and the interruption stops it:
+    call.replies_cut_upto = 1  # (the generator names the reply it cut as it takes the interruption)
+    frames = [InterruptionFrame(), SleepFrame(0.05), TasteReplySegmentFrame(1, 0, " sure", 1, FakeSegment(["sure"], 2), None),
+              TasteReplyEndFrame(1, "cancelled", 1), SleepFrame(0.4)]
+    down, _ = await run_test(TasteSynthesizer(call), frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=24000))
+    assert not [f for f in down if isinstance(f, Audio)]
+    assert all(session.replies_started == 0 for session in engine.sessions)

@@ -583,3 +583,21 @@ async def test_an_oversized_phone_message_is_dropped_unread():
     assert any(isinstance(f, InputAudioRawFrame) for f in frames)
     huge = media(4 << 20)
     assert len(huge) > MAX_PHONE_MESSAGE_BYTES and await serializer.deserialize(huge) is None
+
+
+async def test_closing_a_phone_websocket_whose_client_already_hung_up_raises_nothing():
+    """A phone client gone before its 'start' (or refused at the call limit) is closed quietly, not
+    with an unhandled exception in the server's log."""
+    from starlette.websockets import WebSocketDisconnect
+
+    from taste_agents.server import _close_quietly
+
+    closed = []
+
+    class Gone:
+        async def close(self, code, reason):
+            closed.append((code, reason))
+            raise WebSocketDisconnect(code=1006)
+
+    await _close_quietly(Gone(), 1008, "expected Twilio 'connected'/'start' messages")
+    assert closed == [(1008, "expected Twilio 'connected'/'start' messages")]

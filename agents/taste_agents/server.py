@@ -585,10 +585,10 @@ class TasteServer:
     async def _phone_call(self, websocket) -> None:
         await websocket.accept()
         if self._closed:
-            await websocket.close(code=1001, reason="the server is shutting down")
+            await _close_quietly(websocket, 1001, "the server is shutting down")
             return
         if self.calls_in_use >= self.config.max_calls:
-            await websocket.close(code=1013, reason="at the concurrent call limit")
+            await _close_quietly(websocket, 1013, "at the concurrent call limit")
             return
         self._opening += 1  # counted while Twilio's opening messages are awaited
         active = None
@@ -606,7 +606,7 @@ class TasteServer:
 
         start = await _twilio_start(websocket)
         if start is None:
-            await websocket.close(code=1008, reason="expected Twilio 'connected'/'start' messages")
+            await _close_quietly(websocket, 1008, "expected Twilio 'connected'/'start' messages")
             return None
         stream_sid, call_sid = start
         holder: dict = {}
@@ -651,6 +651,12 @@ class TasteServer:
         await self._handler.close()
 
 
+async def _close_quietly(websocket, code: int, reason: str) -> None:
+    """Close a phone websocket whose client may already have hung up (closing it again would raise)."""
+    with contextlib.suppress(Exception):
+        await websocket.close(code=code, reason=reason)
+
+
 async def _twilio_start(websocket, timeout: float = 5.0) -> tuple[str, str | None] | None:
     """Read Twilio's opening messages ('connected', then 'start'); returns (streamSid, callSid)."""
     try:
@@ -687,8 +693,9 @@ def serve(args) -> int:
                           allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()), agent=agent_config(args))
     server = TasteServer(engine, config)
     scheme = "https" if args.ssl_certfile else "http"
-    print(f"taste-agent: open {scheme}://{config.host}:{config.port}/ (max {config.max_calls} calls)", flush=True)
-    if scheme == "http" and config.host not in ("127.0.0.1", "localhost", "::1"):
+    host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address in a URL
+    print(f"taste-agent: open {scheme}://{host}:{config.port}/ (max {config.max_calls} calls)", flush=True)
+    if scheme == "http" and not _is_loopback(config.host):
         print("taste-agent: browsers allow the microphone only on HTTPS or localhost; for other machines pass "
               "--ssl-certfile/--ssl-keyfile or put a TLS proxy in front", flush=True)
     if not _is_loopback(config.host):

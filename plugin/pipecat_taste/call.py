@@ -174,6 +174,9 @@ class TasteCall:
         self._members: set = set()  # the processors of the call that have not cleaned up yet
         # Agent activity, for barge-in: the turn whose reply is being generated or played.
         self.active_reply_turn: int | None = None
+        # The latest turn whose reply an interruption cut off (set by the generator as it stops it):
+        # that reply's segments still on their way are dropped, not spoken.
+        self.replies_cut_upto = 0
         # Turns whose reply has not begun when the caller speaks again get none: it would talk over
         # the caller (the turns stay in the conversation; ``pipecat_taste.reply_mutes``).
         self.mutes = ReplyMutes()
@@ -200,7 +203,13 @@ class TasteCall:
         async with self._session_lock:
             if self.session is None:
                 session = await self.run("think", self.engine.new_session, self.settings, self.voice)
-                await self.run("think", session.warm_up)  # fast path: capture this call's steps now
+                try:
+                    await self.run("think", session.warm_up)  # fast path: capture this call's steps now
+                except Exception:
+                    # (e.g. out of GPU memory while capturing): its batch slots and caches go back to
+                    # the engine, shared by every call, before the next try makes another session
+                    session.close()
+                    raise
                 self.session = session
                 if self.closed:  # the call ended while the session was being made
                     session.close()

@@ -171,6 +171,8 @@ class TasteGenerator(FrameProcessor):
         """Stop the reply being generated (the worker sees it within one model step)."""
         if self._stop is not None and self._active_turn is not None:
             self._stop.set()
+            # named now: by the time the frame reaches the synthesizer, the next turn may be active
+            self._call.replies_cut_upto = max(self._call.replies_cut_upto, self._active_turn)
             self._call.reset_segment_slots()
             record = self._call.log.turn(self._active_turn)
             if record.decision in (None, "reply"):  # a reply cut off (or one about to be decided)

@@ -177,9 +177,11 @@ class TasteSynthesizer(FrameProcessor):
 
     async def _interrupt(self):
         turn = self._current_turn
+        # the reply being cut off, also when none of it reached this stage yet (the generator is on
+        # its first word): its segments and its end, still to come, are dropped when they arrive
+        self._cancelled_upto = max(self._cancelled_upto, turn or 0, self._call.replies_cut_upto)
         if turn is None and self._segments is not None and self._segments.empty() and self._groups.empty():
             return
-        self._cancelled_upto = max(self._cancelled_upto, turn or 0, self._call.active_reply_turn or 0)
         await self._stop_stages()
         while not self._segments.empty():  # dropped: their slots go back (the generator may be idle,
             queued = self._segments.get_nowait()  # its semaphore not renewed by this interruption)
