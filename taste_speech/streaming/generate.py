@@ -120,8 +120,9 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
       keep listening; ``segment`` is None, no reply is added, and ``input_segments`` stay in the
       conversation (the next call continues after them);
     * ``'finished'``: the reply ended, by the sampler's end rules (``end_reason`` 'sentence_end'
-      or 'max_words'), a stop token (segment_end in the dialogue format, or ``eos_id``:
-      'stop_id'; ``eos_id`` is never banned, even when it is ``<|end_of_text|>``), ``max_length``
+      or 'max_words'), a stop token (segment_end in the dialogue format, ``eos_id``, or any other
+      special token the model picks - a special token is no word: 'stop_id'; ``eos_id`` is never
+      banned, even when it is ``<|end_of_text|>``), ``max_length``
       generated tokens ('max_length', ``truncated=True``) or ``stop``
       ('cancelled', ``cancelled=True``); ``segment`` holds the words not yet emitted (or None)
       and ``reply`` the whole reply. The reply is committed to the conversation; after a
