@@ -88,7 +88,9 @@ class TopKSampler:
     """The original's sampling: multinomial over the renormalised top-k probabilities (temperature
     1); while EOS is not allowed, a drawn EOS is re-drawn. The calls (softmax, top-k, one
     ``multinomial`` per draw) follow the original, so a generator seeded like the original's
-    global RNG reproduces its draws."""
+    global RNG reproduces its draws. Without a generator, float32 probabilities on a GPU are
+    drawn on the host with torch's global CPU generator (one copy, one wait per token): seeded
+    by ``torch.manual_seed`` too, but not the draws of a run that drew on the GPU."""
 
     def __init__(self, k: int = TOP_K, generator: torch.Generator | None = None):
         if k < 1:

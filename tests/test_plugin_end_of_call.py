@@ -258,3 +258,36 @@ async def test_a_session_whose_warm_up_fails_is_closed_and_the_next_try_makes_a_
     session = await call.ensure_session()  # the next try works
     assert session is engine.sessions[-1] and not session.closed
     await call.close()
+
+
+async def test_a_call_cancelled_while_its_session_warms_up_closes_it_once_the_warm_up_is_done(monkeypatch):
+    """The caller hangs up while the session captures its steps: the session is closed, but only
+    when the warm-up's thread is done with it (its caches are in use until then)."""
+    import threading
+
+    from pipecat_taste.testing import FakeSession
+
+    started, finish = threading.Event(), threading.Event()
+
+    def slow_warm_up(session):
+        started.set()
+        finish.wait(5)
+        assert not session.closed  # nothing was freed under the running warm-up
+
+    monkeypatch.setattr(FakeSession, "warm_up", slow_warm_up)
+    engine = FakeEngine()
+    call = TasteCall(engine)
+    task = asyncio.create_task(call.ensure_session())
+    await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    (session,) = engine.sessions
+    assert not session.closed and call.session is None
+    finish.set()
+    for _ in range(100):
+        if session.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert session.closed
+    await call.close()

@@ -408,3 +408,21 @@ def test_start_speaking_checks_the_voice_vector():
             start_speaking(vg, voice, "low_latency", 16000, torch.Generator().manual_seed(0))
     state = start_speaking(vg, torch.randn(192).numpy(), "low_latency", 16000, torch.Generator().manual_seed(0))
     assert not state.finished
+
+
+def test_a_first_chunk_over_the_growth_limit_never_reports_more_tokens_than_were_fed():
+    """A policy of one's own may make the first chunk longer than steady chunks may grow: a short
+    reply flushed at once is one chunk of what was fed, and the boundaries only go forward."""
+    from taste_speech.streaming.synthesis import speak, start_speaking
+    from taste_speech.streaming.synthesis_state import EmissionPolicy, frames_for_tokens
+    from taste_speech.voice_generator.tiny import make_tiny_voice_generator
+
+    vg = make_tiny_voice_generator(0)
+    policy = EmissionPolicy(name="long_first", first_chunk_tokens=50, chunk_tokens=25, max_chunk_tokens=30)
+    tokens = torch.randint(0, 4096, (1, 40), generator=torch.Generator().manual_seed(40))
+    state = start_speaking(vg, torch.randn(1, 192, generator=torch.Generator().manual_seed(3)), policy, 22050,
+                           torch.Generator().manual_seed(0))
+    chunks = speak(vg, state, tokens[:, :20]) + speak(vg, state, tokens[:, 20:], final=True)
+    committed = [chunk.tokens_committed for chunk in chunks]
+    assert committed == sorted(committed) and max(committed) == 40 == state.committed_tokens
+    assert sum(chunk.audio_22k.shape[-1] for chunk in chunks) == 256 * frames_for_tokens(40)

@@ -693,7 +693,7 @@ def serve(args) -> int:
                           allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()), agent=agent_config(args))
     server = TasteServer(engine, config)
     scheme = "https" if args.ssl_certfile else "http"
-    host = f"[{config.host}]" if ":" in config.host else config.host  # an IPv6 address in a URL
+    host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host  # IPv6
     print(f"taste-agent: open {scheme}://{host}:{config.port}/ (max {config.max_calls} calls)", flush=True)
     if scheme == "http" and not _is_loopback(config.host):
         print("taste-agent: browsers allow the microphone only on HTTPS or localhost; for other machines pass "

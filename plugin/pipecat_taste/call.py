@@ -14,7 +14,7 @@ import functools
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -203,12 +203,14 @@ class TasteCall:
         async with self._session_lock:
             if self.session is None:
                 session = await self.run("think", self.engine.new_session, self.settings, self.voice)
+                warm_up = self._submit("think", session.warm_up)  # fast path: capture this call's steps now
                 try:
-                    await self.run("think", session.warm_up)  # fast path: capture this call's steps now
-                except Exception:
-                    # (e.g. out of GPU memory while capturing): its batch slots and caches go back to
-                    # the engine, shared by every call, before the next try makes another session
-                    session.close()
+                    await asyncio.wrap_future(warm_up)
+                except BaseException:
+                    # It failed (e.g. out of GPU memory while capturing) or the call was cancelled
+                    # meanwhile: the session's batch slots and caches go back to the engine, shared by
+                    # every call, once the warm-up's thread is done with them (at once if it is).
+                    warm_up.add_done_callback(lambda _: session.close())
                     raise
                 self.session = session
                 if self.closed:  # the call ended while the session was being made
@@ -229,9 +231,12 @@ class TasteCall:
     async def run(self, stage: str, fn, *args):
         """Run a blocking engine call on the stage's worker thread, inside the engine's compute
         gate when it has one (jobs of all calls queue there, first come first served)."""
+        return await asyncio.wrap_future(self._submit(stage, fn, *args))
+
+    def _submit(self, stage: str, fn, *args) -> Future:
         gate = getattr(self.engine, "compute_gate", None)
         job = fn if gate is None else functools.partial(gate.run, fn)
-        return await asyncio.get_running_loop().run_in_executor(self.executor(stage), job, *args)
+        return self.executor(stage).submit(job, *args)
 
     def new_turn_id(self) -> int:
         self._next_turn_id += 1

@@ -694,8 +694,6 @@ class TasteTurnCapture(FrameProcessor):
             # an 'mm-hm' while the agent talks (a backchannel; a 'yes' after it is a turn), or the last
             # syllable of a turn split at the length limit (the part before it is answered)
             where = "after the split" if turn.after_split else "over the agent's reply"
-            if not turn.after_split:  # an STT's words for it may come late: not the next turn's
-                self._transcripts.ignore(turn.words, self._params.transcript_timeout_secs)
             await self._decide(turn, "ignored", f"short speech ({turn.speech_seconds:.2f} s) {where}")
             return
         # its ASR and tower passes come next: another call's turn ending now waits a little for them

@@ -11,9 +11,10 @@ no turn takes wait for the next turn, which keeps them only if they came after i
 older ones are late words of a turn already taken, and are logged and dropped. So are words that
 come, while no closed turn waits, within the transcript timeout of a turn the built-in ASR took
 instead (``absorb``): they are that turn's, late, not the words of the turn being spoken. A turn
-not answered (``ignore``: an 'mm-hm' over the agent's reply) goes on taking its STT's words, and
-drops them, while it is the newest closed turn and for at most the transcript timeout, so that they
-do not become the words of the turn the caller began meanwhile. A turn
+not answered (an 'mm-hm' over the agent's reply) stops taking words at once: words an STT sends for
+it after the caller's next turn began go to that turn (by their arrival they cannot be told from
+its own words, which a segmented STT may finalize while the caller still speaks; a word too many
+is the lesser evil than a phrase of the turn lost). A turn
 split at the length limit takes no words once the part that went on has ended (``spent``): they are
 the whole speech's, and go to that last part, which is answered.
 """
@@ -49,8 +50,6 @@ class TurnWords:
     # Answered without its STT's words (the built-in ASR stepped in): words still coming for it until
     # then are dropped, never given to the next turn.
     absorb_until: float | None = None
-    # Not answered (a backchannel): it takes its STT's late words until then, and drops them.
-    ignored_until: float | None = None
     # A turn closed at the length limit: the words of the part that goes on. Once that part ended, an
     # STT's words (one transcript for the whole speech, as a segmented STT sends) go to it.
     next_part: TurnWords | None = field(default=None, repr=False)
@@ -152,10 +151,8 @@ class UpstreamTranscripts:
         if finalized:
             self.finals_flagged = True
         self._forget_absorbed(now)
-        newest = self.collecting[-1] if self.collecting else None
         taker = next((w for w in self.collecting
-                      if w.absorb_until is None and not w.done(now, self.quiet_secs, self.finals_flagged)
-                      and (w.ignored_until is None or w is newest)), None)  # a later turn's words come after it
+                      if w.absorb_until is None and not w.done(now, self.quiet_secs, self.finals_flagged)), None)
         if taker is None and any(w.absorb_until is not None and not w.spent for w in self.collecting):
             self._drop(text)  # late words of a turn the built-in ASR took, not of the one being spoken
             return
@@ -163,8 +160,6 @@ class UpstreamTranscripts:
             taker = current
         if taker is not None:
             taker.add(text, now, finalized, sample, frame)
-            if taker.ignored_until is not None:
-                self._drop(text, "words of a turn that was not answered")
             return
         if self._unclaimed is not None:
             self._drop(self._unclaimed[1])
@@ -176,15 +171,9 @@ class UpstreamTranscripts:
 
     def stop(self, words: TurnWords) -> None:
         """The turn takes no more words (taken, ignored, failed or retracted); one that absorbs
-        its late words (``absorb``, ``ignore``) stays until its time is up."""
-        if words.absorb_until is None and words.ignored_until is None:
+        its late words (``absorb``) stays until its time is up."""
+        if words.absorb_until is None:
             self.collecting = collections.deque(w for w in self.collecting if w is not words)
-
-    def ignore(self, words: TurnWords, seconds: float) -> None:
-        """The turn is not answered, but its speech may hold words (an 'mm-hm' over the agent's
-        reply): an STT's transcript of it may still come, at its own pace. The turn takes it (and
-        drops it) as long as it is the newest closed turn, for at most ``seconds``."""
-        words.ignored_until = time.monotonic() + seconds
 
     def absorb(self, words: TurnWords, seconds: float) -> None:
         """The turn goes on without its STT's words (the built-in ASR transcribes it): words that
@@ -196,8 +185,7 @@ class UpstreamTranscripts:
             self.collecting.append(words)
 
     def _forget_absorbed(self, now: float) -> None:
-        self.collecting = collections.deque(w for w in self.collecting if (w.absorb_until is None or w.absorb_until > now)
-                                            and (w.ignored_until is None or w.ignored_until > now))
+        self.collecting = collections.deque(w for w in self.collecting if w.absorb_until is None or w.absorb_until > now)
 
     def end_of_call(self) -> None:
         """What the STT had to say came before the end of the call: no turn waits any longer."""
@@ -228,8 +216,8 @@ class UpstreamTranscripts:
             words.arrived.clear()
             await _first_of(remaining, words.arrived, retracted)
 
-    def _drop(self, text: str, whose: str = "late words of a turn already taken") -> None:
-        logger.info(f"{self._owner}: dropped upstream transcript {text!r}: {whose}")
+    def _drop(self, text: str) -> None:
+        logger.info(f"{self._owner}: dropped upstream transcript {text!r}: late words of a turn already taken")
         self._log.event("transcript_dropped", text=text)
 
 

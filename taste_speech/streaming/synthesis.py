@@ -139,8 +139,9 @@ def start_speaking(
     dim = vg.flow.spk_embed_affine_layer.in_features
     if isinstance(speaker_embeds, torch.Tensor) and speaker_embeds.device.type != "cpu":
         # already on the GPU: its values are not read here (a read waits for the GPU's queue)
-        if tuple(speaker_embeds.shape) != (1, dim):
+        if speaker_embeds.numel() != dim:
             raise ValueError(f"speaker_embeds must be one (1, {dim}) voice vector, got {tuple(speaker_embeds.shape)}")
+        speaker_embeds = speaker_embeds.reshape(1, dim).float()
     else:  # NaN, zeros or a batch of voices would otherwise surface deep in the flow, or as noise
         speaker_embeds = as_speaker_embedding(speaker_embeds, dim)
     speaker_embeds = to_device(speaker_embeds, device)
@@ -213,7 +214,7 @@ def _next_boundary(state: SynthesisState, final: bool) -> Optional[int]:
         # a short remainder joins this chunk rather than making a tiny last one (at most 1.5 chunks,
         # and never past a growing chunk's limit: its window is sized to fit a synthesis bucket)
         joins = total - target < max(1, step // 2) and total - done <= (policy.max_chunk_tokens or total)
-        return total if joins else target
+        return total if joins else min(target, total)  # (a first chunk over the growth limit)
     return target if total >= target + policy.lookahead_tokens else None
 
 
