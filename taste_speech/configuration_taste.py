@@ -283,6 +283,10 @@ class TasteConfig(PretrainedConfig):
         attn = getattr(self.text_config, "_attn_implementation", None)
         if attn:  # to_dict drops it; the published layout carries it at the top level
             config["_attn_implementation"] = attn
+        _published_spellings(config)
+        for key in SUB_CONFIG_KEYS:
+            if isinstance(config.get(key), dict):
+                _published_spellings(config[key])
         with open(os.path.join(save_directory, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
 
@@ -291,6 +295,24 @@ class TasteConfig(PretrainedConfig):
         out.pop("_joint_whisper_config", None)
         out.pop("joint_whisper_config", None)
         return out
+
+
+SUB_CONFIG_KEYS = ("audio_tower_config", "spoken_lm_config", "speech_decoder_config", "text_config", "asr_config")
+
+
+def _published_spellings(config: dict) -> None:
+    """Write transformers 5's renamed keys back as the published config (transformers 4.51) spells
+    them, which both read: ``dtype`` as ``torch_dtype``, and ``rope_parameters`` as ``rope_theta``
+    and ``rope_scaling`` (an older transformers ignores ``rope_parameters`` and would run Llama-3's
+    RoPE with the default theta and no llama3 scaling)."""
+    if "dtype" in config:
+        config["torch_dtype"] = config.pop("dtype")
+    rope = config.pop("rope_parameters", None)
+    if isinstance(rope, dict):
+        rope = dict(rope)
+        if "rope_theta" in rope:
+            config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
 
 
 def _check_config_file(directory: str) -> None:

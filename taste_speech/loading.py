@@ -345,7 +345,10 @@ def match_keys(stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int
             unexpected.append(key)
     match = KeyMatch(sources=sources, unexpected=sorted(unexpected))
     has_adapters = any(".lora_" in k for k in stored)
-    match.merged_lora = lora_model and not has_adapters
+    # merged weights carry no adapters; a base stored in peft's unmerged spelling (".base_layer.")
+    # without them lost its adapters: those are reported missing, not set to zero
+    unmerged_base = any(".base_layer." in k for k in stored)
+    match.merged_lora = lora_model and not has_adapters and not unmerged_base
     if spellings:
         match.spelling = " + ".join(sorted(spellings))
     for key, shape in expected.items():

@@ -166,11 +166,10 @@ class TasteProcessor:
         config = TasteConfig.from_pretrained(directory)
 
         llm_dir = os.path.join(directory, LLAMA_TOKENIZER_DIR)
-        if not os.path.isfile(os.path.join(llm_dir, "tokenizer.json")) and not os.path.isfile(
-            os.path.join(llm_dir, "tokenizer_config.json")
-        ):
+        # (checked by its file: an interrupted download may leave the folder without it)
+        if not os.path.isfile(os.path.join(llm_dir, "tokenizer.json")):
             raise ValueError(
-                f"{directory} has no {LLAMA_TOKENIZER_DIR}/ (tokenizer.json); the published checkpoint ships the "
+                f"{directory} has no {LLAMA_TOKENIZER_DIR}/tokenizer.json; the published checkpoint ships the "
                 "Llama-3.2 tokenizer there - download the whole repository, or build a tiny checkpoint with "
                 "python -m taste_speech.tiny DIR"
             )

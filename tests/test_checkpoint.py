@@ -179,6 +179,15 @@ def test_merged_lora_checkpoint(stored, reference, golden_io, taste_lm_tiny_a, t
     assert model.loading_info.merged_lora and model.loading_info.spelling == "merged"
 
 
+def test_an_unmerged_base_without_its_adapters_is_refused(stored, taste_lm_tiny_a, tmp_path):
+    """A base stored in peft's unmerged spelling (".base_layer.") without its LoRA adapters is not a
+    merged model: loading it with the adapters set to zero would silently run another model."""
+    bare = {k: v for k, v in stored.items() if ".lora_" not in k}
+    assert any(".base_layer." in k for k in bare)
+    with pytest.raises(CheckpointError, match="lora_A"):
+        TasteForCausalLM.from_pretrained(_variant(taste_lm_tiny_a, tmp_path / "bare", bare))
+
+
 def test_plain_bin_and_stored_duplicate_head(stored, reference, golden_io, taste_lm_tiny_a, tmp_path):
     with_head = dict(stored)
     with_head[LM_HEAD_KEY] = stored[EMBED_KEY].clone()  # older scripts saved an untied copy

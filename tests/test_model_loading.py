@@ -42,6 +42,26 @@ def test_config_layouts_load_unchanged(taste_lm_tiny_a, tmp_path):
     assert again.spoken_lm_config.sos_id == tiny.spoken_lm_config.sos_id
 
 
+def test_the_published_config_is_written_back_in_its_own_spelling(tmp_path):
+    """transformers 5 renames the Llama config's RoPE keys and torch_dtype; written back as the
+    published file spells them, the original code (transformers 4.51) reads Llama-3's RoPE
+    (theta 500000, llama3 scaling), not its defaults."""
+    (tmp_path / "published").mkdir()
+    published = json.load(open(os.path.join(DATA, "taste_lm_config_full.json")))
+    json.dump(published, open(tmp_path / "published" / "config.json", "w"))
+    config = TasteConfig.from_pretrained(tmp_path / "published")
+    config.save_pretrained(tmp_path / "saved")
+    written = json.load(open(tmp_path / "saved" / "config.json"))
+    text = written["text_config"]
+    assert "rope_parameters" not in text and "dtype" not in text and "dtype" not in written
+    assert text["rope_theta"] == published["text_config"]["rope_theta"] == 500000.0
+    assert text["rope_scaling"] == published["text_config"]["rope_scaling"]
+    assert text["torch_dtype"] == published["text_config"]["torch_dtype"] and written["torch_dtype"] == "bfloat16"
+    again = TasteConfig.from_pretrained(tmp_path / "saved")
+    assert again.text_config.rope_parameters == config.text_config.rope_parameters
+    assert again.text_config.to_dict() == config.text_config.to_dict()
+
+
 @pytest.fixture(scope="module")
 def reference(taste_lm_tiny_a):
     model = TasteForCausalLM.from_pretrained(taste_lm_tiny_a, torch_dtype=torch.float32)

@@ -88,6 +88,9 @@ def test_from_pretrained_errors(tmp_path, checkpoint_dir):
         TasteProcessor.from_pretrained(str(tmp_path / "file.txt"))
     partial = tmp_path / "partial"
     shutil.copytree(checkpoint_dir, partial)
+    (partial / "llama_tokenizer" / "tokenizer.json").unlink()  # an interrupted download: the config only
+    with pytest.raises(ValueError, match="llama_tokenizer/tokenizer.json"):
+        TasteProcessor.from_pretrained(str(partial))
     shutil.rmtree(partial / "llama_tokenizer")
     with pytest.raises(ValueError, match="llama_tokenizer"):
         TasteProcessor.from_pretrained(str(partial))
