@@ -4,7 +4,8 @@ The published checkpoint stores one top-level `TasteConfig` (model_type ``taste`
 sub-configs are plain dicts: ``audio_tower_config``, ``spoken_lm_config``,
 ``speech_decoder_config`` (TASTE's own), ``text_config`` (a full LlamaConfig) and ``asr_config``
 (a full WhisperConfig, only used for its name). Unknown keys are kept, so a config written by the
-original code loads unchanged and is written back in the same layout.
+original code loads unchanged and is written back in the same layout: the keys transformers 5
+renamed are spelled as published, and the generation defaults it leaves out are those defaults.
 """
 
 from __future__ import annotations
