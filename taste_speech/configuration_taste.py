@@ -285,7 +285,7 @@ class TasteConfig(PretrainedConfig):
         if attn:  # to_dict drops it; the published layout carries it at the top level
             config["_attn_implementation"] = attn
         _published_spellings(config)
-        for key in SUB_CONFIG_KEYS:
+        for key in self.sub_configs:
             if isinstance(config.get(key), dict):
                 _published_spellings(config[key])
         with open(os.path.join(save_directory, "config.json"), "w") as f:
@@ -296,9 +296,6 @@ class TasteConfig(PretrainedConfig):
         out.pop("_joint_whisper_config", None)
         out.pop("joint_whisper_config", None)
         return out
-
-
-SUB_CONFIG_KEYS = ("audio_tower_config", "spoken_lm_config", "speech_decoder_config", "text_config", "asr_config")
 
 
 def _published_spellings(config: dict) -> None:
