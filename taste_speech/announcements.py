@@ -33,6 +33,7 @@ class Announcements:
         self._owners: dict[int, weakref.ref] = {}  # id(owner) -> weakref
         self.waits = 0  # steps that waited for announced work
         self.waited_s = 0.0  # and how long, in all
+        self.ran_out = 0  # of those, the waits that ended at their time limit with work still missing
 
     def add(self, owner) -> None:
         self._owners[id(owner)] = weakref.ref(owner)
@@ -58,14 +59,17 @@ class Announcements:
         if self.pending(here) and seconds > 0:
             started = time.perf_counter()
             deadline = started + seconds
-            while self.pending(here) and not enough() and (left := deadline - time.perf_counter()) > 0:
+            while self.pending(here) and not enough():
+                if (left := deadline - time.perf_counter()) <= 0:
+                    self.ran_out += 1
+                    break
                 lock.wait(left)
             self.waits += 1
             self.waited_s += time.perf_counter() - started
         self._owners.clear()
 
     def stats(self) -> dict:
-        return {"waits": self.waits, "waited_ms": round(1000 * self.waited_s, 1)}
+        return {"waits": self.waits, "waited_ms": round(1000 * self.waited_s, 1), "waits_ran_out": self.ran_out}
 
 
 class StepTimer:

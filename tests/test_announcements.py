@@ -35,13 +35,14 @@ def test_gather_ends_when_the_work_comes_and_forgets_who_did_not():
     started = time.monotonic()
     with lock:
         announced.gather(lock, 5.0)
-    assert 0.02 < time.monotonic() - started < 2 and announced.waits == 1
+    assert time.monotonic() - started > 0.02 and announced.waits == 1
+    assert announced.ran_out == 0  # ended by the arrival, not at the limit
     announced.add(never)
     waited = announced.waited_s
     with lock:
         announced.gather(lock, 0.05)  # it does not come: one bounded wait, then forgotten
     assert announced.pending() == 0 and announced.stats()["waits"] == 2
-    assert 0.05 <= announced.waited_s - waited < 1
+    assert announced.stats()["waits_ran_out"] == 1 and announced.waited_s - waited >= 0.05
 
 
 def test_no_wait_without_announcements_and_never_longer_than_the_cap():
@@ -53,7 +54,7 @@ def test_no_wait_without_announcements_and_never_longer_than_the_cap():
     started = time.monotonic()
     with lock:
         announced.gather(lock, 60.0)  # a step timed while it was captured: absurdly long
-    assert MAX_WAIT_S <= time.monotonic() - started < MAX_WAIT_S + 1
+    assert time.monotonic() - started >= MAX_WAIT_S and announced.ran_out == 1  # capped, not 60 s (the test would hang)
     announced.add(owner)
     with lock:
         announced.gather(lock, 60.0, here=lambda: {id(owner)})  # its own work leads: nothing to wait for

@@ -48,7 +48,7 @@ def test_with_one_row_every_utterance_is_decoded_by_its_own_thread_at_once():
     assert results == [([0], 0), ([1], 1)]
     assert sorted(batches) == [[0], [1]]
     assert batcher.stats() == {"rows": 1, "utterances": 2, "batches": 2, "mean_batch": 1.0, "waits": 0,
-                               "waited_ms": 0.0}
+                               "waited_ms": 0.0, "waits_ran_out": 0}
 
 
 def test_announced_utterances_coming_apart_are_decoded_as_one_batch():
@@ -57,7 +57,7 @@ def test_announced_utterances_coming_apart_are_decoded_as_one_batch():
     own result back."""
     batches = []
     batcher = UtteranceBatcher(recording(batches), rows=4)
-    batcher.timed(10.0)  # (a long limit: the wait must end because the others came)
+    batcher.timed(10.0)  # (a long limit, capped at MAX_WAIT_S: the wait must end because the others came)
     owners = [Owner() for _ in range(3)]
     for owner in owners:
         batcher.expect(owner)
@@ -71,7 +71,7 @@ def test_announced_utterances_coming_apart_are_decoded_as_one_batch():
     assert results == [([10], 0), ([11], 1), ([12], 2)]
     assert batches == [[10, 11, 12]]
     stats = batcher.stats()
-    assert (stats["utterances"], stats["batches"], stats["waits"]) == (3, 1, 1)
+    assert (stats["utterances"], stats["batches"], stats["waits"], stats["waits_ran_out"]) == (3, 1, 1, 0)
 
 
 def test_a_batch_takes_at_most_its_rows():
@@ -97,16 +97,17 @@ def test_a_batch_takes_at_most_its_rows():
 def test_a_lone_utterance_does_not_wait_for_a_batch_being_decoded():
     """One call's batch is being decoded (held here until the other call's transcript is out): a
     partial of another call that comes meanwhile is decoded by its own thread at once."""
-    batches, other_done, seen = [], threading.Event(), []
+    batches, decoding, other_done, seen = [], threading.Event(), threading.Event(), []
 
     def hold(batch):
         if int(batch[0].features) == 0:
+            decoding.set()
             seen.append(other_done.wait(5))  # False: the second utterance waited for this batch
 
     batcher = UtteranceBatcher(recording(batches, hold), rows=4)
     first = threading.Thread(target=batcher.transcribe, args=(torch.tensor(0),))
     first.start()
-    time.sleep(0.1)
+    assert decoding.wait(5)  # the first batch is being decoded
     assert batcher.transcribe(torch.tensor(1)) == ([1], 0)
     other_done.set()
     first.join(5)
@@ -122,7 +123,7 @@ def test_an_announced_utterance_that_never_comes_is_waited_for_a_bounded_time():
     batcher.expect(gone)
     started = time.perf_counter()
     assert batcher.transcribe(torch.tensor(3), owner=Owner()) == ([3], 0)
-    assert 0.04 < time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started > 0.04 and batcher.stats()["waits_ran_out"] == 1
     batcher.transcribe(torch.tensor(4))
     assert batcher.stats()["waits"] == 1  # (the second batch did not wait: the announcement was forgotten)
 

@@ -294,7 +294,7 @@ def test_turns_ending_together_are_transcribed_as_one_batch(whisper, reference, 
     turns = [shared.new_turn() for _ in audios]
     for turn, audio in zip(turns, audios):
         turn.partial(audio[: len(audio) // 2])
-    shared._batches().timed(10.0)  # (a long limit: the wait must end because the other came)
+    shared._batches().timed(10.0)  # (a long limit, capped at MAX_WAIT_S: the wait must end because the other came)
     before, batches_before = shared.encoder_stats(), shared.batch_stats()
     for turn in turns:
         turn.ended()
@@ -310,6 +310,7 @@ def test_turns_ending_together_are_transcribed_as_one_batch(whisper, reference, 
     assert (batches_after["utterances"] - batches_before["utterances"],
             batches_after["batches"] - batches_before["batches"]) == (2, 1), (batches_before, batches_after)
     assert batches_after["waits"] == batches_before["waits"] + 1
+    assert batches_after["waits_ran_out"] == batches_before["waits_ran_out"]  # ended when the other came
     assert texts == [reference(audio) for audio in audios]
     with pytest.raises(ValueError, match="batch_rows must be"):
         WhisperTranscriber(whisper.model, whisper.feature_extractor, whisper.tokenizer, batch_rows=0)

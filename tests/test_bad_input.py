@@ -563,10 +563,23 @@ def test_generation_settings_are_checked_when_made(kwargs, match):
 
 
 def test_the_extreme_seeds_make_a_session(engine):
+    """The ends of the range seed the session's three generators (seed, seed + 1, seed + 2) as
+    given: the same seed draws the same, the two ends draw differently."""
+    import torch
+
     from pipecat_taste.engine import GenerationSettings
 
-    for seed in (-2 ** 63, 2 ** 64 - 3):
-        engine.new_session(GenerationSettings(seed=seed)).close()
+    def draws(seed):
+        session = engine.new_session(GenerationSettings(seed=seed))
+        try:
+            return [torch.rand(4, generator=g).tolist() for g in
+                    (session._lm_generator, session._speech_generator, session._synthesis_generator)]
+        finally:
+            session.close()
+
+    low, high = draws(-2 ** 63), draws(2 ** 64 - 3)
+    assert draws(-2 ** 63) == low and draws(2 ** 64 - 3) == high
+    assert all(a != b for a, b in zip(low, high)) and len({str(d) for d in high}) == 3
 
 
 def test_engine_options_are_checked_before_anything_loads(engine):

@@ -434,7 +434,7 @@ def test_first_windows_of_utterances_starting_together_run_as_one_captured_step(
         results[i] = chunks_of(states[i], utterances[i][0])
 
     run_in_threads(speak_one, [(i,) for i in range(3)])
-    assert graphs.first_batches == {3: 1}, graphs.first_batches
+    assert graphs.first_batches == {3: 1} and graphs._starting.ran_out == 0, graphs.first_batches
     torch.cuda.synchronize()
     assert 0 < graphs._first_step.last() < 10  # the live step's GPU time replaced the limit above
     assert_same_chunks(references, results)

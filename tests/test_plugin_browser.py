@@ -199,6 +199,7 @@ async def test_the_page_lets_go_of_the_microphone_however_the_call_ends(tmp_path
                 await peer.close()
 
 
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian chromium (scripts/setup.sh --test installs it)")
 async def test_the_page_shows_the_status_of_an_error_that_is_not_ours(tmp_path):
     """A proxy in front (the README suggests one for TLS) answers the offer with an HTML 502 page:
     the page says '502 Bad Gateway' (it said it could not parse JSON) and lets go of the microphone."""

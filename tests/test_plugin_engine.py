@@ -249,10 +249,11 @@ def test_calls_that_start_speaking_together_share_their_first_flow_step(engine, 
         audio[i] = np.concatenate(again[i].vocode(states[i], alone[i][0], final=True))
 
     graphs = batched.synthesis_graphs
-    graphs._first_step.measured(10.0)  # (a long limit: the wait must end because the other came)
-    before = dict(graphs.first_batches)
+    graphs._first_step.measured(10.0)  # (a long limit, capped at MAX_WAIT_S: the wait must end because the other came)
+    before, ran_out = dict(graphs.first_batches), graphs._starting.ran_out
     run_in_threads(speak, [(0,), (1,)])
     assert graphs.first_batches[2] == before.get(2, 0) + 1, graphs.first_batches
+    assert graphs._starting.ran_out == ran_out  # the first window's wait ended when the other came
     for got, (_, expected) in zip(audio, alone):
         assert got.shape == expected.shape and np.abs(got - expected).max() < 2e-4
     for session in [c[0] for c in calls] + again:

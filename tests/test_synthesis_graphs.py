@@ -356,7 +356,7 @@ def test_utterances_that_start_speaking_together_share_their_first_flow_step(vg)
     by start_speaking), so the three first chunks take one flow step - on a GPU the cost of one,
     not three - and each utterance still gets the chunks it gets alone."""
     graphs = SynthesisGraphs(vg, "rehearse", rows=4, gather=1.0)
-    graphs._first_step.measured(10.0)  # (a long limit: the wait must end because they came, not because it ran out)
+    graphs._first_step.measured(10.0)  # (a long limit, capped at MAX_WAIT_S: the wait must end because they came)
     utterances = announced(vg, graphs, 3, seed=21)
     references = [stream(vg, tokens, speaker, widened("low_latency"), [4] * 10, kind="dynamic")[1]
                   for tokens, speaker, _ in utterances]
@@ -367,15 +367,13 @@ def test_utterances_that_start_speaking_together_share_their_first_flow_step(vg)
         time.sleep(0.03 * i)
         results[i] = speak_in_pieces(vg, state, tokens, [4] * 10)
 
-    started = time.monotonic()
     run_in_threads(speak_one, [(i,) for i in range(3)])
-    assert time.monotonic() - started < 5  # the first window stopped waiting when the last came
     for reference, chunks in zip(references, results):
         assert_same_chunks(reference, chunks, MEL_ATOL, AUDIO_ATOL)
     assert graphs.first_batches == {3: 1}, graphs.first_batches
     first = graphs.stats()["first_windows"]
     assert (first["windows"], first["steps"], first["mean_batch"], first["waits"]) == (3, 1, 3.0, 1)
-    assert 40 <= first["waited_ms"] < 5000  # it waited for the last one, 60 ms after it
+    assert first["waited_ms"] >= 40 and first["waits_ran_out"] == 0  # it waited for the last one, 60 ms after it
     assert not graphs._starting.pending() and not graphs._queue and not graphs._stepping
 
 
@@ -402,7 +400,8 @@ def test_an_utterance_announced_but_never_spoken_costs_one_bounded_wait(vg):
     started = time.monotonic()
     first = speak(vg, newcomer[2], newcomer[0][:, :20])
     waited = time.monotonic() - started
-    assert first and 0.09 <= graphs._starting.waited_s <= waited < 5  # two first-window steps of 50 ms
+    assert first and 0.09 <= graphs._starting.waited_s <= waited  # two first-window steps of 50 ms
+    assert graphs._starting.ran_out == 1
     assert graphs._starting.waits == 1 and not graphs._starting.pending()
     [(tokens, _, state)] = announced(vg, graphs, 1, seed=24)  # a later reply: nobody else is starting
     assert speak(vg, state, tokens[:, :20]) and graphs._starting.waits == 1

@@ -257,7 +257,10 @@ def test_new_parametrization_names_are_accepted(tmp_path, voice_generator_tiny_a
                .replace(".weight_v", ".parametrizations.weight.original1"): v for k, v in state.items()}
     torch.save(renamed, tmp_path / "voice_generator.pth")
     config = json.loads((voice_generator_tiny_a / "config.json").read_text())
-    VoiceGenerator.from_pretrained(tmp_path, config=config)
+    loaded = VoiceGenerator.from_pretrained(tmp_path, config=config).state_dict()
+    assert sorted(loaded) == sorted(state)  # (the model keeps the published names)
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
 
 
 class _NotATensor:

@@ -217,7 +217,8 @@ def test_turn_transcript_partials_then_the_whole_turn(tiny_asr, audios):
 def test_warm_up_prepares_a_workspace_per_call_that_may_transcribe_at_once(tiny_asr, audios):
     """warm_up(workspaces=n) leaves n prepared workspaces (each with its steps made): n calls
     transcribing at the same moment find one each, and none is made while a caller speaks."""
-    static = WhisperTranscriber(varied_model(tiny_asr), tiny_asr.feature_extractor, tiny_asr.tokenizer,
+    model = varied_model(tiny_asr)
+    static = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer,
                                 language="en", max_new_tokens=12, decode="static", graph_mode="rehearse")
     static.warm_up(workspaces=3)
     prepared = list(static._workspaces)
@@ -230,7 +231,9 @@ def test_warm_up_prepares_a_workspace_per_call_that_may_transcribe_at_once(tiny_
     assert {id(w) for w in borrowed} == {id(w) for w in prepared}
     for workspace in borrowed:
         static._give_back(workspace)
-    assert static.transcribe(audios[0]).text == static.transcribe(audios[0]).text
+    reference = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=12)
+    expected = tiny_asr.tokenizer.decode(reference, skip_special_tokens=True).strip()
+    assert [static.transcribe(audios[0]).text for _ in range(2)] == [expected] * 2  # the given-back workspaces decode
     with pytest.raises(ValueError, match="workspaces must be an integer >= 1"):
         static.warm_up(workspaces=0)
 
@@ -392,7 +395,7 @@ def test_cuda_turns_ending_together_are_transcribed_as_one_captured_batch(tiny_a
     turns = [asr.new_turn() for _ in range(2)]
     for turn in turns:
         turn.ended()
-    asr._batches().timed(10.0)  # (a long limit: the wait must end because the other came)
+    asr._batches().timed(10.0)  # (a long limit, capped at MAX_WAIT_S: the wait must end because the other came)
     before, batches_before = asr.encoder_stats(), asr.batch_stats()
     streams, texts = [torch.cuda.Stream() for _ in range(2)], [None, None]
 
@@ -406,6 +409,7 @@ def test_cuda_turns_ending_together_are_transcribed_as_one_captured_batch(tiny_a
     assert (after["turns"] - before["turns"], after["passes"] - before["passes"]) == (2, 1), (before, after)
     assert (batches_after["utterances"] - batches_before["utterances"],
             batches_after["batches"] - batches_before["batches"]) == (2, 1), (batches_before, batches_after)
+    assert batches_after["waits_ran_out"] == batches_before["waits_ran_out"]  # ended when the other came
     assert texts == alone
 
 
@@ -458,7 +462,7 @@ def test_one_failed_batch_counts_as_one_failure(tiny_asr, audios, monkeypatch):
     turns = [asr.new_turn() for _ in range(STATIC_FAILURES_TO_GIVE_UP + 1)]
     for turn in turns:
         turn.ended()
-    asr._batches().timed(10.0)  # (a long limit: the leader waits until every turn came)
+    asr._batches().timed(10.0)  # (a long limit, capped at MAX_WAIT_S: the leader waits until every turn came)
     texts = [None] * len(turns)
 
     def finish(i):
