@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from taste_speech.configuration_taste import TasteConfig
+from taste_speech.configuration_taste import JOINT_WHISPER_DIR, TasteConfig
 from taste_speech.loading import (
     SAFETENSORS_DTYPES,
     CheckpointError,
@@ -148,6 +148,10 @@ def check_voice_generator(path: str, config: TasteConfig, report: CheckReport) -
     except ValueError as exc:
         report.unreadable.append(f"cannot read {config_path} as JSON ({exc}); download it again")
         return
+    if vg_config is not None and not isinstance(vg_config, dict):
+        report.unreadable.append(f"{config_path} holds a JSON {type(vg_config).__name__}, not an object of "
+                                 "VoiceGenerator settings; download it again")
+        return
     try:
         state = to_legacy_weight_norm_keys(load_pickled_state_dict(path, mmap=True))
     except CheckpointError as exc:  # the message names the file and says to download it again
@@ -201,6 +205,7 @@ def check_directory(directory: str, source: str | None = None) -> CheckReport:
 def check_remote(repo_id: str) -> CheckReport:
     """A hub repository not in the local cache: config.json + safetensors headers only."""
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
 
     report = CheckReport(repo_id)
     try:
@@ -209,7 +214,18 @@ def check_remote(repo_id: str) -> CheckReport:
     except Exception as exc:
         raise CheckpointError(f"cannot reach {repo_id} on the hub ({type(exc).__name__}: {exc}); download it with "
                               f"hf download {repo_id} --local-dir DIR and check DIR") from exc
-    config = TasteConfig.from_pretrained(config_dir)
+    try:  # a tower other than the published one keeps its Whisper config beside config.json
+        hf_hub_download(repo_id, f"{JOINT_WHISPER_DIR}/config.json")
+    except EntryNotFoundError:
+        pass  # the published layout: the tower's Whisper config is built in
+    except Exception as exc:
+        raise CheckpointError(f"cannot fetch {JOINT_WHISPER_DIR}/config.json of {repo_id} ({type(exc).__name__}: "
+                              f"{exc}); download the checkpoint with hf download {repo_id} --local-dir DIR and check DIR") from exc
+    try:
+        config = TasteConfig.from_pretrained(config_dir)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read the config.json of {repo_id} as a TASTE config ({type(exc).__name__}: "
+                              f"{exc}); is it a TASTE checkpoint?") from exc
     infos = {
         name: TensorInfo(tuple(t.shape), _hub_dtype(t.dtype), file)
         for file, meta in metadata.files_metadata.items()

@@ -267,6 +267,11 @@ class TasteAudioTower(nn.Module):
             target, last = self.encode_audio(audio_features, encoder)
             asr_indices = pooler(self.decoder_input_ids(asr_token_ids), last, target, asr_word_ids)
             asr_indices = asr_indices.to(asr_word_ids.device)
+        if llm_word_ids.device.type == "cpu" and asr_word_ids.device.type == "cpu":
+            llm_words = {w for w in llm_word_ids[0].tolist() if w >= 0}
+            if llm_words != set(range(int(asr_word_ids[0, -1]) + 1)):
+                raise ValueError(f"llm_word_ids number {len(llm_words)} word(s) for the {int(asr_word_ids[0, -1]) + 1} "
+                                 "of asr_word_ids: give both from one processor.process_text call of the same text")
         llm_indices = llm_indices_from_asr(asr_indices, asr_word_ids.to(asr_indices.device),
                                            llm_word_ids.to(asr_indices.device))
         return asr_indices, llm_indices
@@ -289,3 +294,13 @@ class TasteAudioTower(nn.Module):
                 f"the transcript has {n_tokens} Whisper tokens; the audio tower takes at most "
                 f"{self.max_text_tokens}: split the turn"
             )
+        if asr_token_ids.device.type == "cpu" and asr_word_ids.device.type == "cpu":
+            # (values of host ids only: reading device ids would wait for the GPU - the caller's
+            # processor makes host ids, and the device path is given them)
+            ids, words = asr_token_ids[0].tolist(), asr_word_ids[0].tolist()
+            if min(ids) < 0 or max(ids) >= self.whisper_config.vocab_size:
+                raise ValueError(f"asr_token_ids must lie in [0, {self.whisper_config.vocab_size}) (Whisper transcript tokens, as "
+                                 f"processor.process_text makes them), got ids from {min(ids)} to {max(ids)}")
+            if words[0] != 0 or any(b - a not in (0, 1) for a, b in zip(words, words[1:])):
+                raise ValueError("asr_word_ids must start at 0 and grow by at most 1 per token (0, 0, 1, 2, 2, ...): "
+                                 "use the word ids processor.process_text makes with the ids")

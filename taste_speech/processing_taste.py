@@ -272,7 +272,7 @@ class TasteProcessor:
         """audio_features (1, frames, n_mels) float32 and audio_feature_lengths (1,) int32."""
         return self._features(self.prepare_audio(audio, sampling_rate))
 
-    def audio_features(self, audio, sampling_rate: int = SAMPLE_RATE) -> torch.Tensor:
+    def audio_features(self, audio, sampling_rate: int) -> torch.Tensor:
         """(1, frames, n_mels) Whisper log-mel of the zero-padded window."""
         return self.process_audio(audio, sampling_rate)["audio_features"]
 
@@ -315,9 +315,10 @@ class TasteProcessor:
                 # silently become one word, ' good morning' two
                 raise ValueError(f"word {i} ({word!r}) must be one word after one space (' ' + word, as "
                                  "split_words(text) makes them)")
-            # a transcript's "<|eot_id|>" is text the caller said, never a control token
+            # a transcript's "<|eot_id|>" (or Whisper's "<|endoftext|>") is text the caller said,
+            # never a control token
             l_ids = self.llm_tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
-            a_ids = self.asr_tokenizer.encode(word, add_special_tokens=False)
+            a_ids = self.asr_tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
             if not l_ids or not a_ids:
                 raise ValueError(f"word {i} ({word!r}) has no tokens in one of the tokenizers; remove it")
             llm_ids += l_ids
@@ -366,7 +367,7 @@ class TasteProcessor:
         llm_wids, asr_ids, asr_wids = [], [], []
         for i, (group, word) in enumerate(zip(groups, words)):
             llm_wids += [i] * len(group)
-            a_ids = self.asr_tokenizer.encode(word, add_special_tokens=False)
+            a_ids = self.asr_tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
             if not a_ids:
                 raise ValueError(f"word {word!r} has no ASR tokens")
             asr_ids += a_ids

@@ -127,12 +127,28 @@ def test_bf16_tower_runs(golden, taste_lm_tiny_a):
         (lambda f, i, w: (f, i, w[:, :-1]), "one word id per Whisper token"),
         (lambda f, i, w: (f, i[:, :0], w[:, :0]), "no Whisper tokens"),
         (lambda f, i, w: (f, i.repeat(1, 6), w.repeat(1, 6)), "at most 59"),
+        (lambda f, i, w: (f, i + 10 ** 6, w), r"asr_token_ids must lie in \[0, "),  # (Llama ids, say)
+        (lambda f, i, w: (f, i - 10 ** 6, w), r"asr_token_ids must lie in \[0, "),
+        (lambda f, i, w: (f, i, w + 1), "asr_word_ids must start at 0"),
+        (lambda f, i, w: (f, i, 2 * w), "grow by at most 1 per token"),
     ],
 )
 def test_bad_inputs_raise(golden, tower, make, match):
     args = make(*_inputs(golden))
     with pytest.raises(ValueError, match=match):
         tower(*args)
+
+
+def test_word_ids_of_another_text_are_refused_by_extract_vq(golden, tower):
+    """llm_word_ids numbering more or fewer words than asr_word_ids would leave words without
+    codes (or codes on the wrong words) silently."""
+    f, i, w = _inputs(golden)
+    words = int(w.max()) + 1
+    _, codes = tower.extract_vq(f, i, w, torch.arange(words)[None])
+    assert (codes[0, :, 0] >= 0).all()  # the same words: one code each
+    for other in (words - 1, words + 1):
+        with pytest.raises(ValueError, match=f"llm_word_ids number {other} word"):
+            tower.extract_vq(f, i, w, torch.arange(other)[None])
 
 
 # -- full-size structure ------------------------------------------------------------------------

@@ -234,6 +234,10 @@ def test_special_token_text_in_a_transcript_is_text(model, processor):
 
     ids = processor.encode_words([" hello", " <|eot_id|>", " there"]).llm_token_ids
     assert not set(ids[0].tolist()) & special_token_ids(processor.llm_tokenizer)
+    for text in (" say <|endoftext|> now", " say <|eot_id|> now"):  # Whisper's side too, both ways in
+        for inputs in (processor.process_text(text), processor.align_llm_ids(processor.process_text(text).llm_token_ids)):
+            asr = set(inputs.asr_token_ids[0].tolist())
+            assert not asr & set(processor.asr_tokenizer.all_special_ids), (text, sorted(asr))
     codes = taste_tokenize(model, processor, voiced(), ids, sampling_rate=16000)
     assert codes.shape[:2] == ids.shape
 

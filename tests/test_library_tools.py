@@ -1,5 +1,6 @@
 """The library's command-line tools and loading errors: exit codes and messages that name the fix."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -160,3 +161,53 @@ def test_auto_and_cpu_still_resolve_without_cuda(no_cuda, monkeypatch):
     assert resolve_device("cuda") == torch.device("cuda")
     with pytest.raises(RuntimeError, match="has 1 CUDA device"):
         resolve_device("cuda:3")
+
+
+def _hub_of(folder, cache, monkeypatch):
+    """huggingface_hub's two calls that check_remote makes, served from a local checkpoint folder."""
+    import struct
+    from types import SimpleNamespace
+
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    def download(repo_id, filename, **kwargs):
+        source = folder / filename
+        if not source.is_file():
+            raise EntryNotFoundError(f"{filename} is not in {repo_id}")
+        (cache / filename).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source, cache / filename)
+        return str(cache / filename)
+
+    def metadata(repo_id, **kwargs):
+        files = {}
+        for path in folder.glob("*.safetensors"):
+            raw = path.read_bytes()
+            header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+            files[path.name] = SimpleNamespace(tensors={name: SimpleNamespace(shape=entry["shape"], dtype=entry["dtype"])
+                                                        for name, entry in header.items() if name != "__metadata__"})
+        return SimpleNamespace(files_metadata=files)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", metadata)
+
+
+def test_a_remote_check_reads_a_tower_config_kept_beside_config_json(tiny_checkpoint, tmp_path, monkeypatch):
+    """A hub checkpoint whose tower is not the published one (the tiny one, uploaded) keeps its
+    Whisper config in whisper_joint/: the remote check fetches it and passes the headers."""
+    _hub_of(tiny_checkpoint, tmp_path / "cache", monkeypatch)
+    report = check.check_remote("owner/tiny-taste")
+    assert report.exit_code == 0, report.render()
+    assert (tmp_path / "cache" / "whisper_joint" / "config.json").is_file()
+
+
+def test_a_remote_check_of_something_else_is_an_error_line(tmp_path, monkeypatch, capsys):
+    """A hub id that is no TASTE checkpoint (a Whisper's config.json, say): ERROR and exit 2, no traceback."""
+    other = tmp_path / "whisper"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "whisper", "d_model": 384}))
+    _hub_of(other, tmp_path / "cache", monkeypatch)
+    monkeypatch.setattr(check, "check_checkpoint", check.check_remote)  # (not looked up in the local cache)
+    assert check.main(["openai/whisper-tiny"]) == 2
+    out = capsys.readouterr().out
+    assert "ERROR: cannot read the config.json of openai/whisper-tiny as a TASTE config" in out

@@ -273,6 +273,16 @@ def test_detokenize_single_segment(speech_setup):
     assert float(out["audio_waveform"].pow(2).mean().sqrt()) > 0.01  # audible
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: ids that live on a GPU")
+def test_ids_on_a_gpu_are_read_as_host_ids(speech_setup):
+    """Codes from extract_vq on a GPU stay there; detokenize takes them as it takes host ids."""
+    model, processor, vg, speaker, ids, taste, _ = speech_setup
+    outs = [taste_detokenize(model, processor, speaker, None, None, None, 0, i, t, 16000, voice_generator=vg,
+                             generator=torch.Generator().manual_seed(0)) for i, t in ((ids, taste), (ids.cuda(), taste.cuda()))]
+    assert torch.equal(outs[0]["speech_ids"], outs[1]["speech_ids"])
+    assert torch.equal(outs[0]["audio_waveform"], outs[1]["audio_waveform"])
+
+
 def test_detokenize_two_segments_with_state_is_one_utterance(speech_setup):
     model, processor, vg, speaker, ids, taste, cut = speech_setup
     g = torch.Generator().manual_seed(0)
@@ -364,3 +374,15 @@ def test_detokenize_rejects_bad_input(speech_setup):
     with pytest.raises(ValueError, match="prev_audio_ms"):
         taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"],
                          first["chunk_duration_ms"] + 500, ids[:, cut:], taste[:, cut:], state=first["state"], **kw)
+
+
+def test_a_continuation_past_the_decoder_s_positions_is_refused_before_any_audio(speech_setup):
+    """Stateless, prev_speech_ids is continued whole: ~100 s of it leaves the speech decoder no
+    room for this segment, which is said at the first item - not after chunks went out."""
+    model, processor, vg, speaker, ids, taste, cut = speech_setup
+    long_prev = torch.randint(0, 256, (1, 4990), generator=torch.Generator().manual_seed(4))
+    prev_ms = frames_for_tokens(4990) * 256 / 22.05
+    items = taste_detokenize_stream(model, processor, speaker, ids[:, :cut], taste[:, :cut], long_prev, prev_ms,
+                                    ids[:, cut:], taste[:, cut:], 22050, voice_generator=vg)
+    with pytest.raises(ValueError, match="speech-decoder positions .* pass state="):
+        next(items)

@@ -94,7 +94,12 @@ def test_initialisation_follows_the_golden_recipe(tiny_checkpoint):
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tiny_checkpoint, tmp_path):
-    assert tiny.main([str(tmp_path / "again"), "--seed", "0"]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # the same bytes whatever torch's thread count (float sums differ)
+    try:
+        assert tiny.main([str(tmp_path / "again"), "--seed", "0"]) == 0
+    finally:
+        torch.set_num_threads(threads)
     first, again = _files(tiny_checkpoint), _files(tmp_path / "again")
     assert sorted(first) == sorted(again)
     assert {name for name in first if first[name] != again[name]} == set()

@@ -36,6 +36,7 @@ from typing import Iterator, Optional
 import torch
 
 from taste_speech.device_copies import to_device
+from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS
 from taste_speech.processing_taste import as_speaker_embedding
 from taste_speech.sampler import check_generator
 from taste_speech.streaming.synthesis import SpeechChunk, speak, start_speaking
@@ -78,7 +79,7 @@ def _as_ids(value, name: str, allow_empty: bool) -> torch.Tensor:
         raise ValueError(f"{name} must be integer ids, got {value.dtype}")
     if not allow_empty and value.shape[1] == 0:
         raise ValueError(f"{name} is empty: a segment needs at least one word")
-    return value.long()
+    return value.long().cpu()  # host bookkeeping (word rows, history); the model copies what it needs
 
 
 def _as_codes(value, n: int, name: str, k: Optional[int]) -> torch.Tensor:
@@ -91,7 +92,7 @@ def _as_codes(value, n: int, name: str, k: Optional[int]) -> torch.Tensor:
         raise ValueError(f"{name} must be integer codes of shape (1, S, K), got {value.dtype} {tuple(value.shape)}")
     if value.shape[1] != n:
         raise ValueError(f"{name} has {value.shape[1]} rows but its text ids have {n}: they must align one row per token")
-    return value.long()
+    return value.long().cpu()  # (codes from extract_vq on a GPU come back there)
 
 
 def _check_word_rows(processor, text_ids: torch.Tensor, taste_ids: torch.Tensor, name: str) -> None:
@@ -262,10 +263,21 @@ def taste_detokenize_stream(
     # the last segment's (the prefix holds that segment's words; feeding the whole utterance would
     # also cost more with every segment); without one, what the caller gave.
     min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
-    dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=decoder_cache)
     continued = prev_speech_ids
     if state is not None and state.segment_tokens:  # (0: the state spoke tokens outside detokenize)
         continued = prev_speech_ids[:, prev_speech_ids.shape[1] - state.segment_tokens:]
+    # The decoder's positions hold the prefix, the continued tokens and the new ones: refused before
+    # any audio goes out if not even the fewest new tokens fit (not at the step that runs out), and
+    # the most new tokens capped at the room left (a decode rarely comes near its 20x limit).
+    room = MAX_CACHED_POSITIONS - prefix.shape[1] - continued.shape[1]
+    if room < max(min_len, 1):
+        raise ValueError(f"this segment needs at least {prefix.shape[1] + continued.shape[1] + max(min_len, 1)} "
+                         f"speech-decoder positions ({prefix.shape[1]} of its prefix, {continued.shape[1]} continued "
+                         f"speech tokens, at least {max(min_len, 1)} new ones), more than the decoder's "
+                         f"{MAX_CACHED_POSITIONS}: pass state= (only the last segment is continued) or fewer "
+                         "prev_speech_ids")
+    max_len = min(max_len, room)
+    dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=decoder_cache)
     if continued.shape[1]:
         dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(to_device(continued, decoder.device)))
     sampler = TopKSampler(generator=generator) if sampler is None else sampler

@@ -62,13 +62,15 @@ def make_tiny_voice_generator(seed: int = 0, config: Optional[dict] = None, *, v
         features = hift.f0_predictor.condnet(mel).transpose(1, 2)[0]  # (T, C)
         head = hift.f0_predictor.classifier
         raw = features @ head.weight[0]
-        scale = F0_STD_HZ / float(raw.std().clamp_min(1e-6))
+        # (each calibrated value rounded: the float sums that measure it differ in their last bits
+        # with torch's thread count, and the same seed must give the same bytes)
+        scale = float(f"{F0_STD_HZ / float(raw.std().clamp_min(1e-6)):.3g}")
         head.weight.mul_(scale)
-        head.bias.fill_(F0_MEAN_HZ - float(raw.mean()) * scale)
+        head.bias.fill_(round(F0_MEAN_HZ - float(raw.mean()) * scale, 1))
 
         # Output level: the iSTFT is linear in the magnitude exp(x + b), so a bias shift scales the wave.
         wav = hift.inference(mel, generator=generator)
         rms = float(wav.pow(2).mean().sqrt().clamp_min(1e-8))
         half = hift.n_fft // 2 + 1
-        hift.conv_post.bias[:half] += math.log(TARGET_RMS / rms)
+        hift.conv_post.bias[:half] += round(math.log(TARGET_RMS / rms), 3)
     return model
