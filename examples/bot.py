@@ -10,8 +10,10 @@ loaded once, before the runner serves, and shared by every call; each call gets 
     .venv/bin/python examples/bot.py -t twilio -x YOUR.PROXY.HOST
 
 Without ``--model`` it runs the embedded tiny random checkpoint (it babbles: a plumbing check).
-The runner's browser page needs ``pip install pipecat-ai-small-webrtc-prebuilt``; without it the
-WebRTC endpoint (``POST /api/offer``) still works. ``taste-agent serve`` is the hardened server
+The runner's browser page comes from ``pipecat-ai-prebuilt``, which pipecat-ai's ``runner`` extra
+installs (``scripts/setup.sh`` does). With ``-t twilio`` the runner hangs up through Twilio's API
+at the end of a call: set ``TWILIO_ACCOUNT_SID`` and ``TWILIO_AUTH_TOKEN`` (``taste-agent serve``'s
+phone endpoint needs neither). ``taste-agent serve`` is the hardened server
 (call limits, origin checks, its own page); this file is the form to start your own bot from.
 """
 

@@ -20,6 +20,7 @@ async def main(model: str | None, device: str) -> None:
     # None: the embedded tiny checkpoint (with its small built-in ASR). With a real checkpoint the
     # scripted caller sends its own transcripts, so no Whisper is loaded (asr=None).
     engine = TasteEngine.from_pretrained(model, device=device, asr="auto" if model is None else None)
+    engine.warm_up()  # every stage run once (on CUDA: the graphs captured) before the call, not in its first turn
     config = PhoneAgentConfig(max_reply_tokens=6 if model is None else 48)
     u = load_utterances()
     script = [

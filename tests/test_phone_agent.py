@@ -57,6 +57,34 @@ def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tm
         assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
 
 
+def test_what_keeps_the_agent_from_starting_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """A checkpoint that cannot load, a port in use and a plain install without the agent's
+    packages: exit 2 with a line that names the problem (the engine's own message), no traceback."""
+    import socket
+
+    from taste_agents import cli
+    from taste_agents.server import _listening_socket
+
+    assert cli.main(["call", "--simulate", "--quiet", "--model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("taste-agent: error: cannot load ") and "nowhere" in err and "Traceback" not in err
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    try:
+        port = held.getsockname()[1]
+        with pytest.raises(cli.StartupError, match=f"cannot listen on 127.0.0.1:{port}: .*give another --port"):
+            _listening_socket("127.0.0.1", port)
+    finally:
+        held.close()
+    _listening_socket("127.0.0.1", port).close()  # free again: bound
+    monkeypatch.setattr(cli, "AGENT_MODULES", cli.AGENT_MODULES + ("no_such_agent_module",))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["call", "--simulate"])
+    assert exit_.value.code == 2
+    assert "needs no_such_agent_module: pip install 'pipecat-taste[pipecat]'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["call", "--simulate", "--model", "ckpt"], None),  # the scripted caller sends transcripts
     (["call", "--simulate", "--model", "ckpt", "--transcripts", "asr"], "auto"),  # was None: every turn failed

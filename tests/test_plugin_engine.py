@@ -506,3 +506,39 @@ def test_compile_flow_is_refused_off_cuda_and_with_eager_decoding_before_the_wei
         TasteEngine.from_pretrained(None, device="cuda", decoding="eager", compile_flow=True)
     with pytest.raises(ValueError, match="compile_flow must be True or False"):
         TasteEngine.from_pretrained(None, device="cpu", compile_flow="yes")
+
+
+def test_a_checkpoint_without_an_asr_tokenizer_takes_the_local_whisper_given_for_the_asr(tiny_checkpoint, tmp_path,
+                                                                                          monkeypatch):
+    """The published layout ships no asr_tokenizer/ (its asr_config names openai/whisper-large-v3):
+    offline, a local Whisper of the tower's vocabulary given as the ASR (taste-agent --asr-model
+    DIR) is where the processor's ASR tokenizer comes from too; without it the error says so."""
+    import json
+    import shutil
+
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    from taste_speech.configuration_taste import TasteConfig
+
+    published = tmp_path / "published"
+    shutil.copytree(tiny_checkpoint, published)
+    shutil.rmtree(published / "asr_tokenizer")
+    config = json.loads((published / "config.json").read_text())
+    config["asr_config"]["_name_or_path"] = "openai/whisper-large-v3"
+    (published / "config.json").write_text(json.dumps(config))
+    whisper = tmp_path / "whisper-large-v3"
+    vocab = TasteConfig.from_pretrained(published).joint_whisper_config.vocab_size  # the tower's vocabulary
+    tiny = WhisperConfig(vocab_size=vocab, num_mel_bins=80, d_model=16, encoder_layers=1, decoder_layers=1,
+                         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                         max_source_positions=1500, max_target_positions=32)
+    WhisperForConditionalGeneration(tiny).save_pretrained(whisper)
+    WhisperFeatureExtractor(feature_size=80).save_pretrained(whisper)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_checkpoint / "asr_tokenizer" / name, whisper / name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    engine = TasteEngine.from_pretrained(str(published), asr=str(whisper))
+    assert engine.processor.asr_tokenizer.name_or_path == str(whisper)
+    words = engine.processor.process_text("hello there")
+    assert words.asr_token_ids.shape[1] >= 2 and int(words.asr_word_ids.max()) == 1
+    with pytest.raises((OSError, ValueError), match="whisper-large-v3"):  # nothing local to take it from
+        TasteEngine.from_pretrained(str(published), asr=None)

@@ -181,6 +181,21 @@ def asr_choice(args) -> str | None:
     return args.asr_model
 
 
+class StartupError(Exception):
+    """What keeps the agent from starting (a checkpoint that cannot load, a port in use): ``main``
+    prints it as one line, not a traceback."""
+
+
+# The agent's packages beyond the model library: pipecat-taste[pipecat] installs them.
+AGENT_MODULES = ("pipecat", "webrtcvad", "soundfile", "aiortc")
+
+
+def _missing_agent_modules() -> list[str]:
+    import importlib.util
+
+    return [name for name in AGENT_MODULES if importlib.util.find_spec(name) is None]
+
+
 def load_engine(args, say):
     from pipecat_taste.engine import TasteEngine
 
@@ -194,13 +209,16 @@ def load_engine(args, say):
     else:
         path = args.model
     say(f"loading {label} on {args.device} ...")
-    engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr_choice(args),
-                                         decoding=getattr(args, "decoding", "auto"),
-                                         parallel_jobs=getattr(args, "parallel_jobs", "auto"),
-                                         threads_per_job=getattr(args, "threads_per_job", "auto"),
-                                         batch_slots=getattr(args, "batch_slots", "auto"),
-                                         streams=getattr(args, "streams", "default"),
-                                         compile_flow=getattr(args, "compile_flow", False))
+    try:
+        engine = TasteEngine.from_pretrained(path, device=args.device, dtype=args.dtype, asr=asr_choice(args),
+                                             decoding=getattr(args, "decoding", "auto"),
+                                             parallel_jobs=getattr(args, "parallel_jobs", "auto"),
+                                             threads_per_job=getattr(args, "threads_per_job", "auto"),
+                                             batch_slots=getattr(args, "batch_slots", "auto"),
+                                             streams=getattr(args, "streams", "default"),
+                                             compile_flow=getattr(args, "compile_flow", False))
+    except (ValueError, OSError, RuntimeError) as e:  # (the messages name the problem and the fix)
+        raise StartupError(f"cannot load {label}: {e}") from e
     # the fast path captures its shared synthesis graphs here, not in the first call, and an ASR
     # workspace for each call a server may hold at once; then one rehearsal turn runs every stage
     # once, so that the first caller does not pay for the first runs of their kernels
@@ -241,7 +259,7 @@ def simulated_call(args, engine=None):
         path = getattr(engine, "checkpoint_dir", "given engine")
     out = args.out or os.path.join("out", f"call-{uuid.uuid4().hex[:8]}")
     config = agent_config(args)
-    meta = {"checkpoint": str(path), "device": args.device, "dtype": args.dtype or "default",
+    meta = {"checkpoint": str(path), "device": str(getattr(engine, "device", args.device)), "dtype": args.dtype or "default",
             "prompt_format": config.prompt_format, "max_reply_tokens": config.max_reply_tokens}
     result = asyncio.run(simulate_call(engine, default_script(), config=config, progress=say, out_dir=out,
                                        max_call_s=args.max_call_seconds, meta=meta))
@@ -284,7 +302,8 @@ def run_webrtc_comparison(args) -> int:
     print(f"\nfirst-audio latency, median: in process {comparison['median_in_process_ms']} ms, over WebRTC "
           f"{comparison['median_webrtc_ms']} ms -> WebRTC adds {comparison['webrtc_added_latency_ms']} ms "
           f"({os.path.join(out, 'comparison.json')})", flush=True)
-    return 0 if remote.report["checks"]["every_turn_decided"] and not remote.timed_out else 1
+    ok = remote.report["checks"]["every_turn_decided"] and not remote.timed_out and not remote.report["connection_lost"]
+    return 0 if ok else 1
 
 
 def _summary(report: dict, paths: dict) -> str:
@@ -386,8 +405,19 @@ def _quiet_logs():
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if missing := _missing_agent_modules():
+        parser.exit(2, f"taste-agent: the agent needs {', '.join(missing)}: pip install 'pipecat-taste[pipecat]' "
+                       "(the model library alone, taste_speech, runs without them)\n")
     _check_args(parser, args)
     configure_malloc()  # calls allocate and free all day from many threads: keep the resident size flat
+    try:
+        return _run(args)
+    except StartupError as e:
+        print(f"taste-agent: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(args) -> int:
     if args.command == "call":
         if not args.simulate:
             print("taste-agent call needs --simulate (live calls: taste-agent serve)", file=sys.stderr)

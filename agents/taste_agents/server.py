@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import socket
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -687,7 +688,12 @@ def serve(args) -> int:
     from taste_agents.cli import _quiet_logs, agent_config, load_engine
 
     _quiet_logs()
-    engine, _ = load_engine(args, print)
+    sock = _listening_socket(args.host, args.port)  # a port in use is said now, not after the model loaded
+    try:
+        engine, _ = load_engine(args, print)
+    except BaseException:
+        sock.close()
+        raise
     config = ServerConfig(host=args.host, port=args.port, max_calls=args.max_calls, ice_servers=args.ice_servers,
                           max_call_seconds=args.max_call_seconds, idle_seconds=args.idle_seconds,
                           allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()), agent=agent_config(args))
@@ -701,7 +707,27 @@ def serve(args) -> int:
     if not _is_loopback(config.host):
         print(f"taste-agent: bound to {config.host}, the server takes any Host header: to expose it, put it behind "
               "your own proxy", flush=True)
-    uvicorn.run(server.app, host=config.host, port=config.port, log_level="warning",
-                ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ws_max_size=MAX_WEBSOCKET_MESSAGE_BYTES)
+    uvicorn.Server(uvicorn.Config(server.app, host=config.host, port=config.port, log_level="warning",
+                                  ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                                  ws_max_size=MAX_WEBSOCKET_MESSAGE_BYTES)).run(sockets=[sock])
     return 0
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it)."""
+    from taste_agents.cli import StartupError
+
+    try:
+        info = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+    except OSError as e:
+        raise StartupError(f"cannot listen on {host}:{port}: {e}; give another --host") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn does: a restart is not refused)
+        sock.bind(info[4])
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}; give another --port, or stop what "
+                           "holds it") from e
+    return sock
 

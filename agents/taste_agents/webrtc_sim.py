@@ -24,6 +24,7 @@ import numpy as np
 from taste_agents.caller import CallerEvent
 from taste_agents.report import build_report, plot_timeline
 from taste_agents.server import MAX_WEBSOCKET_MESSAGE_BYTES, ServerConfig, TasteServer
+from taste_agents.webrtc_caller import EXIT_CONNECTION_LOST, EXIT_TIMED_OUT
 
 SR = 16000
 
@@ -122,7 +123,7 @@ async def webrtc_call(engine, out_dir, *, config: ServerConfig | None = None, re
             proc.kill()
             await proc.wait()
             raise RuntimeError("the WebRTC caller did not finish in time")
-        if proc.returncode != 0:
+        if proc.returncode not in (0, EXIT_TIMED_OUT, EXIT_CONNECTION_LOST):  # (those two are reported)
             raise RuntimeError(f"the WebRTC caller failed ({proc.returncode}):\n{output.decode()[-3000:]}")
         # The peer closed: the server's pipeline must end on its own within a couple of seconds.
         closed_at = time.monotonic()
@@ -135,6 +136,7 @@ async def webrtc_call(engine, out_dir, *, config: ServerConfig | None = None, re
     result.report = build_report(result, {"transport": "webrtc (aiortc caller process, loopback)",
                                           "call_id": ended.call_id if ended else None,
                                           "connect_s": result.connect_s, "server_teardown_s": round(teardown_s, 2),
+                                          "connection_lost": proc.returncode == EXIT_CONNECTION_LOST,
                                           **(meta or {})})
     result.report["checks"]["server_call_ended"] = not server.calls
     paths = {"recording": out / "caller_recording.wav", "report": out / "report.json", "timeline": out / "timeline.png"}

@@ -139,6 +139,25 @@ def is_tiny(model) -> bool:
     return model.config.text_config.hidden_size < 256
 
 
+def _asr_tokenizer_folder(asr, checkpoint_dir: str, model) -> str | None:
+    """The built-in ASR's local Whisper folder as the processor's ASR tokenizer, where the checkpoint
+    ships none of its own (the published one names openai/whisper-large-v3's): offline, the folder
+    given for the ASR may be the only copy. Only a Whisper of the tower's vocabulary (the ids of a
+    transcript's words are then the tower's); else None, the checkpoint's choice."""
+    import json
+
+    from taste_speech.processing_taste import ASR_TOKENIZER_DIR
+
+    if not (isinstance(asr, str) and os.path.isdir(asr)) or os.path.isdir(os.path.join(checkpoint_dir, ASR_TOKENIZER_DIR)):
+        return None
+    try:
+        with open(os.path.join(asr, "config.json")) as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return asr if vocab == model.config.joint_whisper_config.vocab_size else None
+
+
 def default_asr(model, processor, checkpoint_dir: str, *, device: str = "cpu", dtype: str | None = None):
     """The built-in ASR that ``asr='auto'`` loads: the random tiny Whisper for a tiny checkpoint;
     otherwise the Whisper model the checkpoint names (``asr_config``: openai/whisper-large-v3 for
@@ -260,7 +279,7 @@ class TasteEngine:
         torch_dtype = None if dtype in (None, "auto") else dtype
         model = TasteForCausalLM.from_pretrained(name_or_path, torch_dtype=torch_dtype, device=device).eval()
         directory = getattr(getattr(model, "loading_info", None), "directory", None) or str(name_or_path)
-        processor = TasteProcessor.from_pretrained(directory)
+        processor = TasteProcessor.from_pretrained(directory, asr_tokenizer=_asr_tokenizer_folder(asr, directory, model))
         voice_generator = VoiceGenerator.from_pretrained(directory, device=device).eval()
         torch.set_grad_enabled(False)
         if asr == "auto":
