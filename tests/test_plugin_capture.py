@@ -2,6 +2,7 @@
 upstream STT or the built-in ASR, failing turns -> ErrorFrame while the call goes on."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +138,51 @@ async def test_auto_transcripts_with_only_the_built_in_asr_do_not_wait_for_the_t
     call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="around seven"),
                                       params=TurnCaptureParams(transcript_timeout_secs=10.0), tail_secs=2.0)
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["around seven"]
+
+
+async def test_auto_transcripts_start_the_built_in_asr_at_once_beside_the_wait_for_an_stt(utterances):
+    """No STT has spoken in the call: the built-in ASR transcribes the turn at once, beside the
+    grace wait for an STT's words - it does not wait the grace out first (5 s here: the turn is
+    looked at 1 s after the VAD's end, long before the call ends, which would also end the wait)."""
+    frames = audio_frames(np.concatenate([silence(0.5), utterances["time"].audio, silence(1.0)]))
+    params = TurnCaptureParams(first_transcript_grace_secs=5.0, transcript_timeout_secs=10.0)
+    call = TasteCall(FakeEngine(asr_text="around seven"))
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(), params=params)
+    seen = {}
+
+    async def look_after_the_end_of_the_turn():
+        while not call.log.turns or next(iter(call.log.turns.values())).vad_stop_at is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.0)
+        seen["transcript"] = next(iter(call.log.turns.values())).transcript
+
+    looking = asyncio.ensure_future(look_after_the_end_of_the_turn())
+    down, _ = await run_test(capture, frames_to_send=frames + [SleepFrame(3.0)],
+                             pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+    await asyncio.wait_for(looking, 5)
+    assert seen == {"transcript": "around seven"}
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["around seven"]
+
+
+async def test_an_stt_s_words_that_come_before_the_built_in_asr_s_are_the_transcript(utterances, monkeypatch):
+    """The race the other way: the STT's words come while the built-in ASR still works; they are
+    the turn's transcript, and the ASR's text, when it comes, is dropped."""
+    from pipecat_taste.testing import FakeSession
+
+    transcribe = FakeSession.transcribe
+
+    def slow(self, audio):
+        time.sleep(1.5)
+        return transcribe(self, audio)
+
+    monkeypatch.setattr(FakeSession, "transcribe", slow)
+    hello = utterances["hello"]
+    frames = (audio_frames(np.concatenate([silence(0.5), hello.audio, silence(0.6)])) + transcript(hello.text)
+              + audio_frames(silence(0.6)))
+    params = TurnCaptureParams(first_transcript_grace_secs=3.0, transcript_timeout_secs=3.0)
+    call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="built in words"), params=params,
+                                      tail_secs=2.0)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [hello.text]
 
 
 async def test_an_stt_s_late_words_for_a_turn_the_built_in_asr_took_are_not_the_next_turn_s(utterances):

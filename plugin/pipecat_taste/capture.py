@@ -109,8 +109,9 @@ class TurnCaptureParams:
     about 0.2 s). transcript_timeout_secs: how long to wait after
     the turn for an upstream transcript before falling back to the built-in ASR; in 'auto' with a
     built-in ASR, until the call's first upstream transcript arrives, only
-    first_transcript_grace_secs (a call that relies on the built-in ASR would otherwise lose the
-    whole timeout on every turn). transcript_quiet_secs: an STT may send a turn's transcript in
+    first_transcript_grace_secs, while the built-in ASR already transcribes the turn: the first of
+    the two is the transcript (a call that relies on the built-in ASR would otherwise lose the
+    wait on every turn, and its early replies their head start). transcript_quiet_secs: an STT may send a turn's transcript in
     parts; after the turn they are collected until one marked ``finalized`` arrives after the
     speech ended, or none has come for this long (or the timeout is over). interrupt_on_speech:
     barge-in. transcripts: 'auto' (upstream if one arrives, else built-in ASR), 'upstream' or
@@ -751,10 +752,30 @@ class TasteTurnCapture(FrameProcessor):
 
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
+        built_in = None  # the built-in ASR's transcription, when it races an STT that may not be there
         if mode in ("auto", "upstream"):
             # a split turn's STT words may all come when the speech ends (when an STT is known to be there)
             split_waits = mode == "upstream" or self._transcripts.seen or not self._call.engine.has_asr
-            await self._transcripts.wait(turn.words, self._upstream_wait_secs, turn.retracted, split_waits)
+            waiting = asyncio.ensure_future(
+                self._transcripts.wait(turn.words, self._upstream_wait_secs, turn.retracted, split_waits))
+            if mode == "auto" and not split_waits:
+                # No STT has spoken in this call (yet): the built-in ASR starts now, beside the
+                # grace wait for an STT's words. Without one (the bundled page, a phone stream)
+                # the wait would delay every turn; if words come first, they are the transcript.
+                built_in = asyncio.ensure_future(self._built_in_transcript(turn))
+                built_in.add_done_callback(_retrieve_exception)  # (unawaited when the STT's words win)
+            try:
+                if built_in is not None:
+                    await asyncio.wait({waiting, built_in}, return_when=asyncio.FIRST_COMPLETED)
+                    if not waiting.done() and not turn.words.parts:  # the ASR was first, and no STT spoke
+                        waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)  # (an STT that began speaking: its words)
+            except BaseException:
+                if built_in is not None:
+                    built_in.cancel()
+                raise
+            finally:
+                waiting.cancel()
             self._transcripts.stop(turn.words)  # taken: later words belong to the next turn
             if turn.retracted.is_set():
                 return None
@@ -775,25 +796,31 @@ class TasteTurnCapture(FrameProcessor):
             # the built-in ASR steps in; an STT's words for this turn may still be on their way (the
             # first turns wait only a grace period): they must not become the next turn's
             self._transcripts.absorb(turn.words, self._params.transcript_timeout_secs)
+        try:
+            text = await (built_in if built_in is not None else self._built_in_transcript(turn))
+        except NotImplementedError as e:
+            await self._fail(turn, f"no transcript for this turn: {e}", e)
+            return None
+        if not text.strip():
+            await self._decide(turn, "ignored", "the ASR heard no words")
+            return None
+        return text.strip()
+
+    async def _built_in_transcript(self, turn: _CapturedTurn) -> str:
+        """The turn's transcript from the built-in ASR (its partials' work finished); its figures go
+        into the turn's record."""
         session = await self._call.ensure_session()
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
         asr = turn.asr or _TurnASR(None)
         record = self._call.log.turn(turn.turn_id)
         try:
-            text = await self._call.run("listen", asr.run, asr.transcript.finish if asr.transcript else session.transcribe,
+            return await self._call.run("listen", asr.run, asr.transcript.finish if asr.transcript else session.transcribe,
                                         audio16k)
-        except NotImplementedError as e:
-            await self._fail(turn, f"no transcript for this turn: {e}", e)
-            return None
         finally:
             if asr.jobs:
                 record.asr_after_end_ms = round(1000 * asr.work_after(turn.vad_stop_at), 1)
             record.asr_partials = getattr(asr.transcript, "partials", 0)
             record.asr_kept_tokens = getattr(asr.transcript, "kept", 0)
-        if not text.strip():
-            await self._decide(turn, "ignored", "the ASR heard no words")
-            return None
-        return text.strip()
 
     # -- incremental ASR ----------------------------------------------------------------------------
     def _new_turn_asr(self) -> _TurnASR | None:
@@ -849,3 +876,8 @@ class TasteTurnCapture(FrameProcessor):
                                                            category=ErrorCategory.UNKNOWN))
         await self._decide(turn, "error", message)
 
+
+def _retrieve_exception(task: asyncio.Future) -> None:
+    """Done callback of a task that may be left unawaited: its exception is taken, not logged as lost."""
+    if not task.cancelled():
+        task.exception()
