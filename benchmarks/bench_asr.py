@@ -135,14 +135,14 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--together", type=int, default=8, help="turns ending at once (1: not measured)")
     args = parser.parse_args(argv)
-    rows = [measure(shape, args) for shape in args.models]
-    keys = list(rows[0])
     print(f"device {args.device}, {args.dtype}, {args.seconds} s utterance, {args.tokens} tokens, "
-          f"torch threads {torch.get_num_threads()}; medians of {args.repeats}")
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+          f"torch threads {torch.get_num_threads()}; medians of {args.repeats}", flush=True)
+    for i, shape in enumerate(args.models):  # each row as it is measured: a run cut short keeps the rows before
+        row = measure(shape, args)
+        if i == 0:
+            print("| " + " | ".join(row) + " |")
+            print("|" + "---|" * len(row))
+        print("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()) + " |", flush=True)
     return 0
 
 

@@ -56,7 +56,8 @@ fi
 tests_rc=0
 if [ "${TESTS:-1}" != 0 ]; then
     echo "== tests ($(date +%H:%M:%S))"
-    timeout -k 10 "${TESTS_S:-$((budget / 3))}" "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+    # (SIGINT, not TERM: pytest then still prints its failures and the tests it did not reach)
+    timeout -s INT -k 10 "${TESTS_S:-$((budget / 3))}" "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
         tests/test_gpu_graphs.py tests/test_whisper_decode.py tests/test_device_copies.py 2>&1 | tee "$out/tests.log"
     tests_rc=${PIPESTATUS[0]}
 fi

@@ -261,8 +261,29 @@ def test_profiled_calls_span_from_the_first_turn_end_to_the_last_first_audio():
     with gpu_suite.ForcedReply(base.model.spoken_lm) as forced:
         result = gpu_suite.profiled_calls(engine, asr, gpu_suite.GRAPHED, forced, 2)
     assert result["calls"] == 2 and result["device_events"] == 0 and result["busy_share"] == 0
+    assert result["unprofiled_first_audio_max_ms"] >= result["unprofiled_first_audio_median_ms"] > 0
     assert result["span_ms"] >= result["first_audio_max_ms"] * 0.9 > 0
     assert result["host_threads"] >= 2 and 0 < result["host_busy_share"] <= 1
     lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "paths": {"eager": {}, "graphed": {}},
                                 "gpu_busy_calls": {"graphed": result}}, "cmd")
     assert any(line.startswith("| graphed | 2 |") for line in lines)
+
+
+def test_a_path_whose_engine_would_not_fit_the_budget_left_is_not_built():
+    """A calls part whose engine is still to be warmed up (about a minute on a GPU) starts only
+    with ENGINE_S left: else it is listed as not measured, and no engine is built for it."""
+    import time
+    from types import SimpleNamespace
+
+    suite = gpu_suite.Suite.__new__(gpu_suite.Suite)
+    suite.args = SimpleNamespace(budget_s=100.0, device="cpu", calls=(1, 2))
+    suite.started, suite.engines = time.perf_counter() - (100.0 - gpu_suite.ENGINE_S / 2), {}
+    suite.data = {"not_measured": [], "needs_cuda": [], "paths": {"graphed": {}}}
+    suite.part_calls("batched_calls")
+    assert suite.data["not_measured"] == ["batched_calls"] and suite.engines == {}
+    suite.started = time.perf_counter()  # the whole budget left: it would be built (an engine already is)
+    suite.engines[gpu_suite.BATCHED] = object()
+    assert not suite._no_time_for_engine(gpu_suite.BATCHED, "batched_calls")
+    del suite.engines[gpu_suite.BATCHED]
+    assert not suite._no_time_for_engine(gpu_suite.BATCHED, "batched_calls")
+
