@@ -420,3 +420,48 @@ async def test_slow_consumer(engine, u, monkeypatch):
     holder.clear()
     del result
     assert await resources.released() == {"threads": [], "tasks": [], "alive": []}
+
+
+async def test_replies_that_fail_mid_way_give_back_their_segment_slots():
+    """A reply whose model fails after its first segment: each such failure used to keep one of the
+    call's segment slots, and after max_pending_segments of them the next reply waited for a slot
+    forever (decided, no words, no end). Now every failure gives its slot back."""
+    from pipecat.frames.frames import CancelFrame
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.engine import UserTurn
+    from pipecat_taste.frames import TasteUserTurnFrame
+    from pipecat_taste.generation import TasteGenerator
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeEngine, FakeSegment, FakeSession
+
+    class FailingMidReply(FakeSession):
+        def reply(self, turn, stop):
+            for i, event in enumerate(super().reply(turn, stop)):
+                if "fail" in turn.transcript and event.kind == "segment" and i >= 2:
+                    raise RuntimeError("the model failed mid-reply")
+                yield event
+
+    class Engine(FakeEngine):
+        def new_session(self, settings=None, voice=None):
+            session = FailingMidReply(self, settings)
+            self.sessions.append(session)
+            return session
+
+    def turn(turn_id, text):
+        now = time.monotonic()
+        return TasteUserTurnFrame(turn_id, text, UserTurn(text, FakeSegment(text.split(), 2), 2, 1.0), now, now)
+
+    call = TasteCall(Engine(word_delay=0.01))
+    frames = []
+    for turn_id in range(1, call.max_pending_segments + 1):
+        frames += [turn(turn_id, "fail fail"), SleepFrame(0.5)]
+    last = call.max_pending_segments + 1
+    frames += [turn(last, "hello there"), SleepFrame(3.0), CancelFrame()]
+    await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call)]), frames_to_send=frames,
+                   send_end_frame=False)
+    records = [call.log.turns[t] for t in range(1, last + 1)]
+    assert all(any("generation failed" in e for e in r.errors) for r in records[:-1]), [r.errors for r in records]
+    assert records[-1].generation_done_at is not None and records[-1].total_words > 0 and not records[-1].errors
+    assert call.segment_slots._value == call.max_pending_segments  # every slot back

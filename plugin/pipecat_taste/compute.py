@@ -8,8 +8,12 @@ consent checks went unanswered; see BENCHMARKS.md section 6). The engine's gate 
 jobs run and queues the others in arrival order; a queued thread sleeps and leaves the GIL to the
 event loop.
 
-A job is one blocking engine call (one LM step, one speech-token segment, one vocoder chunk, one
-transcription): short, and it never waits for another job, so the gate cannot deadlock.
+A job is one blocking engine call (a reply's next segment - the first with its prefill - one
+segment's speech tokens, one vocoder chunk, one transcription, a session's start or warm-up).
+Jobs of different calls may wait for each other inside (a batched step gathers other calls'
+rows, or waits for the step another thread is running; a shared tower or synthesis step waits for
+announced work), but every such wait ends on its own - a gather is bounded in time, and a step
+waited for is run by a thread already inside the gate - so the gate cannot deadlock.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ heard) before it goes on. ``CancelFrame`` stops everything at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -248,7 +249,12 @@ class TasteGenerator(FrameProcessor):
                 # Back-pressure: wait for room before asking for the next segment (when stopped,
                 # no room is needed: the iterator ends within one step).
                 slot = await self._wait_for_slot(stop) if call.has_synthesizer else None
-                event = await call.run("think", next, events, None)
+                try:
+                    event = await call.run("think", next, events, None)
+                except BaseException:
+                    if slot is not None:
+                        slot.release()  # (a failed reply must not keep a slot: the call's next replies need it)
+                    raise
                 if slot is not None and (event is None or event.kind != "segment" or stop.is_set()):
                     slot.release()  # the slot is only used by a segment sent on
                 if event is None:
@@ -278,6 +284,10 @@ class TasteGenerator(FrameProcessor):
                 record.decision = "error"
         finally:
             await self.stop_processing_metrics()
+            # the reply's generator ends now, not at its collection: it is the session's open job
+            # (a hang-up while the playout's report is awaited then frees the call's batch slots)
+            with contextlib.suppress(Exception):
+                await call.run("think", events.close)
         record.generation_done_at = time.monotonic()
         record.reply_text = "".join(texts).strip()
         record.total_words = total_words

@@ -72,8 +72,9 @@ def rehearse_turn(engine, out_sample_rate: int = 16000) -> Rehearsal:
         session = stages.run("think", engine.new_session, settings)
         try:
             stages.run("think", session.warm_up)
-            turn_end = time.perf_counter()  # (the caller stops speaking: what is left of the ASR is timed)
-            transcript = stages.run("listen", _listen, session, engine, audio)
+            # (turn_end: when the caller stops speaking - after the partial a live call makes while
+            # they speak - so that what is left of the ASR is timed)
+            transcript, turn_end = stages.run("listen", _listen, session, engine, audio)
             turn = stages.run("listen", session.user_turn, audio, transcript)
             segments = stages.run("think", _reply_segments, session, turn)
             first_audio_s, tokens, samples = _speak(stages, session, segments or [turn.segment], out_sample_rate,
@@ -110,21 +111,22 @@ class _StageThreads:
             executor.shutdown(wait=True)
 
 
-def _listen(session, engine, audio: np.ndarray) -> str:
+def _listen(session, engine, audio: np.ndarray) -> tuple[str, float]:
     """The turn's transcript as a live call makes it: partials while the caller speaks, then the
     rest when the turn ends (or the whole turn at its end: an ASR without partials). No ASR
-    (transcripts from an upstream STT): the fixed one."""
+    (transcripts from an upstream STT): the fixed one. With the moment the turn ended (after the
+    partials)."""
     text = ""
     transcript = session.start_transcript()
     if transcript is not None:
         transcript.partial(audio[: audio.size // 2])
-        session.turn_ended(transcript)
+    turn_end = time.perf_counter()
+    session.turn_ended(transcript)
+    if transcript is not None:
         text = transcript.finish(audio)
-    else:
-        session.turn_ended(None)
-        if engine.has_asr:
-            text = session.transcribe(audio)
-    return text if session.processor.split_words(text) else REHEARSAL_TRANSCRIPT
+    elif engine.has_asr:
+        text = session.transcribe(audio)
+    return (text if session.processor.split_words(text) else REHEARSAL_TRANSCRIPT), turn_end
 
 
 def _reply_segments(session, turn) -> list:
