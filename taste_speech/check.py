@@ -205,7 +205,7 @@ def check_directory(directory: str, source: str | None = None) -> CheckReport:
 def check_remote(repo_id: str) -> CheckReport:
     """A hub repository not in the local cache: config.json + safetensors headers only."""
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     report = CheckReport(repo_id)
     try:
@@ -216,6 +216,9 @@ def check_remote(repo_id: str) -> CheckReport:
                               f"hf download {repo_id} --local-dir DIR and check DIR") from exc
     try:  # a tower other than the published one keeps its Whisper config beside config.json
         hf_hub_download(repo_id, f"{JOINT_WHISPER_DIR}/config.json")
+    except LocalEntryNotFoundError as exc:  # (not cached, and the hub could not be asked: no answer)
+        raise CheckpointError(f"cannot reach {repo_id} on the hub for {JOINT_WHISPER_DIR}/config.json ({exc}); "
+                              f"download it with hf download {repo_id} --local-dir DIR and check DIR") from exc
     except EntryNotFoundError:
         pass  # the published layout: the tower's Whisper config is built in
     except Exception as exc:

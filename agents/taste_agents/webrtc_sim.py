@@ -131,10 +131,13 @@ async def webrtc_call(engine, out_dir, *, config: ServerConfig | None = None, re
             await asyncio.sleep(0.05)
         teardown_s = time.monotonic() - closed_at
         ended = server.ended[-1] if server.ended else None
+        if ended is None:  # (a caller that never connected: no call of the server's to report on)
+            raise RuntimeError(f"the WebRTC call never ended on the server (caller exit {proc.returncode}):\n"
+                               f"{output.decode()[-3000:]}")
     result = caller_side_result(out)
-    result.log = ended.log if ended is not None else None
+    result.log = ended.log
     result.report = build_report(result, {"transport": "webrtc (aiortc caller process, loopback)",
-                                          "call_id": ended.call_id if ended else None,
+                                          "call_id": ended.call_id,
                                           "connect_s": result.connect_s, "server_teardown_s": round(teardown_s, 2),
                                           "connection_lost": proc.returncode == EXIT_CONNECTION_LOST,
                                           **(meta or {})})

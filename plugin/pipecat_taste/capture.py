@@ -752,75 +752,82 @@ class TasteTurnCapture(FrameProcessor):
 
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
+        asr = turn.asr or _TurnASR(None)
         built_in = None  # the built-in ASR's transcription, when it races an STT that may not be there
-        if mode in ("auto", "upstream"):
-            # a split turn's STT words may all come when the speech ends (when an STT is known to be there)
-            split_waits = mode == "upstream" or self._transcripts.seen or not self._call.engine.has_asr
-            waiting = asyncio.ensure_future(
-                self._transcripts.wait(turn.words, self._upstream_wait_secs, turn.retracted, split_waits))
-            if mode == "auto" and not split_waits:
-                # No STT has spoken in this call (yet): the built-in ASR starts now, beside the
-                # grace wait for an STT's words. Without one (the bundled page, a phone stream)
-                # the wait would delay every turn; if words come first, they are the transcript.
-                built_in = asyncio.ensure_future(self._built_in_transcript(turn))
-                built_in.add_done_callback(_retrieve_exception)  # (unawaited when the STT's words win)
-            try:
-                if built_in is not None:
-                    await asyncio.wait({waiting, built_in}, return_when=asyncio.FIRST_COMPLETED)
-                    if not waiting.done() and not turn.words.parts:  # the ASR was first, and no STT spoke
-                        waiting.cancel()
-                await asyncio.gather(waiting, return_exceptions=True)  # (an STT that began speaking: its words)
-            except BaseException:
-                if built_in is not None:
-                    built_in.cancel()
-                raise
-            finally:
-                waiting.cancel()
-            self._transcripts.stop(turn.words)  # taken: later words belong to the next turn
-            if turn.retracted.is_set():
-                return None
-            if turn.words.parts:
-                return turn.words.text()
-            if split_waits and turn.words.spent:  # the part after it is answered for both, with their words
-                await self._decide(turn, "ignored", "no words of its own: the STT's words for the speech split "
-                                                    "here came after it ended, with the last part")
-                return None
-            if self._transcripts.seen and (mode == "upstream" or not self._call.engine.has_asr):
-                # the STT is there (it spoke this call) and had nothing to say of this one: a noise
-                await self._decide(turn, "ignored", "the STT sent no words for it")
-                return None
-            if mode == "upstream":
-                await self._fail(turn, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
-                                                "(is an STT service upstream of TasteTurnCapture?)")
-                return None
-            # the built-in ASR steps in; an STT's words for this turn may still be on their way (the
-            # first turns wait only a grace period): they must not become the next turn's
-            self._transcripts.absorb(turn.words, self._params.transcript_timeout_secs)
         try:
-            text = await (built_in if built_in is not None else self._built_in_transcript(turn))
-        except NotImplementedError as e:
-            await self._fail(turn, f"no transcript for this turn: {e}", e)
-            return None
+            if mode in ("auto", "upstream"):
+                # a split turn's STT words may all come when the speech ends (when an STT is known to be there)
+                split_waits = mode == "upstream" or self._transcripts.seen or not self._call.engine.has_asr
+                if mode == "auto" and not split_waits:
+                    # No STT has spoken in this call (yet): the built-in ASR starts now, beside the
+                    # grace wait for an STT's words. Without one (the bundled page, a phone stream)
+                    # the wait would delay every turn; if words come first, they are the transcript.
+                    built_in = asyncio.ensure_future(self._built_in_transcript(turn, asr))
+                    built_in.add_done_callback(_retrieve_exception)  # (its result unused when the STT wins)
+                await self._wait_for_words(turn, split_waits, built_in)
+                self._transcripts.stop(turn.words)  # taken: later words belong to the next turn
+                if turn.retracted.is_set():
+                    return None
+                if turn.words.parts:
+                    return turn.words.text()
+                if split_waits and turn.words.spent:  # the part after it is answered for both, with their words
+                    await self._decide(turn, "ignored", "no words of its own: the STT's words for the speech split "
+                                                        "here came after it ended, with the last part")
+                    return None
+                if self._transcripts.seen and (mode == "upstream" or not self._call.engine.has_asr):
+                    # the STT is there (it spoke this call) and had nothing to say of this one: a noise
+                    await self._decide(turn, "ignored", "the STT sent no words for it")
+                    return None
+                if mode == "upstream":
+                    await self._fail(turn, f"no transcript arrived within {self._params.transcript_timeout_secs} s "
+                                                    "(is an STT service upstream of TasteTurnCapture?)")
+                    return None
+                # the built-in ASR steps in; an STT's words for this turn may still be on their way (the
+                # first turns wait only a grace period): they must not become the next turn's
+                self._transcripts.absorb(turn.words, self._params.transcript_timeout_secs)
+            try:
+                text = await (built_in if built_in is not None else self._built_in_transcript(turn, asr))
+            except NotImplementedError as e:
+                await self._fail(turn, f"no transcript for this turn: {e}", e)
+                return None
+            finally:
+                self._record_asr(turn, asr)
+        finally:
+            if built_in is not None and not built_in.done():
+                built_in.cancel()  # its transcript is not used (a job not started yet never runs)
         if not text.strip():
             await self._decide(turn, "ignored", "the ASR heard no words")
             return None
         return text.strip()
 
-    async def _built_in_transcript(self, turn: _CapturedTurn) -> str:
-        """The turn's transcript from the built-in ASR (its partials' work finished); its figures go
-        into the turn's record."""
+    async def _wait_for_words(self, turn: _CapturedTurn, split_waits: bool, built_in: asyncio.Future | None) -> None:
+        """Until an upstream STT's words for the turn are in (``UpstreamTranscripts.wait``) - or,
+        racing the built-in ASR, until that is done first with no word come."""
+        waiting = asyncio.ensure_future(
+            self._transcripts.wait(turn.words, self._upstream_wait_secs, turn.retracted, split_waits))
+        try:
+            if built_in is not None:
+                await asyncio.wait({waiting, built_in}, return_when=asyncio.FIRST_COMPLETED)
+                if not waiting.done() and not turn.words.parts:
+                    return  # the ASR was first, and no STT spoke (an STT that began speaking is waited for)
+            await waiting
+        finally:
+            waiting.cancel()
+
+    async def _built_in_transcript(self, turn: _CapturedTurn, asr: _TurnASR) -> str:
+        """The turn's transcript from the built-in ASR (its partials' work finished)."""
         session = await self._call.ensure_session()
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
-        asr = turn.asr or _TurnASR(None)
+        return await self._call.run("listen", asr.run, asr.transcript.finish if asr.transcript else session.transcribe,
+                                    audio16k)
+
+    def _record_asr(self, turn: _CapturedTurn, asr: _TurnASR) -> None:
+        """A turn the built-in ASR transcribed: its figures go into the turn's record."""
         record = self._call.log.turn(turn.turn_id)
-        try:
-            return await self._call.run("listen", asr.run, asr.transcript.finish if asr.transcript else session.transcribe,
-                                        audio16k)
-        finally:
-            if asr.jobs:
-                record.asr_after_end_ms = round(1000 * asr.work_after(turn.vad_stop_at), 1)
-            record.asr_partials = getattr(asr.transcript, "partials", 0)
-            record.asr_kept_tokens = getattr(asr.transcript, "kept", 0)
+        if asr.jobs:
+            record.asr_after_end_ms = round(1000 * asr.work_after(turn.vad_stop_at), 1)
+        record.asr_partials = getattr(asr.transcript, "partials", 0)
+        record.asr_kept_tokens = getattr(asr.transcript, "kept", 0)
 
     # -- incremental ASR ----------------------------------------------------------------------------
     def _new_turn_asr(self) -> _TurnASR | None:

@@ -285,9 +285,11 @@ class TasteGenerator(FrameProcessor):
         finally:
             await self.stop_processing_metrics()
             # the reply's generator ends now, not at its collection: it is the session's open job
-            # (a hang-up while the playout's report is awaited then frees the call's batch slots)
-            with contextlib.suppress(Exception):
-                await call.run("think", events.close)
+            # (a hang-up while the playout's report is awaited then frees the call's batch slots).
+            # On its own thread after the step running there, outside the compute gate (no model
+            # work), and not awaited: nothing - a cancel included - waits for it.
+            with contextlib.suppress(RuntimeError):  # (the call has ended: its threads are gone)
+                call.executor("think").submit(events.close)
         record.generation_done_at = time.monotonic()
         record.reply_text = "".join(texts).strip()
         record.total_words = total_words
