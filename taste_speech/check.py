@@ -223,7 +223,8 @@ def check_remote(repo_id: str) -> CheckReport:
         pass  # the published layout: the tower's Whisper config is built in
     except Exception as exc:
         raise CheckpointError(f"cannot fetch {JOINT_WHISPER_DIR}/config.json of {repo_id} ({type(exc).__name__}: "
-                              f"{exc}); download the checkpoint with hf download {repo_id} --local-dir DIR and check DIR") from exc
+                              f"{exc}); download the checkpoint with hf download {repo_id} --local-dir DIR and "
+                              "check DIR") from exc
     try:
         config = TasteConfig.from_pretrained(config_dir)
     except Exception as exc:

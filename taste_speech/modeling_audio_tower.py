@@ -299,8 +299,9 @@ class TasteAudioTower(nn.Module):
             # (values of host ids only: reading device ids would wait for the GPU - the caller's
             # processor makes host ids, and the device path is given them)
             ids, words = asr_token_ids[0].tolist(), asr_word_ids[0].tolist()
-            if min(ids) < 0 or max(ids) >= self.whisper_config.vocab_size:
-                raise ValueError(f"asr_token_ids must lie in [0, {self.whisper_config.vocab_size}) (Whisper transcript tokens, as "
+            vocab = self.whisper_config.vocab_size
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise ValueError(f"asr_token_ids must lie in [0, {vocab}) (Whisper transcript tokens, as "
                                  f"processor.process_text makes them), got ids from {min(ids)} to {max(ids)}")
             if words[0] != 0 or any(b - a not in (0, 1) for a, b in zip(words, words[1:])):
                 raise ValueError("asr_word_ids must start at 0 and grow by at most 1 per token (0, 0, 1, 2, 2, ...): "

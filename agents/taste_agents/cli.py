@@ -259,7 +259,8 @@ def simulated_call(args, engine=None):
         path = getattr(engine, "checkpoint_dir", "given engine")
     out = args.out or os.path.join("out", f"call-{uuid.uuid4().hex[:8]}")
     config = agent_config(args)
-    meta = {"checkpoint": str(path), "device": str(getattr(engine, "device", args.device)), "dtype": args.dtype or "default",
+    meta = {"checkpoint": str(path), "device": str(getattr(engine, "device", args.device)),
+            "dtype": args.dtype or "default",
             "prompt_format": config.prompt_format, "max_reply_tokens": config.max_reply_tokens}
     result = asyncio.run(simulate_call(engine, default_script(), config=config, progress=say, out_dir=out,
                                        max_call_s=args.max_call_seconds, meta=meta))

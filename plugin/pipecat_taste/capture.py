@@ -111,8 +111,8 @@ class TurnCaptureParams:
     built-in ASR, until the call's first upstream transcript arrives, only
     first_transcript_grace_secs, while the built-in ASR already transcribes the turn: the first of
     the two is the transcript (a call that relies on the built-in ASR would otherwise lose the
-    wait on every turn, and its early replies their head start). transcript_quiet_secs: an STT may send a turn's transcript in
-    parts; after the turn they are collected until one marked ``finalized`` arrives after the
+    wait on every turn, and its early replies their head start). transcript_quiet_secs: an STT
+    may send a turn's transcript in parts; after the turn they are collected until one marked ``finalized`` arrives after the
     speech ended, or none has come for this long (or the timeout is over). interrupt_on_speech:
     barge-in. transcripts: 'auto' (upstream if one arrives, else built-in ASR), 'upstream' or
     'asr'. incremental_asr: transcribe with the built-in ASR while the user speaks, every

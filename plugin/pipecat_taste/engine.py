@@ -148,7 +148,9 @@ def _asr_tokenizer_folder(asr, checkpoint_dir: str, model) -> str | None:
 
     from taste_speech.processing_taste import ASR_TOKENIZER_DIR
 
-    if not (isinstance(asr, str) and os.path.isdir(asr)) or os.path.isdir(os.path.join(checkpoint_dir, ASR_TOKENIZER_DIR)):
+    if not (isinstance(asr, str) and os.path.isdir(asr)):
+        return None
+    if os.path.isdir(os.path.join(checkpoint_dir, ASR_TOKENIZER_DIR)):
         return None
     try:
         with open(os.path.join(asr, "config.json")) as f:
