@@ -368,8 +368,9 @@ class TasteSampler:
             ids = sorted({int(i) for i in input_ids if 0 <= int(i) < logits.numel()})
             if ids:
                 ids = to_device(torch.tensor(ids, dtype=torch.long), logits.device)
-                chosen = logits[ids]
-                logits[ids] = torch.where(chosen < 0, chosen * p.repetition_penalty, chosen / p.repetition_penalty)
+                chosen = logits.gather(0, ids)  # (gather and scatter_: kernels alone, nothing read back)
+                logits.scatter_(0, ids, torch.where(chosen < 0, chosen * p.repetition_penalty,
+                                                    chosen / p.repetition_penalty))
         logits = logits / p.text_temperature
         probs = logits.softmax(-1)
         if rider is None:

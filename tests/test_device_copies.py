@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+from cuda_waits import recorded_waits, wait_sites
 from taste_speech.device_copies import copy_in, to_device
 
 
@@ -26,21 +27,29 @@ def test_copy_in_takes_lists_in_the_buffer_s_dtype_and_tensors_as_they_are():
         copy_in(buffer, [1, 2])  # a size mismatch is still an error
 
 
+def test_only_torch_s_wait_warnings_count_as_waits_each_with_where_it_waited():
+    """The sync debug mode's notice that it is a prototype (once per process) speaks of
+    synchronizing operations but is no wait: on the H100 it made the first counting test of a run
+    count one wait too many."""
+    def recorded(text, line):
+        return warnings.WarningMessage(UserWarning(text), UserWarning, "/site/taste_speech/sampler.py", line)
+
+    caught = [recorded("Synchronization debug mode is a prototype feature and does not yet detect all "
+                       "synchronizing operations", 1270),
+              recorded("called a synchronizing CUDA operation", 42), recorded("some other warning", 7)]
+    assert wait_sites(caught) == ["sampler.py:42"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_neither_waits_for_the_gpu_and_the_values_arrive():
     busy = torch.randn(2048, 2048, device="cuda")
     buffer = torch.zeros(3, dtype=torch.long, device="cuda")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(8):
-                busy = busy @ busy / 2048  # kernels queued before the copies
-            moved = to_device(torch.tensor([4, 5, 6]), "cuda")
-            copy_in(buffer, [1, 2, 3])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    assert not [w for w in caught if "synchroniz" in str(w.message)]
+    with recorded_waits() as caught:
+        for _ in range(8):
+            busy = busy @ busy / 2048  # kernels queued before the copies
+        moved = to_device(torch.tensor([4, 5, 6]), "cuda")
+        copy_in(buffer, [1, 2, 3])
+    assert not wait_sites(caught)
     assert moved.tolist() == [4, 5, 6] and buffer.tolist() == [1, 2, 3]
 
 

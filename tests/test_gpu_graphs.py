@@ -5,11 +5,13 @@ test_speech_decoder_static.py; here the steps are really captured and replayed, 
 golden tiny checkpoint, and must emit the eager path's greedy ids."""
 
 import threading
+from collections import Counter
 
 import pytest
 import torch
 
 from concurrency_helpers import run_in_threads
+from cuda_waits import recorded_waits, wait_sites
 from taste_speech.verify.points_spoken_lm import golden_sampler, load_golden_spoken_lm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -56,26 +58,21 @@ def test_a_graphed_lm_step_waits_for_the_gpu_once(golden, loaded, monkeypatch):
     """Outside the captured backbone a decode step reads one value back (the chosen text token):
     counted with torch's sync debug mode around the heads, the sampler, the audio side and the next
     row, greedy and with top-p sampling and a repetition penalty."""
-    import warnings
-
     from taste_speech.modeling_spoken_lm import TasteSpokenLM
     from taste_speech.sampler import SamplingParams, TasteSampler
 
     lm, rvq = loaded.spoken_lm, loaded.audio_tower.vq.rvq
     prompt = dict(llm_token_ids=on_cuda(golden, "in.llm_token_ids"), llm_indices=on_cuda(golden, "a.out.llm_indices"),
                   llm_word_ids=on_cuda(golden, "in.llm_word_ids"))
-    syncs = {"count": 0}
+    sites: list[str] = []  # where each wait was
 
     def counted(method):
         def wrapper(*args, **kwargs):
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
+            with recorded_waits() as caught:
                 try:
                     return method(*args, **kwargs)
                 finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                    syncs["count"] += sum("synchroniz" in str(w.message) for w in caught)
+                    sites.extend(wait_sites(caught))
         return wrapper
 
     tables = golden_sampler(golden).tables
@@ -85,7 +82,7 @@ def test_a_graphed_lm_step_waits_for_the_gpu_once(golden, loaded, monkeypatch):
     for params, generator in ((SamplingParams(text_top_p=0.0, extra_words=6), torch.Generator().manual_seed(0)),
                               (top_p, torch.Generator().manual_seed(0)), (top_p, None)):
         sampler = TasteSampler(tables, params)
-        syncs["count"] = 0
+        sites.clear()
         with monkeypatch.context() as patch:
             for name in ("heads", "advance_audio", "next_row"):
                 patch.setattr(TasteSpokenLM, name, counted(getattr(TasteSpokenLM, name)))
@@ -94,7 +91,7 @@ def test_a_graphed_lm_step_waits_for_the_gpu_once(golden, loaded, monkeypatch):
                 out = lm.generate(rvq, sampler, "audio", max_steps=30, cache_kind="static", generator=generator,
                                   **prompt)
         steps = len(out.trace.action)
-        assert steps > 5 and syncs["count"] == steps, (params, generator, syncs, steps)
+        assert steps > 5 and len(sites) == steps, (params, generator, Counter(sites), steps)
 
 
 @pytest.mark.parametrize("top_p", [0.0, 0.8])
@@ -105,8 +102,6 @@ def test_a_streamed_reply_waits_for_the_gpu_about_once_per_step(monkeypatch, top
     reply's first step (the sampler's ban mask) wait for nothing; one wait more is allowed for the
     code of the word in progress when the reply is cut off at ``max_reply_tokens`` (a step the
     sampler does not take). The instruct format: no turn decision to read."""
-    import warnings
-
     from pipecat_taste.engine import GenerationSettings, TasteEngine
     from taste_agents.caller import load_utterances
     from taste_speech.sampler import TasteSampler
@@ -124,17 +119,12 @@ def test_a_streamed_reply_waits_for_the_gpu_about_once_per_step(monkeypatch, top
         return update(*args, **kwargs)
 
     monkeypatch.setattr(TasteSampler, "update", counted_update)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            events = list(session.reply(turn, threading.Event()))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    waits = sum("synchroniz" in str(w.message) for w in caught)
+    with recorded_waits() as caught:
+        events = list(session.reply(turn, threading.Event()))
+    sites = wait_sites(caught)
     words = sum(e.n_words for e in events if e.kind == "segment")
     assert words >= 3 and steps["n"] >= words
-    assert steps["n"] <= waits <= steps["n"] + 1, (waits, steps, words)
+    assert steps["n"] <= len(sites) <= steps["n"] + 1, (Counter(sites), steps, words)
     session.close()
 
 
@@ -585,8 +575,6 @@ def test_speaking_waits_for_the_gpu_only_at_the_draws_and_the_audio(monkeypatch)
     voice and the previous segment's tokens copied from pinned memory) does not wait for the GPU,
     and vocoding waits once per chunk, for its audio (the tokens, positions and noise go in from
     pinned memory): counted with torch's sync debug mode."""
-    import warnings
-
     from pipecat_taste.engine import GenerationSettings, TasteEngine
     from taste_agents.caller import load_utterances
 
@@ -603,7 +591,7 @@ def test_speaking_waits_for_the_gpu_only_at_the_draws_and_the_audio(monkeypatch)
     def counted(key, run):
         before = len(caught)
         out = run()
-        waits[key] += sum("synchroniz" in str(w.message) for w in caught[before:])
+        waits[key] += len(wait_sites(caught[before:]))
         return out
 
     def counted_step(*args, **kwargs):
@@ -613,18 +601,13 @@ def test_speaking_waits_for_the_gpu_only_at_the_draws_and_the_audio(monkeypatch)
     monkeypatch.setattr(decoder, "step", counted_step)
     state = session.start_speech(16000)
     tokens, chunks = [], 0
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for seg in segments:
-                pieces = session.speech_tokens(state, seg.segment)
-                while (piece := counted("speech_tokens", lambda: next(pieces, None))) is not None:
-                    tokens += piece
-                    chunks += len(counted("vocode", lambda: session.vocode(state, piece)))
-            chunks += len(counted("vocode", lambda: session.vocode(state, [], final=True)))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with recorded_waits() as caught:
+        for seg in segments:
+            pieces = session.speech_tokens(state, seg.segment)
+            while (piece := counted("speech_tokens", lambda: next(pieces, None))) is not None:
+                tokens += piece
+                chunks += len(counted("vocode", lambda: session.vocode(state, piece)))
+        chunks += len(counted("vocode", lambda: session.vocode(state, [], final=True)))
     assert len(tokens) > 10 and waits["steps"] == len(tokens) + 3 and chunks > 0
     assert waits["draws"] >= len(tokens) and waits["speech_tokens"] == waits["draws"], waits
     assert waits["vocode"] <= chunks, (waits, chunks)
