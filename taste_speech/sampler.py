@@ -393,7 +393,7 @@ class TasteSampler:
         BAN_VALUE - including the one that crosses ``top_p`` - but always keep the best."""
         sorted_logits, order = logits.sort(descending=True)
         remove = sorted_logits.softmax(-1).cumsum(-1) > top_p
-        remove[..., 0] = False
+        remove[..., 0].fill_(False)  # (not "= False": that copies a host scalar in, a wait on CUDA)
         # back to vocabulary order by scattering (a mask as indices would read the GPU)
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(remove, BAN_VALUE))
 
