@@ -467,6 +467,7 @@ def busy_us(intervals) -> float:
 
 # CPU-side profiler events in which a thread waits for the GPU (CUDA runtime calls)
 HOST_WAITS = ("Synchronize", "cudaMemcpy")
+HOST_OPERATORS = 12  # the operators listed by the host's time in a profiled span
 
 
 def without(intervals, holes) -> list[tuple[float, float]]:
@@ -530,7 +531,39 @@ def gpu_activity(events) -> dict:
     return {"span_ms": span / 1000, "busy_ms": busy / 1000, "kernel_ms": summed / 1000, "device_events": len(device),
             "busy_share": busy / span if span else 0.0, "side_by_side": summed / busy if busy else 0.0,
             "host_busy_share": host / span if span else 0.0, "host_threads": len(threads),
-            "host_side_by_side": host_summed / host if host else 0.0}
+            "host_side_by_side": host_summed / host if host else 0.0,
+            "host_operators": host_operators(events, start, end)}
+
+
+def host_operators(events, start: float, end: float, top: int = HOST_OPERATORS) -> list[dict]:
+    """The host's time in the span by operator: each CPU event's own time (its time less that of
+    the events nested in it, on its thread - an ``aten::copy_`` apart from the ``cudaMemcpyAsync``
+    inside it), clipped to the span and summed over the threads per name; the ``top`` names by
+    that time, with how often each ran. Waits for the GPU are among them (``cudaStreamSynchronize``)."""
+    from torch.autograd import DeviceType
+
+    per_thread: dict = {}
+    for e in events:
+        if (e.device_type == DeviceType.CPU and e.name != TIMED_SPAN and not getattr(e, "is_user_annotation", False)
+                and e.time_range.end > start and e.time_range.start < end):
+            clipped = (max(e.time_range.start, start), min(e.time_range.end, end))
+            per_thread.setdefault(e.thread, []).append((clipped, e.name))
+    own: dict = {}
+    count: dict = {}
+    for ranges in per_thread.values():
+        open_ranges: list = []  # [end, name, time of its own so far]: the events enclosing the current one
+        for (a, b), name in sorted(ranges, key=lambda r: (r[0][0], -r[0][1])):
+            while open_ranges and open_ranges[-1][0] <= a:
+                closed = open_ranges.pop()
+                own[closed[1]] = own.get(closed[1], 0.0) + closed[2]
+            if open_ranges:
+                open_ranges[-1][2] -= b - a  # the enclosing event's time, not its own
+            open_ranges.append([b, name, b - a])
+            count[name] = count.get(name, 0) + 1
+        for closed in open_ranges:
+            own[closed[1]] = own.get(closed[1], 0.0) + closed[2]
+    ranked = sorted(own, key=own.get, reverse=True)[:top]
+    return [{"name": name, "count": count[name], "own_ms": own[name] / 1000} for name in ranked]
 
 
 def profiled_pipelined_reply(engine, asr, path: DecodePath, forced: ForcedReply, audio: np.ndarray) -> dict:
@@ -1345,6 +1378,14 @@ def markdown(data: dict, command: str) -> list[str]:
                                fmt(b["span_ms"]), f"{b['busy_share']:.2f}", f"{b['host_busy_share']:.2f}",
                                f"{b['host_side_by_side']:.2f}", str(b["host_threads"])]
                               for key, b in data["gpu_busy_calls"].items()]) + [""]
+        for key, b in data["gpu_busy_calls"].items():
+            if b.get("host_operators"):
+                lines += [f"Where the host's time went in that row ({key}, {b['calls']} calls; each operator's or "
+                          "CUDA runtime call's own time - less what ran nested in it - summed over the calls' "
+                          f"threads, the {HOST_OPERATORS} largest; profiled, so slowed):", ""]
+                lines += table_lines(["operator", "count", "own ms", "ms per call of it"],
+                                     [[f"`{o['name']}`", str(o["count"]), fmt(o["own_ms"]),
+                                       f"{o['own_ms'] / o['count']:.3f}"] for o in b["host_operators"]]) + [""]
     if data.get("compiled_flow", {}).get("rows"):
         lines += ["The flow's estimator compiled (`torch.compile`, inductor, static shapes; the engine's opt-in "
                   "`compile_flow` compiles with dynamic shapes): one unpadded ODE captured as one step:", ""]

@@ -554,6 +554,9 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     assert engine.tower_encoder is None or engine.tower_encoder.step.captured
     assert (engine.tower_pooler is None) == (decoding == "eager")  # and its text side's
     assert engine.tower_pooler is None or engine.tower_pooler.captured
+    # streams='auto': the fast path's synthesis on a stream of its own, the reference on one stream
+    assert engine.streams == ("default" if decoding == "eager" else "synthesis")
+    assert (engine.synthesis_stream is None) == (decoding == "eager")
     hello = load_utterances()["hello"]
     session = engine.new_session(GenerationSettings(max_reply_tokens=6))
     session.warm_up()
@@ -629,7 +632,7 @@ def test_cuda_streams_give_the_same_audio_alone_and_beside_other_calls(streams):
     from session_helpers import speak_segments
     from taste_agents.caller import load_utterances
 
-    plain = TasteEngine.from_pretrained(None, device="cuda")
+    plain = TasteEngine.from_pretrained(None, device="cuda", streams="default")
     engine = TasteEngine(plain.model, plain.processor, plain.voice_generator, device="cuda", asr=None, streams=streams)
     assert plain.synthesis_stream is None and engine.synthesis_stream is not None
     assert (engine.new_call_stream() is not None) == (streams == "calls")

@@ -237,6 +237,19 @@ def test_gpu_activity_is_the_union_of_the_device_events_inside_the_timed_span():
     waiting = [event("aten::_local_scalar_dense", DeviceType.CPU, 1000, 3000),
                event("cudaStreamSynchronize", DeviceType.CPU, 1200, 2800)]
     assert gpu_suite.gpu_activity(events[:1] + waiting)["host_busy_share"] == pytest.approx(0.1)
+    # the host's time by operator: each one's own time (less what ran nested in it), clipped to the
+    # span, summed over the threads, largest first
+    nested = [event("aten::item", DeviceType.CPU, 500, 3000, thread=0),  # 1000-3000 in the span
+              event("aten::_local_scalar_dense", DeviceType.CPU, 1100, 2900, thread=0),
+              event("cudaStreamSynchronize", DeviceType.CPU, 1200, 2800, thread=0),
+              event("aten::item", DeviceType.CPU, 3000, 3100, thread=0),  # after, not inside, the first
+              event("cudaGraphLaunch", DeviceType.CPU, 1000, 1300, thread=1),
+              event("cudaGraphLaunch", DeviceType.CPU, 4900, 5200, thread=1)]  # 4900-5000 in the span
+    operators = gpu_suite.gpu_activity(events[:1] + nested)["host_operators"]
+    assert [(o["name"], o["count"], o["own_ms"]) for o in operators] == [
+        ("cudaStreamSynchronize", 1, 1.6), ("cudaGraphLaunch", 2, 0.4), ("aten::item", 2, 0.3),
+        ("aten::_local_scalar_dense", 1, 0.2)]
+    assert [o["name"] for o in gpu_suite.host_operators(nested, 1000, 5000, top=1)] == ["cudaStreamSynchronize"]
     assert gpu_suite.without([(0, 10), (5, 20)], [(2, 4), (18, 30)]) == [(0, 2), (4, 18)]
     assert gpu_suite.without([(0, 10)], []) == [(0, 10)] and gpu_suite.without([(0, 10)], [(0, 10)]) == []
 
@@ -264,9 +277,15 @@ def test_profiled_calls_span_from_the_first_turn_end_to_the_last_first_audio():
     assert result["unprofiled_first_audio_max_ms"] >= result["unprofiled_first_audio_median_ms"] > 0
     assert result["span_ms"] >= result["first_audio_max_ms"] * 0.9 > 0
     assert result["host_threads"] >= 2 and 0 < result["host_busy_share"] <= 1
+    operators = result["host_operators"]
+    assert 0 < len(operators) <= gpu_suite.HOST_OPERATORS
+    assert all(o["count"] >= 1 and o["own_ms"] >= 0 for o in operators)
+    assert [o["own_ms"] for o in operators] == sorted((o["own_ms"] for o in operators), reverse=True)
+    assert sum(o["own_ms"] for o in operators) <= result["span_ms"] * result["host_threads"]
     lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "paths": {"eager": {}, "graphed": {}},
                                 "gpu_busy_calls": {"graphed": result}}, "cmd")
     assert any(line.startswith("| graphed | 2 |") for line in lines)
+    assert any(line.startswith(f"| `{operators[0]['name']}` | {operators[0]['count']} |") for line in lines)
 
 
 def test_a_path_whose_engine_would_not_fit_the_budget_left_is_not_built():

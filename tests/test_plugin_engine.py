@@ -480,9 +480,24 @@ def test_cuda_streams_are_refused_off_cuda_and_with_batch_slots_before_the_weigh
         TasteEngine.from_pretrained(None, device="cpu", streams="calls")
     with pytest.raises(ValueError, match="streams='calls' cannot be combined with batch_slots"):
         TasteEngine.from_pretrained(None, device="cuda", streams="calls", batch_slots=4)
-    # the default: no stream anywhere, and a call's threads keep their own
+    # the default ('auto') on a CPU: no stream anywhere, and a call's threads keep their own
     assert engine.streams == "default" and engine.synthesis_stream is None and engine.new_call_stream() is None
     assert TasteCall(engine).stream is None
+
+
+def test_auto_streams_are_the_synthesis_stream_on_the_cuda_fast_path_only():
+    """streams='auto' (the default): the synthesis stream where the synthesis takes the static path
+    on CUDA - a whole reply 0.096 against 0.106 s per audio second on the H100 -, one stream on a
+    CPU and with eager decoding (the reference, for debugging); a choice made is kept."""
+    from pipecat_taste.engine import _resolve_streams
+
+    assert _resolve_streams("auto", "cuda", "auto") == "synthesis"
+    assert _resolve_streams("auto", torch.device("cuda", 0), "static") == "synthesis"
+    assert _resolve_streams("auto", "cuda:0", "dynamic") == "default"
+    assert _resolve_streams("auto", "cpu", "static") == "default"
+    assert _resolve_streams("auto", torch.device("cpu"), "auto") == "default"
+    for chosen in ("default", "synthesis", "calls"):
+        assert _resolve_streams(chosen, "cuda", "auto") == chosen
 
 
 def test_compile_flow_is_refused_off_cuda_and_with_eager_decoding_before_the_weights_load(engine, monkeypatch):

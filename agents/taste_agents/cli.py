@@ -46,12 +46,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "path, flow and vocoder windows) run as batched steps: a number, "
                              "'none' (each call steps alone) or auto (none: on a GPU batching paid nothing "
                              "at 2-8 calls) - docs/GPU.md")
-    parser.add_argument("--streams", default="default", choices=["default", "synthesis", "calls"],
+    parser.add_argument("--streams", default="auto", choices=["auto", "default", "synthesis", "calls"],
                         help="CUDA streams: default (one), synthesis (every call's flow and vocoder work on a stream "
                              "of its own beside the decoding, so that calls' token steps stop waiting for flow "
-                             "steps), or calls (that, and each call's other work on a stream of the call's own); "
-                             "opt-in: on the H100 eight calls ending at once got their first audio in at most 1077 ms "
-                             "with calls against 1348 ms with default, one call alone 183 against 159 ms - "
+                             "steps), calls (that, and each call's other work on a stream of the call's own), or "
+                             "auto (synthesis on the CUDA fast path, default elsewhere: on the H100 a whole reply "
+                             "took 0.096 s per audio second with synthesis against 0.106 with default) - "
                              "BENCHMARKS.md section 5, docs/GPU.md")
     parser.add_argument("--compile-flow", action="store_true",
                         help="run the flow's estimator through torch.compile inside the static synthesis path's steps "
@@ -215,7 +215,7 @@ def load_engine(args, say):
                                              parallel_jobs=getattr(args, "parallel_jobs", "auto"),
                                              threads_per_job=getattr(args, "threads_per_job", "auto"),
                                              batch_slots=getattr(args, "batch_slots", "auto"),
-                                             streams=getattr(args, "streams", "default"),
+                                             streams=getattr(args, "streams", "auto"),
                                              compile_flow=getattr(args, "compile_flow", False))
     except (ValueError, OSError, RuntimeError) as e:  # (the messages name the problem and the fix)
         raise StartupError(f"cannot load {label}: {e}") from e

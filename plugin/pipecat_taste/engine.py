@@ -190,7 +190,7 @@ class TasteEngine:
 
     def __init__(self, model, processor, voice_generator, *, checkpoint_dir: str = "", device: str = "cpu",
                  asr=None, decoding: str = "auto", parallel_jobs: int | str | None = "auto",
-                 batch_slots: int | str | None = "auto", merge_lora: bool = True, streams: str = "default",
+                 batch_slots: int | str | None = "auto", merge_lora: bool = True, streams: str = "auto",
                  compile_flow: bool = False, threads_per_job: int | str | None = "auto"):
         """``decoding``: 'auto', 'graphed' or 'eager' (see ``DECODING``); the built-in ASR picks its
         own path (``WhisperTranscriber(decode=...)``). ``parallel_jobs``: model jobs of all calls
@@ -207,7 +207,7 @@ class TasteEngine:
         on training). ``streams`` (see ``STREAMS``): 'default' (every thread's work on the device's
         default stream), or on CUDA 'synthesis' (every call's flow and vocoder work on one stream
         of its own, beside the decoding) or 'calls' (that, and each call's other work on a stream of
-        the call's own). ``compile_flow``: the flow's estimator through ``torch.compile`` inside the
+        the call's own); 'auto': 'synthesis' on the CUDA fast path, 'default' elsewhere. ``compile_flow``: the flow's estimator through ``torch.compile`` inside the
         static synthesis path's steps (``SynthesisGraphs(compile_flow=True)``; CUDA only, Triton
         needed, a minute or two more at start-up). Compiled for one static shape it took a flow
         step to 0.70-0.78 of its time on the H100; the engine compiles with dynamic shapes, not yet
@@ -234,8 +234,9 @@ class TasteEngine:
         self.device = device
         self.decoding, self.cache_kind = decoding, DECODING[decoding]
         self.synthesis_graphs = _synthesis_graphs(voice_generator, slots, self.cache_kind, compile_flow)
-        self.streams = streams
-        self.synthesis_stream = _new_stream(next(voice_generator.parameters()).device) if streams != "default" else None
+        self.streams = _resolve_streams(streams, next(voice_generator.parameters()).device, self.cache_kind)
+        self.synthesis_stream = (_new_stream(next(voice_generator.parameters()).device)
+                                 if self.streams != "default" else None)
         if self.synthesis_stream is not None:  # what this thread did to the weights (merging the LoRA) comes first
             import torch
 
@@ -253,7 +254,7 @@ class TasteEngine:
     def from_pretrained(cls, name_or_path: str | None = None, *, device: str = "cpu", dtype: str | None = None,
                         asr="auto", decoding: str = "auto", parallel_jobs: int | str | None = "auto",
                         batch_slots: int | str | None = "auto", merge_lora: bool = True,
-                        streams: str = "default", compile_flow: bool = False,
+                        streams: str = "auto", compile_flow: bool = False,
                         threads_per_job: int | str | None = "auto") -> "TasteEngine":
         """``name_or_path``: a checkpoint folder or hub id; None = the embedded tiny checkpoint.
         ``asr``: the built-in ASR - a Whisper folder/hub id, a transcriber, None (transcripts must
@@ -386,7 +387,7 @@ class TasteEngine:
                 self.asr.warm_up()
 
 
-def _check_options(asr, decoding: str, parallel_jobs, batch_slots, streams: str = "default",
+def _check_options(asr, decoding: str, parallel_jobs, batch_slots, streams: str = "auto",
                    compile_flow: bool = False, threads_per_job="auto") -> None:
     if decoding not in DECODING:
         raise ValueError(f"decoding must be one of {sorted(DECODING)}, got {decoding!r}")
@@ -508,17 +509,30 @@ def _synthesis_graphs(voice_generator, slots: int | None, cache_kind: str, compi
 #   calls      that, and each call's other work (ASR, audio tower, spoken LM, speech decoder) on a
 #              stream of the call's own: one call's syncs wait for its own work only, and the GPU
 #              runs the calls' small kernels side by side
-# Both are opt-in. Measured on the H100 (``python -m benchmarks.gpu_suite``, parts ``graphed_calls``,
-# ``synthesis_stream_calls``, ``call_streams_calls``; BENCHMARKS.md section 5): eight calls ending at
-# once got their first audio in at most 1348 ms (default), 1127 ms (synthesis), 1077 ms (calls); one
-# call alone 159, 244 and 183 ms.
-STREAMS = ("default", "synthesis", "calls")
+#   auto       synthesis on the CUDA fast path (static caches, graphs), default elsewhere
+# Measured on the H100 (``python -m benchmarks.gpu_suite``; BENCHMARKS.md section 5): a whole reply as
+# the agent runs it took 0.096 s per audio second with the synthesis stream against 0.106 on one
+# stream, its first audio 197 against 214 ms (the H200: 0.094 / 0.106, 207 / 218 ms); eight calls
+# ending at once got their first audio in at most 1348 ms (default), 1127 ms (synthesis), 1077 ms
+# (calls), one call alone in that table 159, 244 and 183 ms (an earlier run, before the calls shared
+# their first-audio work).
+STREAMS = ("auto", "default", "synthesis", "calls")
+
+
+def _resolve_streams(streams: str, device, cache_kind: str) -> str:
+    """'auto' made one of the others for the engine's device and decoding."""
+    from taste_speech.streaming.synthesis_graphs import resolve_kind
+
+    if streams != "auto":
+        return streams
+    cuda = str(device).startswith("cuda")
+    return "synthesis" if cuda and resolve_kind(cache_kind, device) == "static" else "default"
 
 
 def _check_device_options(streams: str, compile_flow: bool, device) -> None:
     """The options that only CUDA has, against the engine's (resolved) device."""
     cuda = str(device).startswith("cuda")
-    if streams != "default" and not cuda:
+    if streams not in ("auto", "default") and not cuda:
         raise ValueError(f"streams={streams!r} needs a CUDA device (streams are CUDA's), not {device}: "
                          "use streams='default' there")
     if compile_flow and not cuda:  # (a CPU takes the eager synthesis path: nothing there to compile)
