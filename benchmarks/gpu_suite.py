@@ -532,7 +532,25 @@ def gpu_activity(events) -> dict:
             "busy_share": busy / span if span else 0.0, "side_by_side": summed / busy if busy else 0.0,
             "host_busy_share": host / span if span else 0.0, "host_threads": len(threads),
             "host_side_by_side": host_summed / host if host else 0.0,
-            "host_operators": host_operators(events, start, end)}
+            "host_operators": host_operators(events, start, end), "device_kernels": device_kernels(events, start, end)}
+
+
+def device_kernels(events, start: float, end: float, top: int = HOST_OPERATORS) -> list[dict]:
+    """The GPU's time in the span by kernel (and copy): durations clipped to the span and summed per
+    name (kernels inside replayed graphs are seen one by one); the ``top`` names by that time, with
+    how often each ran. Names are cut to 90 characters (templated kernels' names run to hundreds)."""
+    from torch.autograd import DeviceType
+
+    took: dict = {}
+    count: dict = {}
+    for e in events:
+        if (e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                and e.time_range.end > start and e.time_range.start < end):
+            name = e.name[:90]
+            took[name] = took.get(name, 0.0) + min(e.time_range.end, end) - max(e.time_range.start, start)
+            count[name] = count.get(name, 0) + 1
+    ranked = sorted(took, key=took.get, reverse=True)[:top]
+    return [{"name": name, "count": count[name], "ms": took[name] / 1000} for name in ranked]
 
 
 def host_operators(events, start: float, end: float, top: int = HOST_OPERATORS) -> list[dict]:
@@ -1386,6 +1404,12 @@ def markdown(data: dict, command: str) -> list[str]:
                 lines += table_lines(["operator", "count", "own ms", "ms per call of it"],
                                      [[f"`{o['name']}`", str(o["count"]), fmt(o["own_ms"]),
                                        f"{o['own_ms'] / o['count']:.3f}"] for o in b["host_operators"]]) + [""]
+            if b.get("device_kernels"):
+                lines += [f"Where the GPU's time went in that row ({key}, {b['calls']} calls; kernels and copies "
+                          f"by their summed durations in the span, the {HOST_OPERATORS} largest):", ""]
+                lines += table_lines(["kernel", "count", "ms", "ms each"],
+                                     [[f"`{k['name']}`", str(k["count"]), fmt(k["ms"]), f"{k['ms'] / k['count']:.3f}"]
+                                      for k in b["device_kernels"]]) + [""]
     if data.get("compiled_flow", {}).get("rows"):
         lines += ["The flow's estimator compiled (`torch.compile`, inductor, static shapes; the engine's opt-in "
                   "`compile_flow` compiles with dynamic shapes): one unpadded ODE captured as one step:", ""]

@@ -222,6 +222,9 @@ def test_gpu_activity_is_the_union_of_the_device_events_inside_the_timed_span():
     assert activity["busy_share"] == 0.5 and activity["side_by_side"] == 1.25
     # the host: thread 1's operator 1000-4000; its span range is not work
     assert activity["host_threads"] == 1 and activity["host_busy_share"] == 0.75
+    # the GPU's time by kernel, clipped to the span: the flow 1000-2000, the decoder, the vocoder
+    assert [(k["name"], k["count"], k["ms"]) for k in activity["device_kernels"]] == [
+        ("flow", 1, 1.0), ("decoder", 1, 1.0), ("vocoder", 1, 0.5)]
     assert activity["host_side_by_side"] == 1.0
     with pytest.raises(ValueError, match="timed_span"):
         gpu_suite.gpu_activity(events[1:])
@@ -286,6 +289,12 @@ def test_profiled_calls_span_from_the_first_turn_end_to_the_last_first_audio():
                                 "gpu_busy_calls": {"graphed": result}}, "cmd")
     assert any(line.startswith("| graphed | 2 |") for line in lines)
     assert any(line.startswith(f"| `{operators[0]['name']}` | {operators[0]['count']} |") for line in lines)
+    assert result["device_kernels"] == []  # (a CPU: no kernels, and no table of them)
+    assert not any(line.startswith("Where the GPU's time went") for line in lines)
+    kernels = [{"name": "void flash_fwd_kernel<" + "x" * 200, "count": 4, "ms": 2.0}]
+    lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "paths": {"eager": {}, "graphed": {}},
+                                "gpu_busy_calls": {"graphed": {**result, "device_kernels": kernels}}}, "cmd")
+    assert any(line.startswith("| `void flash_fwd_kernel<") and "| 4 | 2.0 | 0.500 |" in line for line in lines)
 
 
 def test_a_path_whose_engine_would_not_fit_the_budget_left_is_not_built():
