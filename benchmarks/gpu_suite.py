@@ -21,9 +21,10 @@ Tables (one run each, all figures from the same process):
    partial transcripts before, untimed; on CUDA, or with ``--calls``): eager, graphed with each call replaying its own
    steps, the same with every call's flow and vocoder work on a CUDA stream beside the decoding
    (``TasteEngine(streams='synthesis')``), and with each call's other work on a stream of its own too
-   (``streams='calls'``; both opt-in, CUDA only), and graphed with the spoken-LM and speech-decoder steps of all calls batched, and their
-   flow and vocoder windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``,
-   ``SynthesisGraphs(rows=16)``: ``TasteEngine(batch_slots=16)``, opt-in).
+   (``streams='calls'``; CUDA only; the synthesis stream is the engine's default there), and graphed
+   with the spoken-LM and speech-decoder steps of all calls batched, and their flow and vocoder
+   windows too (``taste_speech.lm_batch``, ``speech_decoder_batch``, ``SynthesisGraphs(rows=16)``:
+   ``TasteEngine(batch_slots=16)``, opt-in; on CUDA with the synthesis stream).
 
 4. the levers on the graphed path, each against its baseline in the same run: the spoken LM with
    its LoRA merged (the engine's default) vs the adapters' kernels run on the side (same weights),
@@ -111,7 +112,8 @@ class DecodePath:
 
 EAGER = DecodePath("eager")
 GRAPHED = DecodePath("graphed")
-BATCHED = DecodePath("graphed", batch_slots=16)  # the concurrency table only
+# (with the synthesis stream on CUDA, as ``--batch-slots 16`` runs since streams='auto' became the default)
+BATCHED = DecodePath("graphed", batch_slots=16, streams="auto")  # the concurrency table only
 SYNTHESIS_STREAM = DecodePath("graphed", streams="synthesis")  # CUDA only
 CALL_STREAMS = DecodePath("graphed", streams="calls")  # CUDA only, the concurrency table only
 COMPILED_FLOW = DecodePath("graphed", streams="synthesis", compile_flow=True)  # CUDA only (Triton)
@@ -1269,7 +1271,7 @@ class Suite:
 
     def part_gpu_busy_calls(self, name) -> None:
         """How busy the GPU and the host were while the most calls of ``--calls`` ended at once, on the
-        graphed path and the batched one."""
+        default path on CUDA (the synthesis stream) and the batched one."""
         if torch.device(self.args.device).type != "cuda":
             self.data["needs_cuda"].append(name)
             progress(f"{name}: not measured (GPU activity needs a CUDA device)")
@@ -1277,7 +1279,7 @@ class Suite:
         calls = self.args.calls or (8,)
         calls = 8 if 8 in calls else max(calls)  # (issue 9's target: eight calls)
         busy = self.data["gpu_busy_calls"] = {}
-        for path, key in ((GRAPHED, "graphed"), (BATCHED, "batched")):
+        for path, key in ((SYNTHESIS_STREAM, "synthesis stream"), (BATCHED, "batched")):
             if self._no_time_for_engine(path, f"{name} {key}"):
                 continue
             busy[key] = profiled_calls(self.engine_for(path), self.asr, path, self.forced, calls)
@@ -1309,7 +1311,7 @@ class Suite:
         """First audio with 1, 2, 4 ... calls at once on one path; a row is skipped when twice the
         previous row's time (the calls double) would run past the budget."""
         path = CALL_PARTS[name]
-        if path.streams != "default" and torch.device(self.args.device).type != "cuda":
+        if path.streams not in ("default", "auto") and torch.device(self.args.device).type != "cuda":
             self.data["needs_cuda"].append(name)
             progress(f"{name}: not measured (CUDA streams need a CUDA device)")
             return
@@ -1578,12 +1580,13 @@ def concurrency_lines(eager: dict, graphed: dict) -> list[str]:
     rows = [[str(n)] + [fmt(by_calls[(id(entry), key)].get(n, {}).get(figure)) for entry, key, figure in columns]
             for n in calls]
     lines = ["Concurrent calls whose callers stop speaking at the same moment (one thread each, every call "
-             "started and its partial transcripts made before; first audio in ms; 'synthesis stream': graphed, with every "
+             "started and its partial transcripts made before; first audio in ms; 'graphed': each call replaying its own "
+             "steps, on one CUDA stream (streams='default'); 'synthesis stream': graphed, with every "
              "call's flow and vocoder work on one CUDA stream beside the decoding (TasteEngine(streams='synthesis')); "
              "'call streams': that, and each call's other work on a stream of its own (streams='calls'); "
              "'batched': the spoken-LM and the "
              "speech-decoder steps of all calls in batched steps, 16 slots, and their flow and vocoder "
-             "windows in shared steps of up to 16 rows; peak MiB per call: the calls' peak GPU memory "
+             "windows in shared steps of up to 16 rows, with the synthesis stream on CUDA; peak MiB per call: the calls' peak GPU memory "
              "above the weights, with what the path set aside up front (batch slots, synthesis graphs), "
              "divided by the calls; — not measured):", ""]
     lines += table_lines(["calls", "eager median", "graphed median", "graphed max", "synthesis stream median",

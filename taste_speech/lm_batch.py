@@ -100,8 +100,8 @@ class LMStepBatch(BatchedSteps):
         """``spoken_lm``: a ``TasteSpokenLM``; ``slots``: conversations batched at most;
         ``capacity``: rows per conversation (a conversation's ``max_tokens`` plus a reply and a
         turn); ``graph_mode``: see ``step_graph`` ('auto' captures the steps on CUDA);
-        ``gather``: how long a step waits for the rows of the conversations that took part in the
-        previous step, as a fraction of that step's time (``batched_steps``)."""
+        ``gather``: how long past its due time a step waits for a conversation's row, as a
+        fraction of the conversation's round (``batched_steps``)."""
         super().__init__(slots, gather)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an integer >= 1 row, got {capacity!r}")
@@ -222,12 +222,9 @@ class LMStepBatch(BatchedSteps):
             furthest = max(self.length(s) for s in batch) + 1
             self._step_caches[n].set_view_rows(min(self.capacity + 1, _round_up_to(furthest, _EAGER_VIEW_QUANTUM)))
         hidden = self._graph(n).run()
-        out = {slot: hidden[slot:slot + 1].clone() for slot in batch}
-        if self.device.type == "cuda":
-            # the step's time is what the next one gathers by; this stream only: a device-wide wait
-            # fails while another call's thread captures a CUDA graph (a Whisper workspace, a new call)
-            torch.cuda.current_stream(self.device).synchronize()
-        return out
+        # (no wait for the GPU: each row's reader waits when it reads; the next step, on this
+        # stream, runs after the copies out of the graph's buffer)
+        return {slot: hidden[slot:slot + 1].clone() for slot in batch}
 
 
 class SlotLMCache(SlotCache):

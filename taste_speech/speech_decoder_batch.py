@@ -117,10 +117,7 @@ class SpeechStepBatch(BatchedSteps):
         copy_in(self._positions[:n], positions)  # (no wait for the GPU before the step is launched)
         copy_in(self._tokens[:n], tokens)
         logp = self._graph(n).run()
-        out = {slot: logp[slot].clone() for slot in batch}
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # (not the device: see lm_batch)
-        return out
+        return {slot: logp[slot].clone() for slot in batch}  # (no wait for the GPU: see lm_batch)
 
 
 class SlotSpeechCache(SlotCache):

@@ -47,11 +47,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "'none' (each call steps alone) or auto (none: on a GPU batching paid nothing "
                              "at 2-8 calls) - docs/GPU.md")
     parser.add_argument("--streams", default="auto", choices=["auto", "default", "synthesis", "calls"],
-                        help="CUDA streams: default (one), synthesis (every call's flow and vocoder work on a stream "
-                             "of its own beside the decoding, so that calls' token steps stop waiting for flow "
-                             "steps), calls (that, and each call's other work on a stream of the call's own), or "
-                             "auto (synthesis on the CUDA fast path, default elsewhere: on the H100 a whole reply "
-                             "took 0.096 s per audio second with synthesis against 0.106 with default) - "
+                        help="CUDA streams: auto (the default: synthesis on the CUDA fast path, default elsewhere; on "
+                             "the H100 a whole reply took 0.096 s per audio second with synthesis against 0.106 with "
+                             "default), default (one), synthesis (every call's flow and vocoder work on a stream of "
+                             "its own beside the decoding, so that calls' token steps stop waiting for flow steps), "
+                             "or calls (that, and each call's other work on a stream of the call's own) - "
                              "BENCHMARKS.md section 5, docs/GPU.md")
     parser.add_argument("--compile-flow", action="store_true",
                         help="run the flow's estimator through torch.compile inside the static synthesis path's steps "

@@ -204,10 +204,11 @@ class TasteEngine:
         nothing at 2-8 calls - BENCHMARKS.md section 5; try a number where many calls speak at once). ``merge_lora``: fold the spoken
         LM's LoRA adapters into its weights before any step runs (``TasteSpokenLM.merge_lora``:
         the same function, fewer kernels per token); False keeps them on the side (a model you go
-        on training). ``streams`` (see ``STREAMS``): 'default' (every thread's work on the device's
-        default stream), or on CUDA 'synthesis' (every call's flow and vocoder work on one stream
-        of its own, beside the decoding) or 'calls' (that, and each call's other work on a stream of
-        the call's own); 'auto': 'synthesis' on the CUDA fast path, 'default' elsewhere. ``compile_flow``: the flow's estimator through ``torch.compile`` inside the
+        on training). ``streams`` (see ``STREAMS``): 'auto' (the default: 'synthesis' on the CUDA
+        fast path, 'default' elsewhere), 'default' (every thread's work on the device's default
+        stream), or on CUDA 'synthesis' (every call's flow and vocoder work on one stream of its
+        own, beside the decoding) or 'calls' (that, and each call's other work on a stream of the
+        call's own). ``compile_flow``: the flow's estimator through ``torch.compile`` inside the
         static synthesis path's steps (``SynthesisGraphs(compile_flow=True)``; CUDA only, Triton
         needed, a minute or two more at start-up). Compiled for one static shape it took a flow
         step to 0.70-0.78 of its time on the H100; the engine compiles with dynamic shapes, not yet
@@ -534,7 +535,7 @@ def _check_device_options(streams: str, compile_flow: bool, device) -> None:
     cuda = str(device).startswith("cuda")
     if streams not in ("auto", "default") and not cuda:
         raise ValueError(f"streams={streams!r} needs a CUDA device (streams are CUDA's), not {device}: "
-                         "use streams='default' there")
+                         "use streams='auto' or 'default' there")
     if compile_flow and not cuda:  # (a CPU takes the eager synthesis path: nothing there to compile)
         raise ValueError(f"compile_flow=True needs a CUDA device (it compiles the captured flow steps of the "
                          f"static synthesis path), not {device}: leave it off there")
