@@ -51,7 +51,8 @@ The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio`
 ``levers``, ``chunk_limits``, ``pipelined_reply``, then the calls tables ``graphed_calls``,
 ``batched_calls``, ``synthesis_stream_calls``, ``call_streams_calls``, ``eager_calls``, and last
 what compiles or profiles: ``gpu_busy_calls`` (CUDA: eight calls ending at once under the profiler,
-graphed and batched: how busy the GPU and the host were), ``compiled_flow_reply``, ``gpu_busy``,
+on the synthesis stream and batched: how busy the GPU and the host were, and where their time went
+by operator and by kernel), ``compiled_flow_reply``, ``gpu_busy``,
 ``compiled_flow``. Each part's figures are written
 (markdown and JSON) as soon as it ends, and ``--budget-s`` skips what would start past the budget,
 so a run on a lent GPU with minutes to spare keeps every table it finished
