@@ -1145,8 +1145,8 @@ class Suite:
     parts; ``data`` collects the figures (``save`` is called after every part). ``budget_s``: a part,
     or a row of calls, that would start past the budget is skipped and listed as such."""
 
-    def __init__(self, args, save=lambda data: None):
-        self.args, self.save = args, save
+    def __init__(self, args, save=lambda data: None, freeze_gc: bool = False):
+        self.args, self.save, self.freeze_gc = args, save, freeze_gc
         self.started = time.perf_counter()
         if {"gpu_busy", "gpu_busy_calls"} & set(args.parts) and torch.device(args.device).type == "cuda":
             # the profiler must have been set up before the first CUDA graph is captured, or profiling
@@ -1182,6 +1182,10 @@ class Suite:
     def engine_for(self, path: DecodePath):
         if path not in self.engines:
             self.engines[path] = path_engine(self.engine, path)
+            if self.freeze_gc:  # as taste-agent does once ready: no full collection walks start-up's objects
+                from pipecat_taste.gc_pauses import freeze_startup_objects
+
+                freeze_startup_objects()
         return self.engines[path]
 
     def run(self, parts) -> dict:
@@ -1622,7 +1626,9 @@ def parse_parts(text: str) -> tuple[str, ...]:
     return tuple(p for p in PARTS if p in parts)  # always in the suite's order
 
 
-def main(argv=None) -> int:
+def main(argv=None, freeze_gc: bool = False) -> int:
+    """``freeze_gc``: freeze the garbage collector's view of each engine once built, as taste-agent
+    does (the command line; process-wide, so not for a caller's process such as the tests')."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
@@ -1652,11 +1658,11 @@ def main(argv=None) -> int:
         out.with_suffix(".json").write_text(json.dumps(data, indent=2, default=str))
 
     torch.set_grad_enabled(False)
-    data = Suite(args, save).run(parts)
+    data = Suite(args, save, freeze_gc).run(parts)
     save(data)
     print(out.read_text())
     return 1 if data["failed"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(freeze_gc=True))

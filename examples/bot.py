@@ -28,7 +28,7 @@ from pipecat.transports.base_transport import TransportParams
 from pipecat.transports.websocket.fastapi import FastAPIWebsocketParams
 from pipecat.workers.runner import WorkerRunner
 
-from pipecat_taste import TasteEngine, TasteSpeechToSpeech
+from pipecat_taste import TasteEngine, TasteSpeechToSpeech, freeze_startup_objects
 
 TRANSPORT_PARAMS = {
     "webrtc": lambda: TransportParams(audio_in_enabled=True, audio_out_enabled=True),
@@ -67,6 +67,7 @@ def main():
     if "-h" not in sys.argv and "--help" not in sys.argv:  # the help needs no model
         engine = TasteEngine.from_pretrained(args.model, device=args.device)
         engine.warm_up()  # on CUDA: captures the graphs now, not during the first call
+        freeze_startup_objects()  # full garbage collections then skip start-up's objects
         ours.set_defaults(engine=engine)  # reaches every bot() as runner_args.cli_args.engine
     run(argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[ours]))
 

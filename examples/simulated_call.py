@@ -10,7 +10,7 @@ out/example-call/ (recording.wav: caller left, agent right; report.json; timelin
 import argparse
 import asyncio
 
-from pipecat_taste import TasteEngine
+from pipecat_taste import TasteEngine, freeze_startup_objects
 from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig
 from taste_agents.simulate import simulate_call
@@ -21,6 +21,7 @@ async def main(model: str | None, device: str) -> None:
     # scripted caller sends its own transcripts, so no Whisper is loaded (asr=None).
     engine = TasteEngine.from_pretrained(model, device=device, asr="auto" if model is None else None)
     engine.warm_up()  # every stage run once (on CUDA: the graphs captured) before the call, not in its first turn
+    freeze_startup_objects()  # full garbage collections then skip start-up's objects: no long stalls mid-call
     config = PhoneAgentConfig(max_reply_tokens=6 if model is None else 48)
     u = load_utterances()
     script = [

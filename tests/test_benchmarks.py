@@ -215,3 +215,22 @@ def test_a_cpu_run_replaces_a_gpu_line_written_by_a_cuda_run_but_keeps_hand_writ
     assert run_all.gpu_markdown(cpu, howto) == howto["5"]
     measured = {"5": ["## 5. GPU", "", "Measured on the lent GPU machines ...", "", "| 183.0 |"]}
     assert run_all.gpu_markdown(cpu, measured) == measured["5"]
+
+
+def test_gc_pauses_benchmark_records_the_collector_s_pauses_per_generation():
+    import gc
+
+    from benchmarks.bench_gc_pauses import Pauses
+
+    class Node:
+        pass
+
+    with Pauses() as pauses:
+        for _ in range(1000):  # cycles: only the collector frees them
+            a, b = Node(), Node()
+            a.other, b.other = b, a
+        gc.collect()  # one full collection, at least
+    summary = pauses.summary()
+    assert summary[2]["count"] >= 1 and summary[2]["max_ms"] > 0
+    assert summary[2]["total_ms"] >= summary[2]["max_ms"]
+    assert pauses._callback not in gc.callbacks  # (the block's end removes it)

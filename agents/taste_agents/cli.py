@@ -198,6 +198,7 @@ def _missing_agent_modules() -> list[str]:
 
 def load_engine(args, say):
     from pipecat_taste.engine import TasteEngine
+    from pipecat_taste.gc_pauses import freeze_startup_objects
 
     started = time.monotonic()
     label = args.model or "the embedded tiny checkpoint"
@@ -223,6 +224,7 @@ def load_engine(args, say):
     # workspace for each call a server may hold at once; then one rehearsal turn runs every stage
     # once, so that the first caller does not pay for the first runs of their kernels
     rehearsal = engine.warm_up(calls=getattr(args, "max_calls", 1))
+    freeze_startup_objects()  # a full garbage collection would otherwise stall every call (gc_pauses)
     rehearsed = "" if rehearsal is None or rehearsal.first_audio_s is None else \
         f" (a rehearsal turn: first audio {1000 * rehearsal.first_audio_s:.0f} ms)"
     say(f"model ready in {time.monotonic() - started:.1f} s{rehearsed}")

@@ -2,6 +2,7 @@
 
     engine = TasteEngine.from_pretrained("MediaTek-Research/Llama-1B-TASTE-V0", device="cuda")
     engine.warm_up()  # captures the graphs (CUDA), then one rehearsal turn, before the first call
+    freeze_startup_objects()  # full garbage collections then skip start-up's objects (gc_pauses)
     pipeline = Pipeline([transport.input(), TasteSpeechToSpeech(engine), transport.output()])
 
 Pieces (usable on their own): :class:`WebRTCVADAnalyzer` (a Pipecat VAD analyzer),
@@ -22,6 +23,7 @@ from pipecat_taste.frames import (
     TasteTurnStatusFrame,
     TasteUserTurnFrame,
 )
+from pipecat_taste.gc_pauses import freeze_startup_objects
 from pipecat_taste.generation import TasteGenerator
 from pipecat_taste.playout import PlayoutParams, TastePlayout
 from pipecat_taste.service import TasteSpeechToSpeech
@@ -34,5 +36,5 @@ __all__ = [
     "TasteSegmentAudioFrame", "TasteTurnDecisionFrame", "TasteTurnMetricsFrame", "TasteTurnStatusFrame",
     "TasteUserTurnFrame",
     "TasteGenerator", "PlayoutParams", "TastePlayout", "TasteSpeechToSpeech", "TasteSynthesizer",
-    "WebRTCVADAnalyzer", "default_vad_params",
+    "WebRTCVADAnalyzer", "default_vad_params", "freeze_startup_objects",
 ]
