@@ -4,14 +4,14 @@ The bookkeeping shared by ``LMStepBatch`` (spoken LM) and ``SpeechStepBatch`` (s
 each decode (a call's conversation, a call's speech) holds a slot; a thread that wants one step
 puts its input in the waiting set and the first thread that finds no step running runs one step
 for every waiting input (``_run``, the subclass's batched forward) and wakes the others -
-continuous batching without a scheduler thread. Before it runs it waits for the decodes expected
-soon: each decode's round (the time between two of its inputs: its step, the read of the result,
-the host's work on it) says when its next input is due, and a step waits for it until
-``gather`` x its round past that. Without the wait the decodes take turns instead of stepping
-together. (The round, not a step's own time: between two steps a decode's thread reads the
-result, samples and makes its next input, longer than a step replayed on a GPU, and waits of a
-fraction of the step's time gathered nothing - on the H100 eight calls' speech-decoder steps ran
-1.16 to a step.)
+continuous batching without a scheduler thread. Before it runs it waits for the decodes due
+soon: each decode's work between two steps (from its result handed back to its next input: the
+read, the sampling, the next input made) says when its next input is due, and a step waits for
+it until ``gather`` x that work past then. Without the wait the decodes take turns instead of
+stepping together. (Its own work, not a step's time: on a GPU a replayed step is shorter than
+that work, and waits of a fraction of the step's time gathered nothing - on the H100 eight calls'
+speech-decoder steps ran 1.16 to a step. Not the time between its inputs either: that includes
+its waits in other steps' gathers, and one call's pause would then slow every call's pace.)
 
 A step covers the first n slots, n a power of two (slots are handed out lowest first); the
 subclass's ``_decode(n)`` runs it from static buffers, replayed as one CUDA graph per n on CUDA
@@ -51,7 +51,8 @@ class BatchedSteps:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         if not 0 <= gather <= 1:
-            raise ValueError(f"gather must be a fraction of a step between 0 and 1, got {gather!r}")
+            raise ValueError(f"gather must be a fraction of a decode's work between steps, between 0 and 1, "
+                             f"got {gather!r}")
         self.slots, self.gather = slots, float(gather)
         self.sizes = step_sizes(slots)  # steps cover the first n slots, n one of these
         self._lock = threading.Condition()
@@ -61,9 +62,11 @@ class BatchedSteps:
         self._waiting: dict[int, object] = {}
         self._finished: dict[int, object] = {}
         self._stepping = False
-        self._arrived: list[float | None] = [None] * slots  # when each slot's latest input came
-        self._intervals = [0.0] * slots  # each slot's time between its last two inputs
-        self._rounds = [0.0] * slots  # each slot's round (see _arrive); 0: not known yet
+        self._served: list[float | None] = [None] * slots  # when each slot's last step handed its result back
+        self._last_work = [0.0] * slots  # each slot's latest time from its result to its next input
+        self._work = [0.0] * slots  # each slot's work between steps (see _arrive); 0: not known yet
+        self._threads: list[int | None] = [None] * slots  # the thread that gave each slot's latest input
+        self._prefills = [0] * slots  # prefills of the slot in flight (``_using``)
         self._graphs: dict[int, StepGraph] = {}
         self.steps_run = 0  # batched steps so far
         self.rows_stepped = 0  # decode steps they served
@@ -134,7 +137,8 @@ class BatchedSteps:
                 if held is None and not self._busy[slot]:
                     ref = weakref.ref(owner)
                     self._owners[slot], self._lengths[slot] = ref, 0
-                    self._arrived[slot], self._intervals[slot], self._rounds[slot] = None, 0.0, 0.0
+                    self._served[slot], self._last_work[slot], self._work[slot], self._threads[slot] = (
+                        None, 0.0, 0.0, None)
                     # dropped without close(); not at exit, where a daemon thread may hold the lock
                     weakref.finalize(owner, self._release_dead, slot, ref).atexit = False
                     return slot
@@ -171,10 +175,12 @@ class BatchedSteps:
         """Work on one slot outside a batched step (a prefill): the slot cannot be freed meanwhile."""
         with self._lock:
             self._enter(slot, owner)
+            self._prefills[slot] += 1
         try:
             yield
         finally:
             with self._lock:
+                self._prefills[slot] -= 1
                 self._leave(slot)
 
     # -- steps -------------------------------------------------------------------------------------
@@ -191,7 +197,12 @@ class BatchedSteps:
                         self._lock.wait()
                         continue
                     self._stepping = True
-                    self._gather_inputs()
+                    try:
+                        self._gather_inputs()
+                    except BaseException:  # (an interrupt in the wait: another thread steps)
+                        self._stepping = False
+                        self._lock.notify_all()
+                        raise
                     batch, self._waiting = self._waiting, {}
                     self._lock.release()
                     try:
@@ -202,6 +213,9 @@ class BatchedSteps:
                     finally:
                         self._lock.acquire()
                         self._stepping = False
+                    served = time.perf_counter()
+                    for s in batch:
+                        self._served[s] = served
                     if failed is None:
                         self.steps_run += 1
                         self.rows_stepped += len(batch)
@@ -218,26 +232,30 @@ class BatchedSteps:
         return result
 
     def _arrive(self, slot: int, now: float) -> None:
-        """(Lock held.) ``slot``'s input came at ``now``. Its round is the shorter of the last two
-        times between its inputs: a pause (between replies, between segments, before a reply's
-        first step) makes one long time, not a round - waiting for a decode as long as its pause
-        would stall the others."""
-        last = self._arrived[slot]
-        if last is not None:
-            interval, previous = now - last, self._intervals[slot]
-            self._rounds[slot] = min(interval, previous) if previous else 0.0
-            self._intervals[slot] = interval
-        self._arrived[slot] = now
+        """(Lock held.) ``slot``'s input came at ``now``, from the calling thread. Its work between
+        steps is the shorter of its last two times from a result to the next input: a pause
+        (between replies, between segments) makes one long time, not its work - waiting for a
+        decode as long as its pause would stall the others."""
+        served = self._served[slot]
+        if served is not None:
+            work, previous = now - served, self._last_work[slot]
+            self._work[slot] = min(work, previous) if previous else 0.0
+            self._last_work[slot] = work
+        self._threads[slot] = threading.get_ident()
 
     def _gather_inputs(self) -> None:
-        """(Lock held.) Wait until every open slot expected soon has its input in: a slot is due one
-        round after its last input, and waited for until ``gather`` x its round past that."""
+        """(Lock held.) Wait until every slot due soon has its input in: a slot is due its work's
+        time after its result came back, and waited for until ``gather`` x its work past that. Not
+        waited for: slots of the calling thread (it cannot give their inputs while it waits here),
+        slots in a prefill (``_using``), closed ones."""
         if not self.gather:
             return
+        me = threading.get_ident()
         while True:
             now = time.perf_counter()
-            deadlines = [self._arrived[s] + (1 + self.gather) * self._rounds[s] for s in range(self.slots)
-                         if s not in self._waiting and self._rounds[s] and self._owner(s) is not None]
+            deadlines = [self._served[s] + (1 + self.gather) * self._work[s] for s in range(self.slots)
+                         if self._work[s] and s not in self._waiting and not self._prefills[s]
+                         and self._threads[s] != me and self._owner(s) is not None]
             last = max((d for d in deadlines if d > now), default=None)
             if last is None:
                 return

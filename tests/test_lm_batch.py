@@ -67,7 +67,7 @@ def test_one_batched_step_equals_each_conversation_alone(lm, graph_mode):
     # One step for slots 0 and 2 only (it covers slots 0..3): slot 0's step waits for slot 2's
     # row, as for two calls that stepped together last time.
     for slot in (0, 2):  # both due within 5 s: whichever comes first waits for the other
-        batch._arrived[slot], batch._rounds[slot] = time.perf_counter(), 5.0
+        batch._served[slot], batch._work[slot] = time.perf_counter(), 5.0
     out = {}
     other = threading.Thread(target=lambda: out.update({2: feed(lm, states[2], rows[2][:, 28:29])}))
     other.start()
@@ -242,40 +242,68 @@ class Decode:
     """An owner of a slot (held weakly by the batch)."""
 
 
-def step_in_turn(steps, slot, owner, rounds, host_s):
+def step_in_turn(steps, slot, owner, rounds, host_s, start=None):
+    if start is not None:
+        start.wait()
     for i in range(rounds):
         assert steps._step(slot, owner, i) == i
         time.sleep(host_s)  # the read of the result and the host's work on it
 
 
 def test_decodes_whose_work_between_steps_outlasts_the_step_still_step_together():
-    """The steps take no time (a CUDA graph's launch), the decodes' threads 2 and 6 ms between
-    them (the read, the sampling): each step waits for the decode due within its round, so the two
-    step together. (Waiting a fraction of the step's own time, they ran about one to a step.)"""
+    """The steps take no time (a CUDA graph's launch), the decodes' threads 5 and 15 ms between
+    them (the read, the sampling): each step waits for the decode due by its own work, so the two
+    step together, at the slower one's pace. (Waiting a fraction of the step's own time, they ran
+    about one to a step.)"""
+    steps = LaunchOnly(slots=2, gather=0.5)
+    owners = [Decode(), Decode()]
+    slots = [steps._acquire(owner) for owner in owners]
+    start = threading.Barrier(2)
+    run_in_threads(step_in_turn, [(steps, slots[0], owners[0], 30, 0.005, start),
+                                  (steps, slots[1], owners[1], 30, 0.015, start)])
+    stats = steps.stats()
+    assert stats["rows_stepped"] == 60 and stats["mean_batch"] >= 1.4, stats
+
+
+def test_a_thread_stepping_several_slots_in_turn_does_not_wait_for_its_own():
+    """One thread alternating two decodes (two conversations driven round-robin): the step of one
+    cannot wait for the other, whose input only this thread can give."""
     steps = LaunchOnly(slots=2, gather=1.0)
     owners = [Decode(), Decode()]
     slots = [steps._acquire(owner) for owner in owners]
-    run_in_threads(step_in_turn, [(steps, slots[0], owners[0], 30, 0.002), (steps, slots[1], owners[1], 30, 0.006)])
-    stats = steps.stats()
-    assert stats["rows_stepped"] == 60 and stats["mean_batch"] >= 1.6, stats
+    took = []
+
+    def round_robin():
+        started = time.perf_counter()
+        for i in range(40):
+            for slot, owner in zip(slots, owners):
+                assert steps._step(slot, owner, i) == i
+            time.sleep(0.001)
+        took.append(time.perf_counter() - started)
+
+    driver = threading.Thread(target=round_robin, daemon=True)  # (waiting for itself, it would never end)
+    driver.start()
+    driver.join(timeout=10)
+    assert took and took[0] < 1.0  # 80 steps of 1 ms work
+    assert steps._work[slots[0]] > 0  # (known: each would be waited for, were it another thread's)
 
 
 def test_a_decode_that_stopped_or_paused_is_not_waited_for_long():
     """A decode that stopped stepping (its reply ended; its slot stays open) is waited for until
-    gather x its round past its due time, then no more; one that comes back after a pause is not
+    gather x its work past its due time, then no more; one that comes back after a pause is not
     then waited for as long as its pause."""
     steps = LaunchOnly(slots=2, gather=1.0)
     owners = [Decode(), Decode()]
     slots = [steps._acquire(owner) for owner in owners]
     run_in_threads(step_in_turn, [(steps, slots[0], owners[0], 10, 0.003), (steps, slots[1], owners[1], 10, 0.003)])
-    assert 0 < max(steps._rounds) < 0.1
+    assert 0 < max(steps._work) < 0.1
     started = time.perf_counter()
     for i in range(3):  # slot 1 stays open but does not come
         steps._step(slots[0], owners[0], i)
     assert time.perf_counter() - started < 0.25
-    time.sleep(0.5)  # a pause of both, then slot 1 once more: its round grows twofold, not to 0.5 s
+    time.sleep(0.5)  # a pause of both, then slot 1 once more: its work stays its work, not the pause
     steps._step(slots[1], owners[1], 0)
-    assert steps._rounds[slots[1]] < 0.2
+    assert steps._work[slots[1]] < 0.2
     started = time.perf_counter()
     for i in range(3):
         steps._step(slots[0], owners[0], i)
@@ -286,7 +314,7 @@ def test_without_gather_a_step_never_waits():
     steps = LaunchOnly(slots=2, gather=0.0)
     owners = [Decode(), Decode()]
     slots = [steps._acquire(owner) for owner in owners]
-    steps._arrived[slots[1]], steps._rounds[slots[1]] = time.perf_counter(), 5.0  # due, but not waited for
+    steps._served[slots[1]], steps._work[slots[1]] = time.perf_counter(), 5.0  # due, but not waited for
     started = time.perf_counter()
     assert steps._step(slots[0], owners[0], "x") == "x"
     assert time.perf_counter() - started < 0.5
@@ -301,7 +329,7 @@ def test_a_step_waits_for_the_calls_of_the_previous_step(lm, gather, steps):
     states = [lm.new_decode_state(cache=batch.open()) for _ in rows]
     for state, r in zip(states, rows):
         feed(lm, state, r[:, :5])
-    batch._arrived[1], batch._rounds[1] = time.perf_counter(), 5.0  # as if its last round took 5 s
+    batch._served[1], batch._work[1] = time.perf_counter(), 5.0  # as if its work between steps took 5 s
     late = threading.Thread(target=lambda: (time.sleep(0.05), feed(lm, states[1], rows[1][:, 5:6])))
     late.start()
     feed(lm, states[0], rows[0][:, 5:6])
