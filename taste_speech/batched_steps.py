@@ -70,6 +70,7 @@ class BatchedSteps:
         self._graphs: dict[int, StepGraph] = {}
         self.steps_run = 0  # batched steps so far
         self.rows_stepped = 0  # decode steps they served
+        self.gather_waits = 0  # steps that waited for a due decode's input
 
     # -- to implement ------------------------------------------------------------------------------
     # Subclasses set ``device``, ``graph_mode``, ``capacity`` and ``_positions`` (a (slots,) device
@@ -117,6 +118,7 @@ class BatchedSteps:
             return {"slots": self.slots, "slots_in_use": sum(o is not None for o in self._owners),
                     "steps": self.steps_run, "rows_stepped": self.rows_stepped,
                     "mean_batch": round(self.rows_stepped / self.steps_run, 3) if self.steps_run else None,
+                    "gather_waits": self.gather_waits,
                     "graphs": sorted(n for n, g in self._graphs.items() if g.captured)}
 
     def length(self, slot: int) -> int:
@@ -250,7 +252,7 @@ class BatchedSteps:
         slots in a prefill (``_using``), closed ones."""
         if not self.gather:
             return
-        me = threading.get_ident()
+        me, waited = threading.get_ident(), False
         while True:
             now = time.perf_counter()
             deadlines = [self._served[s] + (1 + self.gather) * self._work[s] for s in range(self.slots)
@@ -259,6 +261,8 @@ class BatchedSteps:
             last = max((d for d in deadlines if d > now), default=None)
             if last is None:
                 return
+            if not waited:
+                self.gather_waits, waited = self.gather_waits + 1, True
             self._lock.wait(last - now)
 
     @contextlib.contextmanager
