@@ -101,7 +101,7 @@ class LMStepBatch(BatchedSteps):
         ``capacity``: rows per conversation (a conversation's ``max_tokens`` plus a reply and a
         turn); ``graph_mode``: see ``step_graph`` ('auto' captures the steps on CUDA);
         ``gather``: how long past its due time a step waits for a conversation's row, as a
-        fraction of the conversation's round (``batched_steps``)."""
+        fraction of the conversation's work between steps (``batched_steps``)."""
         super().__init__(slots, gather)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an integer >= 1 row, got {capacity!r}")

@@ -7,10 +7,11 @@ thousand objects once warmed up (modules, tokenizer tables, the models' modules 
 and one full collection of them took 244 ms on a 2-core CPU (``benchmarks/bench_gc_pauses.py``,
 BENCHMARKS.md section 17). Full collections are rare - Python runs one when the objects that
 outlived younger collections have grown by a quarter of those the last one walked; none ran in
-the benchmark's scripted calls, seven (up to 202 ms each) in a whole `taste-agent call
---simulate`, start-up included - but one in a call cuts its audio for that long. Freezing what start-up made (``gc.freeze``) takes it out of the collector's
-reach for good: a full collection then walks what came since (0.0 ms there), and start-up's
-objects are still freed by their reference counts (only cycles among them would stay).
+the benchmark's scripted calls, seven (up to 202 ms each) in a whole ``taste-agent call
+--simulate``, start-up included - but one in a call cuts its audio for that long. Freezing what
+start-up made (``gc.freeze``) takes it out of the collector's reach for good: a full collection
+then walks what came since (0.0 ms there), and start-up's objects are still freed by their
+reference counts (only cycles among them would stay).
 """
 
 from __future__ import annotations
