@@ -56,7 +56,8 @@ class Pauses:
 
     def summary(self) -> dict[int, dict]:
         """Per generation: collections, their total and their longest pause (ms)."""
-        return {gen: {"count": len(ms), "total_ms": sum(ms), "max_ms": max(ms)} for gen, ms in sorted(self.pauses.items())}
+        return {gen: {"count": len(ms), "total_ms": sum(ms), "max_ms": max(ms)}
+                for gen, ms in sorted(self.pauses.items())}
 
 
 def full_collection_ms() -> float:
