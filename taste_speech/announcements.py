@@ -42,6 +42,10 @@ class Announcements:
         """``owner``'s work came: True if it had been announced (it is no longer awaited)."""
         return self._owners.pop(id(owner), None) is not None
 
+    def withdraw(self, owner) -> None:
+        """``owner``'s announced work will not come (it was given up): nothing waits for it."""
+        self._owners.pop(id(owner), None)
+
     def pending(self, here: Callable[[], set[int]] = set) -> int:
         """Announced owners still alive whose work has not come. ``here()``: the ids of owners with
         other work already queued (a call's partial transcript when its turn ends): their

@@ -465,3 +465,35 @@ async def test_replies_that_fail_mid_way_give_back_their_segment_slots():
     assert all(any("generation failed" in e for e in r.errors) for r in records[:-1]), [r.errors for r in records]
     assert records[-1].generation_done_at is not None and records[-1].total_words > 0 and not records[-1].errors
     assert call.segment_slots._value == call.max_pending_segments  # every slot back
+
+
+async def test_a_reply_taken_back_gives_up_its_speech_when_the_next_reply_starts():
+    """An early reply that started speaking and was taken back (the caller went on) is given up
+    (``drop_speech``) before the next reply's speech starts: on the fast path the calls' shared
+    synthesis steps then no longer wait for its first window. A reply that ended is not."""
+    from pipecat.frames.frames import CancelFrame
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.engine import UserTurn
+    from pipecat_taste.frames import TasteTurnStatusFrame, TasteUserTurnFrame
+    from pipecat_taste.generation import TasteGenerator
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeEngine, FakeSegment
+
+    def turn(turn_id, text, tentative=False):
+        now = time.monotonic()
+        return TasteUserTurnFrame(turn_id, text, UserTurn(text, FakeSegment(text.split(), 2), 2, 1.0), now, now,
+                                  tentative=tentative)
+
+    engine = FakeEngine(word_delay=0.05)
+    call = TasteCall(engine)
+    frames = [turn(1, "hello there friend", tentative=True), SleepFrame(0.3),  # speaking, not yet confirmed
+              TasteTurnStatusFrame(1, "retracted"), SleepFrame(0.2),
+              turn(2, "hello there friend how are you"), SleepFrame(2.0),
+              turn(3, "and you"), SleepFrame(2.0), CancelFrame()]
+    await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call)]), frames_to_send=frames,
+                   send_end_frame=False)
+    (session,) = engine.sessions
+    assert session.replies_started >= 2 and len(session.dropped_speech) == 1  # turn 1's; turn 2's ended
+    assert call.log.turns[2].total_words > 0

@@ -23,7 +23,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from taste_speech.streaming.synthesis import speak, start_speaking
+from taste_speech.streaming.synthesis import speak, start_speaking, stop_speaking
 from taste_speech.streaming.synthesis_graphs import (
     FIRST_WINDOW_FRAMES,
     FLOW_BUCKETS,
@@ -420,6 +420,24 @@ def test_an_utterance_dropped_before_its_first_window_is_not_waited_for(vg):
 
     graphs._lock.wait = no_waiting
     assert speak(vg, state, tokens[:, :20]) and graphs.first_batches == {1: 1} and not graphs._starting.pending()
+
+
+def test_an_utterance_given_up_before_its_first_window_is_not_waited_for(vg):
+    """A reply taken back after it started speaking, its state still alive (the plugin holds it
+    until the next reply): ``stop_speaking`` withdraws its announcement, so the next first window
+    does not wait for it. (Without, it waits once, up to first_gather steps: the test above.)"""
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4)
+    graphs._first_step.measured(5.0)
+    (_, _, given_up), (tokens, _, state) = announced(vg, graphs, 2, seed=26)
+    stop_speaking(given_up)
+    stop_speaking(given_up)  # (twice: nothing more to withdraw)
+
+    def no_waiting(timeout=None):
+        raise AssertionError(f"the step waited (up to {timeout} s) for an utterance given up")
+
+    graphs._lock.wait = no_waiting
+    assert speak(vg, state, tokens[:, :20]) and graphs.first_batches == {1: 1} and graphs._starting.waits == 0
+    assert given_up.chunks_emitted == 0
 
 
 def test_first_gather_is_checked_and_one_row_announces_nothing(vg):

@@ -906,6 +906,14 @@ class TasteSession:
         # the next segment continues this one's words and speech (as taste_detokenize with a state)
         state.prev_text_ids, state.prev_taste_ids, state.prev_speech_ids = text_ids, taste_ids, new
 
+    def drop_speech(self, state: SpeechState) -> None:
+        """A reply given up before its end (taken back: the caller went on): the calls' shared
+        synthesis steps no longer wait for its first window (``stop_speaking``)."""
+        from taste_speech.streaming.synthesis import stop_speaking
+
+        if state.synthesis is not None:
+            stop_speaking(state.synthesis)
+
     def vocode(self, state: SpeechState, tokens: list[int], final: bool = False) -> list[np.ndarray]:
         import torch
 

@@ -209,6 +209,8 @@ class TasteSynthesizer(FrameProcessor):
             if self._dropped(frame.turn_id):
                 continue
             if reply is None or reply.turn_id != frame.turn_id:
+                if reply is not None and reply.state is not None and self._dropped(reply.turn_id):
+                    self._call.session.drop_speech(reply.state)  # (its first window: awaited by no one now)
                 reply = await self._start_reply(frame.turn_id)
             if isinstance(frame, TasteReplyEndFrame):
                 await self._groups.put(("end", reply, frame.reason))

@@ -79,6 +79,7 @@ class FakeSession:
         self.history: list[tuple[str, str]] = []  # committed (role, text)
         self._turn_starts: list[tuple[UserTurn, int]] = []  # each answered turn and where it begins in history
         self.forgotten: list[str] = []  # transcripts of turns taken back (answered too early)
+        self.dropped_speech: list[SpeechState] = []  # speech states of replies given up (drop_speech)
         self._last_reply: list[str] = []
         self.replies_started = 0
         self.threads: set[str] = set()
@@ -184,6 +185,9 @@ class FakeSession:
         yield tokens[:half]
         yield tokens[half:]
         state.prev_speech_ids = state.prev_speech_ids + tokens
+
+    def drop_speech(self, state: SpeechState) -> None:
+        self.dropped_speech.append(state)
 
     def vocode(self, state: SpeechState, tokens: list[int], final: bool = False) -> list[np.ndarray]:
         self.threads.add(threading.current_thread().name)

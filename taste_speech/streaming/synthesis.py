@@ -173,6 +173,15 @@ def start_speaking(
     return state
 
 
+def stop_speaking(state: SynthesisState) -> None:
+    """An utterance given up before its end (a reply dropped, the caller talking over it): if its
+    first window has not come, the shared synthesis steps no longer wait for it (without this, the
+    next utterance's first window could wait for it once, up to a first-window step). The state is
+    otherwise left as it is."""
+    if state.graphs is not None:
+        state.graphs.forget_first_window(state)
+
+
 def _window_frames(policy: EmissionPolicy, graphs: Optional[SynthesisGraphs]) -> tuple[int, ...]:
     """The sizes flow windows are widened to: the policy's, or by default the bucketed path's unpadded sizes."""
     if policy.window_frames is not None:

@@ -379,6 +379,13 @@ class SynthesisGraphs:
         with self._lock:
             self._starting.add(owner)
 
+    def forget_first_window(self, owner) -> None:
+        """An announced utterance given up before its first window (``stop_speaking``: a reply
+        dropped): no first window waits for it any more."""
+        with self._lock:
+            self._starting.withdraw(owner)
+            self._lock.notify_all()  # (a step waiting for it goes on)
+
     def flow(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor,
              owner=None) -> torch.Tensor:
         """The flow's ODE on one window: mu, cond, noise (1, 80, n), spks (1, 80) -> mel (1, 80, n).
