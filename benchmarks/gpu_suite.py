@@ -496,6 +496,20 @@ def without(intervals, holes) -> list[tuple[float, float]]:
     return out
 
 
+def in_span(events, start: float, end: float, host: bool):
+    """(event, its time clipped to the span) for the events of the host's threads (``host``: the
+    operators, the timed span's own range left out) or of the GPU (kernels and copies) that ran
+    in the span. A ``record_function`` range shows on the GPU's side too, as a user annotation
+    spanning the kernels launched inside it: not work of its own, left out on both sides."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CPU if host else DeviceType.CUDA
+    for e in events:
+        if (e.device_type == kind and not getattr(e, "is_user_annotation", False) and not (host and e.name == TIMED_SPAN)
+                and e.time_range.end > start and e.time_range.start < end):
+            yield e, (max(e.time_range.start, start), min(e.time_range.end, end))
+
+
 def gpu_activity(events) -> dict:
     """From profiler events: the timed span (``timed_span``) and the GPU's activity inside it -
     ``busy_ms`` the time any kernel or copy ran, ``kernel_ms`` their summed durations (above
@@ -509,11 +523,7 @@ def gpu_activity(events) -> dict:
         raise ValueError(f"no {TIMED_SPAN!r} range among the profiler's events: wrap the timed part in timed_span()")
     start = min(e.time_range.start for e in spans)
     end = max(e.time_range.end for e in spans)
-    # (a record_function range shows on the GPU's side too, as a user annotation spanning the kernels
-    # launched inside it: not work of its own)
-    device = [(max(e.time_range.start, start), min(e.time_range.end, end)) for e in events
-              if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-              and e.time_range.end > start and e.time_range.start < end]
+    device = [clipped for _, clipped in in_span(events, start, end, host=False)]
     busy, summed = busy_us(device), sum(b - a for a, b in device)
     span = end - start
     # the host: per thread, the time it ran operators in the span, less the time it waited for the GPU
@@ -522,18 +532,15 @@ def gpu_activity(events) -> dict:
     # turns (one interpreter lock). The Python between operators is not seen: a lower bound.
     ran: dict = {}
     waited: dict = {}
-    for e in events:
-        if (e.device_type == DeviceType.CPU and e.name != TIMED_SPAN and not getattr(e, "is_user_annotation", False)
-                and e.time_range.end > start and e.time_range.start < end):
-            kind = waited if any(word in e.name for word in HOST_WAITS) else ran
-            kind.setdefault(e.thread, []).append((max(e.time_range.start, start), min(e.time_range.end, end)))
+    for e, clipped in in_span(events, start, end, host=True):
+        kind = waited if any(word in e.name for word in HOST_WAITS) else ran
+        kind.setdefault(e.thread, []).append(clipped)
     working = {thread: without(intervals, waited.get(thread, [])) for thread, intervals in ran.items()}
     host = busy_us([interval for intervals in working.values() for interval in intervals])
     host_summed = sum(busy_us(intervals) for intervals in working.values())
-    threads = working
     return {"span_ms": span / 1000, "busy_ms": busy / 1000, "kernel_ms": summed / 1000, "device_events": len(device),
             "busy_share": busy / span if span else 0.0, "side_by_side": summed / busy if busy else 0.0,
-            "host_busy_share": host / span if span else 0.0, "host_threads": len(threads),
+            "host_busy_share": host / span if span else 0.0, "host_threads": len(working),
             "host_side_by_side": host_summed / host if host else 0.0,
             "host_operators": host_operators(events, start, end), "device_kernels": device_kernels(events, start, end)}
 
@@ -542,16 +549,12 @@ def device_kernels(events, start: float, end: float, top: int = HOST_OPERATORS) 
     """The GPU's time in the span by kernel (and copy): durations clipped to the span and summed per
     name (kernels inside replayed graphs are seen one by one); the ``top`` names by that time, with
     how often each ran. Names are cut to 90 characters (templated kernels' names run to hundreds)."""
-    from torch.autograd import DeviceType
-
     took: dict = {}
     count: dict = {}
-    for e in events:
-        if (e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-                and e.time_range.end > start and e.time_range.start < end):
-            name = e.name[:90]
-            took[name] = took.get(name, 0.0) + min(e.time_range.end, end) - max(e.time_range.start, start)
-            count[name] = count.get(name, 0) + 1
+    for e, (a, b) in in_span(events, start, end, host=False):
+        name = e.name[:90]
+        took[name] = took.get(name, 0.0) + b - a
+        count[name] = count.get(name, 0) + 1
     ranked = sorted(took, key=took.get, reverse=True)[:top]
     return [{"name": name, "count": count[name], "ms": took[name] / 1000} for name in ranked]
 
@@ -561,14 +564,9 @@ def host_operators(events, start: float, end: float, top: int = HOST_OPERATORS) 
     the events nested in it, on its thread - an ``aten::copy_`` apart from the ``cudaMemcpyAsync``
     inside it), clipped to the span and summed over the threads per name; the ``top`` names by
     that time, with how often each ran. Waits for the GPU are among them (``cudaStreamSynchronize``)."""
-    from torch.autograd import DeviceType
-
     per_thread: dict = {}
-    for e in events:
-        if (e.device_type == DeviceType.CPU and e.name != TIMED_SPAN and not getattr(e, "is_user_annotation", False)
-                and e.time_range.end > start and e.time_range.start < end):
-            clipped = (max(e.time_range.start, start), min(e.time_range.end, end))
-            per_thread.setdefault(e.thread, []).append((clipped, e.name))
+    for e, clipped in in_span(events, start, end, host=True):
+        per_thread.setdefault(e.thread, []).append((clipped, e.name))
     own: dict = {}
     count: dict = {}
     for ranges in per_thread.values():
