@@ -18,9 +18,14 @@ Slots after p (not fed yet, or stale after a ``truncate``) are masked, so trunca
 the counter back. One decode step therefore has fixed shapes and reads its position from the
 device: the whole step (speech-token embedding -> AR decoder -> ``llm_decoder`` -> log-softmax)
 is run by a ``StepGraph`` (captured on CUDA; eager or rehearsed elsewhere), with the token id in
-a static buffer. Sampling stays outside. Multi-row feeds (the prefix, forced tokens) run eagerly
-on the same buffers. Feeding past the capacity grows the cache (a copy; the step is captured
-again).
+a static buffer. Sampling stays outside. A multi-row feed (a segment's prefix, the speech tokens it
+continues, forced tokens) is padded to the smallest of ``PREFILL_BUCKETS`` rows that holds it and
+replays that bucket's captured step: eagerly it is a few hundred kernel launches (seven blocks of
+attention and feed-forward), replayed one. The padding rows come after the real ones, so no real
+query sees them (causal); their keys and values land in slots past the real end, masked until a
+later feed overwrites them, and the counters then move back to the real end. Longer feeds, and
+feeds whose padding would pass the capacity, run eagerly on the same buffers. Feeding past the
+capacity grows the cache (a copy; the steps are captured again).
 
 Interface shared with ``KVCache`` (what ``TasteSpeechDecoder`` and ``SpeechDecodeState`` use):
 ``length``, ``truncate(length)``, ``clone()``. Static only: ``forward(rows)``, ``decode_step(token)``,
@@ -40,10 +45,13 @@ import copy
 import torch
 
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, sinusoid_encoding
-from taste_speech.step_graph import StepGraph, resolve_mode
+from taste_speech.step_graph import StepGraph, first_fallback_reason, resolve_mode
 
 CACHE_KINDS = ("auto", "static", "dynamic")
 DEFAULT_CAPACITY = 1024
+# Multi-row feeds padded to one of these and replayed as that bucket's step: a segment's prefix is its
+# words' Whisper tokens plus 3 rows, the speech it continues some tens of tokens.
+PREFILL_BUCKETS = (16, 32, 64, 128)
 _GROW_QUANTUM = 256  # capacities are multiples of this (fewer distinct shapes to capture)
 
 
@@ -65,6 +73,10 @@ class StaticSpeechCache:
         with _plain_tensors():  # usable inside and outside inference_mode
             self.position = torch.zeros((), dtype=torch.long, device=self.device)
             self._token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._rows: dict[int, torch.Tensor] = {}  # a static input per prefill bucket, made on first use
+        self._prefill_steps: dict[int, StepGraph] = {}
+        # one memory pool for this cache's steps: they run one after another, never together
+        self._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._allocate(_round_up(capacity))
@@ -90,7 +102,8 @@ class StaticSpeechCache:
             twin.values = [v.clone() for v in self.values]
             twin.position = self.position.clone()
             twin._token = torch.zeros_like(self._token)
-        twin._step = None
+        twin._step, twin._rows, twin._prefill_steps = None, {}, {}
+        twin._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
         return twin  # pos_keys and key_positions are never written in place: shared
 
     def __deepcopy__(self, memo):
@@ -104,7 +117,23 @@ class StaticSpeechCache:
 
     @property
     def fallback_reason(self) -> str | None:
-        return None if self._step is None else self._step.fallback_reason
+        return first_fallback_reason([self._step, *self._prefill_steps.values()])
+
+    def prefill_bucket(self, rows: int) -> int | None:
+        """The captured step a feed of ``rows`` rows would take now (None: eager)."""
+        if self.graph_mode == "eager" or rows < 2:
+            return None
+        bucket = next((b for b in PREFILL_BUCKETS if b >= rows), None)
+        return bucket if bucket is not None and self._length + bucket <= self.capacity else None
+
+    def warm_up_prefill(self) -> None:
+        """Run (and so capture) every prefill bucket that fits after the current positions, then
+        forget what they wrote: the cache is left as it was."""
+        length = self._length
+        for bucket in PREFILL_BUCKETS:
+            if self.prefill_bucket(bucket) == bucket:
+                self.forward(torch.zeros(1, bucket, self.llm.input_size, device=self.device, dtype=self.dtype))
+                self._set_length(length)
 
     def reset(self) -> None:
         """Empty the cache for a new utterance; the captured step stays valid."""
@@ -112,14 +141,19 @@ class StaticSpeechCache:
         self._set_length(0)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """Feed rows (1, t, d) after the positions fed so far, eagerly; returns the AR decoder's
-        outputs (1, t, out), as ``llm.forward_incremental`` would."""
+        """Feed rows (1, t, d) after the positions fed so far (a bucket's captured step, or
+        eagerly); returns the AR decoder's outputs (1, t, out), as ``llm.forward_incremental`` would."""
         if rows.dim() != 3 or rows.shape[0] != 1 or rows.shape[1] == 0 or rows.shape[2] != self.llm.input_size:
             raise ValueError(f"rows must be (1, t>0, {self.llm.input_size}), got {tuple(rows.shape)}")
         t = rows.shape[1]
         self._make_room(t)
-        hidden = self._run(rows.to(self.dtype))
+        if (bucket := self.prefill_bucket(t)) is not None:
+            hidden = self._prefill(rows, bucket)
+        else:
+            hidden = self._run(rows.to(self.dtype))
         self._length += t
+        if bucket is not None:
+            self._sync_position()  # the step moved the device counter past its padding: back to the real end
         return hidden
 
     def decode_step(self, token: int) -> torch.Tensor:
@@ -127,7 +161,8 @@ class StaticSpeechCache:
         step's output buffer is overwritten by the next step)."""
         self._make_room(1)
         if self._step is None:
-            self._step = StepGraph(self._token_step, self.device, self.graph_mode, rewind=self._sync_position,
+            self._step = StepGraph(self._token_step, self.device, self.graph_mode, pool=self._pool,
+                                   rewind=self._sync_position,
                                    name="speech decoder step")
         self._token.fill_(int(token))
         logp = self._step.run().clone()
@@ -155,7 +190,8 @@ class StaticSpeechCache:
             self.keys, self.values, self.pos_keys = keys, values, pos_keys
             self.key_positions = distances
         self.capacity = capacity
-        self._step = None  # a captured step is bound to the old tensors
+        self._step = None  # captured steps are bound to the old tensors
+        self._prefill_steps = {}
 
     def _make_room(self, t: int) -> None:
         needed = self._length + t
@@ -179,6 +215,21 @@ class StaticSpeechCache:
         rows = self.embedding(self._token).unsqueeze(0).to(self.dtype)  # (1, 1, d)
         hidden = self._run(rows)
         return self.head(hidden[:, -1]).float().log_softmax(dim=-1)[0]
+
+    def _prefill(self, rows: torch.Tensor, bucket: int) -> torch.Tensor:
+        """``rows`` (1, t, in) through the bucket's captured step: (1, t, out), a copy (the step's
+        output buffer is overwritten by its next run)."""
+        t = rows.shape[1]
+        if bucket not in self._prefill_steps:
+            with _plain_tensors():
+                self._rows[bucket] = torch.zeros(1, bucket, self.llm.input_size, device=self.device, dtype=self.dtype)
+            self._prefill_steps[bucket] = StepGraph(lambda: self._run(self._rows[bucket]), self.device, self.graph_mode,
+                                                    pool=self._pool, rewind=self._sync_position,
+                                                    name=f"speech decoder prefill ({bucket} rows)")
+        buffer = self._rows[bucket]
+        buffer[:, :t].copy_(rows)
+        buffer[:, t:].zero_()  # (finite padding: its masked keys are weighted 0, and 0 * NaN is NaN)
+        return self._prefill_steps[bucket].run()[:, :t].clone()
 
     def _run(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (1, t, in) at positions position..position+t-1 -> (1, t, out); writes their keys

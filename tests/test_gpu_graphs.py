@@ -265,6 +265,9 @@ def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
     assert len(tokens) > 0
     assert tokens == eager.speech_token_ids[0].tolist()
     assert cache.captured, cache.fallback_reason
+    # the prefix went through its bucket's captured step, not eagerly
+    bucket = cache.prefill_bucket(prefix.shape[1])
+    assert bucket is not None and cache._prefill_steps[bucket].captured, cache.fallback_reason
 
 
 def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a):
@@ -560,6 +563,10 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     hello = load_utterances()["hello"]
     session = engine.new_session(GenerationSettings(max_reply_tokens=6))
     session.warm_up()
+    if decoding != "eager":  # a segment's multi-row speech-decoder feeds: captured bucket steps, ready before the turn
+        speech = session.speech_cache()
+        assert speech._prefill_steps and all(step.captured for step in speech._prefill_steps.values()), \
+            speech.fallback_reason
     turn = session.user_turn(hello.audio, hello.text)
     segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
     assert segments

@@ -279,6 +279,7 @@ def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engi
             session.warm_up()
             assert session.conversation.state.decode.cache._step is not None  # the LM step ran once
             assert session.speech_cache()._step is not None  # and the speech decoder's
+            assert session.speech_cache()._prefill_steps == {}  # (on a CPU multi-row feeds stay eager)
         turn = session.user_turn(hello.audio, hello.text)
         results[name] = speak_reply(session, turn)
         static = name != "eager"

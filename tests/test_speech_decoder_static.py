@@ -112,6 +112,52 @@ def test_steps_truncation_and_growth_equal_the_dynamic_cache(decoder, prefix, gr
         assert max_diff(keys[:, :, :n], layer.keys) < 1e-4 and max_diff(values[:, :, :n], layer.values) < 1e-4
 
 
+def test_multi_row_feeds_replay_a_padded_bucket_step_and_equal_eager_feeds(decoder, prefix):
+    """Rehearsed (the capture protocol, then the bucket steps run as replays would): feeds of 2..100
+    rows go through the smallest bucket that holds them, padded after the real rows; what they
+    return, and every decision after them, equals the eager feeds of a cache without steps. A feed
+    whose padding would pass the capacity runs eagerly."""
+    from taste_speech.speech_decoder_cache import PREFILL_BUCKETS
+
+    rehearsed = decoder.start(prefix, cache=decoder.new_cache("static", capacity=256, graph_mode="rehearse"),
+                              record_logprobs=True, min_len=300, max_len=400)
+    eager = decoder.start(prefix, cache=decoder.new_cache("static", capacity=256, graph_mode="eager"),
+                          record_logprobs=True, min_len=300, max_len=400)
+    assert max_diff(rehearsed.next_logp, eager.next_logp) < 1e-4
+    buckets = [rehearsed.cache.prefill_bucket(prefix.shape[1])]
+    for rows in (2, 16, 17, 100):
+        bucket = rehearsed.cache.prefill_bucket(rows)
+        assert bucket == min(b for b in PREFILL_BUCKETS if b >= rows)
+        buckets.append(bucket)
+        ids = torch.arange(rows) % decoder.speech_token_size
+        decoder.force_tokens(rehearsed, ids), decoder.force_tokens(eager, ids)
+        assert rehearsed.cache.length == eager.cache.length
+        assert int(rehearsed.cache.position) == rehearsed.cache.length  # back at the real end after the padding
+        assert max_diff(rehearsed.next_logp, eager.next_logp) < 1e-4
+        step_both(decoder, rehearsed, eager, 2)  # the padding's slots are overwritten, never seen
+    assert sorted(rehearsed.cache._prefill_steps) == sorted(set(buckets))
+    assert eager.cache._prefill_steps == {}
+    # near the capacity the padding would not fit: eager on the same buffers, still equal
+    left = rehearsed.cache.capacity - rehearsed.cache.length
+    assert 2 <= left - 3 < 128 and rehearsed.cache.prefill_bucket(left - 3) is None
+    ids = torch.arange(left - 3) % decoder.speech_token_size
+    decoder.force_tokens(rehearsed, ids), decoder.force_tokens(eager, ids)
+    assert max_diff(rehearsed.next_logp, eager.next_logp) < 1e-4
+
+
+def test_warming_up_the_prefill_buckets_leaves_the_cache_as_it_was(decoder, prefix):
+    from taste_speech.speech_decoder_cache import PREFILL_BUCKETS
+
+    cache = decoder.new_cache("static", capacity=256, graph_mode="rehearse")
+    warmed = decoder.start(prefix, cache=cache, record_logprobs=True)
+    length = cache.length
+    cache.warm_up_prefill()
+    assert cache.length == int(cache.position) == length
+    assert sorted(cache._prefill_steps) == list(PREFILL_BUCKETS)  # each fits after the prefix in 256 slots
+    plain = decoder.start(prefix, cache=decoder.new_cache("dynamic"), record_logprobs=True)
+    step_both(decoder, warmed, plain, 8)
+
+
 @pytest.mark.parametrize("graph_mode", MODES)
 def test_a_cloned_state_decodes_on_its_own(decoder, golden, prefix, graph_mode):
     expected = golden["d.gen.speech_token_ids"][0].tolist()
@@ -120,6 +166,7 @@ def test_a_cloned_state_decodes_on_its_own(decoder, golden, prefix, graph_mode):
     fork = state.clone()
     twin = copy.deepcopy(state.cache)
     assert fork.cache._step is None and twin._step is None  # a copy never shares a (captured) step
+    assert fork.cache._prefill_steps == {} == twin._prefill_steps
     assert fork.cache.keys[0].data_ptr() != state.cache.keys[0].data_ptr()
     assert twin.llm is state.cache.llm  # the weights are shared, not copied
     # the fork goes another way first; the original must not see its positions

@@ -834,9 +834,10 @@ class TasteSession:
         return self._speech_cache
 
     def warm_up(self) -> None:
-        """Capture this call's decode and prefill steps before the caller's first turn (on the fast
-        path the first step of each static cache captures its CUDA graph: tens of ms that would
-        otherwise delay the first reply). Leaves the conversation exactly as it was; a no-op on growing caches."""
+        """Capture this call's decode and prefill steps (the spoken LM's and the speech decoder's)
+        before the caller's first turn (on the fast path the first step of each static cache captures
+        its CUDA graph: tens of ms that would otherwise delay the first reply). Leaves the
+        conversation exactly as it was; a no-op on growing caches."""
         import torch
 
         from taste_speech.lm_cache import StaticLMCache
@@ -857,6 +858,7 @@ class TasteSession:
                 state = decoder.start(prefix, min_len=2, max_len=2, cache=cache)
                 while decoder.step(state) is not None:  # the 2nd step feeds a token: captured (the next start resets)
                     pass
+                cache.warm_up_prefill()  # a segment's prefix and continued speech: padded bucket steps
 
     def speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:
         """Speech tokens of one reply segment, continuing the previous segment of the same reply
