@@ -166,8 +166,8 @@ class ForcedReply:
     def script(self, ids: list[int]) -> None:
         self.local.ids, self.local.step = list(ids), 0
 
-    def _heads(self, hidden, rvq):
-        heads = self.original(hidden, rvq)
+    def _heads(self, hidden, rvq, step=None):
+        heads = self.original(hidden, rvq, step=step)
         ids = getattr(self.local, "ids", None)
         if ids:
             i = min(self.local.step, len(ids) - 1)

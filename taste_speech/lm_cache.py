@@ -87,6 +87,9 @@ class StaticLMCache:
         self.graph_mode = resolve_mode(graph_mode, self.device)
         self._allocate(_round_up(capacity))
         self._length = 0
+        # the spoken LM's heads for this cache's decodes, captured too (``modeling_spoken_lm.HeadsStep``,
+        # made by the LM on first use): kept here, as the steps are, across the decodes of one call
+        self.heads_step = None
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
@@ -226,6 +229,7 @@ class StaticLMCache:
         twin._step = None  # a graph is bound to this cache's tensors: the copy captures its own
         twin._prefill_steps = {}
         twin._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
+        twin.heads_step = None
         return twin
 
 

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taste_speech.condition_graph import ConditionGraph
 from taste_speech.configuration_taste import TasteConfig
 from taste_speech.device_copies import to_device
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, KVCache, RelPositionTransformer
@@ -392,26 +393,44 @@ class TasteSpeechDecoder(nn.Module):
         return self.spk_embed_affine_layer(F.normalize(speaker_embeds.to(self.dtype), dim=1)).unsqueeze(1)
 
     def condition(self, speaker_embeds: torch.Tensor, audio_unit_embeds: torch.Tensor | None,
-                  asr_token_ids: torch.Tensor) -> SpeechConditioning:
+                  asr_token_ids: torch.Tensor, graph: ConditionGraph | None = None) -> SpeechConditioning:
         """All prefix pieces. ``audio_unit_embeds=None`` skips the TASTE side (the original's
-        ``skip_audio_in_audio_decoder``: the fused rows are the text encoding alone)."""
+        ``skip_audio_in_audio_decoder``: the fused rows are the text encoding alone). ``graph``: the
+        call's captured conditioning steps (``condition_graph``), run instead of the eager encoders
+        where a bucket holds the tokens (the same values)."""
         self._check_conditioning_inputs(speaker_embeds, audio_unit_embeds, asr_token_ids)
         # inputs made on the host (ids, a speaker vector) are copied in without waiting for the GPU
         asr_token_ids, speaker_embeds = to_device(asr_token_ids, self.device), to_device(speaker_embeds, self.device)
         if audio_unit_embeds is not None:
             audio_unit_embeds = to_device(audio_unit_embeds, self.device)
-        text = self.encode_text(asr_token_ids)
-        audio = None if audio_unit_embeds is None else self.encode_audio(audio_unit_embeds)
-        fused = text if audio is None else self.fuse_encoded_audio_text_module(audio, text)
+        encoded = None
+        if graph is not None and audio_unit_embeds is not None:
+            encoded = graph.encode(audio_unit_embeds, asr_token_ids)
+        if encoded is not None:
+            text, audio, fused = encoded
+        else:
+            text = self.encode_text(asr_token_ids)
+            audio = None if audio_unit_embeds is None else self.encode_audio(audio_unit_embeds)
+            fused = text if audio is None else self.fuse_encoded_audio_text_module(audio, text)
         rows = self.llm_embedding.weight
         return SpeechConditioning(
             text_encoded=text, audio_encoded=audio, fused=fused, speaker=self.project_speaker(speaker_embeds),
             sos=rows[0].view(1, 1, -1), task=rows[1].view(1, 1, -1),
         )
 
-    def prefix_embeds(self, speaker_embeds, audio_unit_embeds, asr_token_ids) -> torch.Tensor:
-        """[SOS, speaker, fused rows, TASK]: (1, L+3, d)."""
-        return self.condition(speaker_embeds, audio_unit_embeds, asr_token_ids).prefix
+    def prefix_embeds(self, speaker_embeds, audio_unit_embeds, asr_token_ids,
+                      graph: ConditionGraph | None = None) -> torch.Tensor:
+        """[SOS, speaker, fused rows, TASK]: (1, L+3, d). ``graph``: see ``condition``."""
+        return self.condition(speaker_embeds, audio_unit_embeds, asr_token_ids, graph).prefix
+
+    def condition_graph(self, cache) -> ConditionGraph | None:
+        """The captured conditioning steps of the call that owns ``cache``, kept by it: on a static
+        cache whose steps are captured (or rehearsed), with causal encoders; None elsewhere (eager)."""
+        if not isinstance(cache, StaticSpeechCache) or cache.graph_mode == "eager" or not ConditionGraph.serves(self):
+            return None
+        if cache.condition_graph is None or cache.condition_graph.decoder is not self:
+            cache.condition_graph = ConditionGraph(self, cache.graph_mode)
+        return cache.condition_graph
 
     # -- teacher forcing ------------------------------------------------------------------------
     def forward(self, speaker_embeds: torch.Tensor, audio_unit_embeds: torch.Tensor | None,

@@ -32,6 +32,7 @@ from taste_speech.device_copies import to_device
 from taste_speech.lm_cache import CACHE_KINDS, DynamicLMCache, StaticLMCache
 from taste_speech.modeling_rvq import ResidualVQ
 from taste_speech.sampler import Action, Decision, TasteAction, TasteSampler
+from taste_speech.step_graph import StepGraph
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IGNORE = -1
@@ -117,6 +118,32 @@ class StepHeads:
     taste_logits: torch.Tensor  # (K, C)
     taste_indices: torch.Tensor  # (K,)
     taste_z: torch.Tensor  # (d,)
+
+
+class HeadsStep:
+    """Both heads of one decode step (the latent, the residual search of every RVQ level, the one-hot
+    codes, the text head) as one captured step: eagerly they are about a hundred kernel launches a
+    token, as many as the rest of the step outside the backbone's graph. It owns its input buffer,
+    so it serves one decode at a time (``TasteSpokenLM.heads_step`` keeps one per static cache; a
+    copy of the cache starts without)."""
+
+    def __init__(self, lm: "TasteSpokenLM", rvq: ResidualVQ, graph_mode: str):
+        self.lm, self.rvq, self.graph_mode = lm, rvq, graph_mode
+        self.hidden: torch.Tensor | None = None  # (1, H), made at the first step (its shape and dtype)
+        self.step: StepGraph | None = None
+
+    def __call__(self, hidden_last: torch.Tensor) -> StepHeads:
+        if self.hidden is None:
+            with torch.inference_mode(False):  # (writable whatever mode later steps run in)
+                self.hidden = torch.zeros(hidden_last.shape, dtype=hidden_last.dtype, device=hidden_last.device)
+            self.step = StepGraph(self._heads, self.hidden.device, self.graph_mode, name="spoken LM heads")
+        self.hidden.copy_(hidden_last)
+        # copies: the step's outputs are overwritten by its next run
+        return StepHeads(*(out.clone() for out in self.step.run()))
+
+    def _heads(self) -> tuple:
+        heads = self.lm.compute_heads(self.hidden, self.rvq)  # (not ``heads``: a patched one must not be captured)
+        return heads.text_logits, heads.taste_logits, heads.taste_indices, heads.taste_z
 
 
 @dataclass
@@ -454,8 +481,23 @@ class TasteSpokenLM(nn.Module):
         state.rows.append(rows)
         return state.last_hidden
 
-    def heads(self, hidden_last: torch.Tensor, rvq: ResidualVQ) -> StepHeads:
-        """Both heads for one hidden state (1, H)."""
+    def heads(self, hidden_last: torch.Tensor, rvq: ResidualVQ, step: HeadsStep | None = None) -> StepHeads:
+        """Both heads for one hidden state (1, H). ``step``: the decode's captured heads
+        (``heads_step``), run instead of the eager ones (the same values)."""
+        return self.compute_heads(hidden_last, rvq) if step is None else step(hidden_last)
+
+    def heads_step(self, state: LMDecodeState, rvq: ResidualVQ) -> HeadsStep | None:
+        """The captured heads of a decode on a static cache whose steps are captured (or rehearsed),
+        kept by its cache; None elsewhere (the heads run eagerly)."""
+        cache = state.cache
+        if not isinstance(cache, StaticLMCache) or cache.graph_mode == "eager":
+            return None
+        if cache.heads_step is None or cache.heads_step.lm is not self or cache.heads_step.rvq is not rvq:
+            cache.heads_step = HeadsStep(self, rvq, cache.graph_mode)
+        return cache.heads_step
+
+    def compute_heads(self, hidden_last: torch.Tensor, rvq: ResidualVQ) -> StepHeads:
+        """``heads``, eagerly."""
         z = self.extract_for_bridge_out_llm.latent(hidden_last)
         indices, taste_logits = LatentTasteHead.quantize(z, rvq)
         return StepHeads(self.text_head(hidden_last)[0], taste_logits[0], indices[0], z[0])

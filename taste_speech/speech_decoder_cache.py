@@ -77,6 +77,9 @@ class StaticSpeechCache:
         self._prefill_steps: dict[int, StepGraph] = {}
         # one memory pool for this cache's steps: they run one after another, never together
         self._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
+        # the call's captured conditioning steps (``TasteSpeechDecoder.condition_graph``, made on first
+        # use): kept here, with the call's other steps
+        self.condition_graph = None
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._allocate(_round_up(capacity))
@@ -104,6 +107,7 @@ class StaticSpeechCache:
             twin._token = torch.zeros_like(self._token)
         twin._step, twin._rows, twin._prefill_steps = None, {}, {}
         twin._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
+        twin.condition_graph = None
         return twin  # pos_keys and key_positions are never written in place: shared
 
     def __deepcopy__(self, memo):

@@ -234,3 +234,21 @@ def test_gc_pauses_benchmark_records_the_collector_s_pauses_per_generation():
     assert summary[2]["count"] >= 1 and summary[2]["max_ms"] > 0
     assert summary[2]["total_ms"] >= summary[2]["max_ms"]
     assert pauses._callback not in gc.callbacks  # (the block's end removes it)
+
+
+def test_eager_ops_benchmark_counts_fewer_operators_outside_the_fast_path_s_steps():
+    """The fast path, its steps rehearsed on this CPU, leaves a fraction of the eager path's
+    operators outside its steps at every stage of a turn's first audio, and the speech decoder's
+    stage runs its conditioning, its prefix and its first decisions as steps."""
+    from benchmarks.bench_eager_ops import STAGES, measure, table
+
+    result = measure("tiny")
+    eager, fast = result["eager"], result["fast path, rehearsed"]
+    assert set(eager) == set(fast) == set(STAGES)
+    assert all(eager[stage][1] == 0 for stage in STAGES)  # the eager path has no steps
+    for stage in STAGES:
+        assert 0 < fast[stage][0] < eager[stage][0], (stage, fast[stage], eager[stage])
+    assert fast["speech_decoder"][1] >= 3 and fast["lm_first_word"][1] >= 2
+    total = sum(v[0] for v in fast.values()) / sum(v[0] for v in eager.values())
+    assert total < 0.2, total
+    assert table(result)[-1].startswith("| first audio |")

@@ -54,6 +54,25 @@ def test_spoken_lm_graphed_greedy_equals_eager(golden, loaded):
     assert diff.max() < 1e-3
 
 
+def test_the_spoken_lm_heads_are_captured_and_give_the_eager_heads(loaded):
+    """The decode's heads (latent, RVQ search, one-hot codes, text head) replayed as one graph give
+    the eager heads' values at every step."""
+    lm, rvq = loaded.spoken_lm, loaded.audio_tower.vq.rvq
+    state = lm.new_decode_state(cache=lm.new_cache("static", capacity=256))
+    g = torch.Generator().manual_seed(2)
+    rows = (torch.randn(1, 24, lm.causal_lm.config.hidden_size, generator=g) * 0.5).to("cuda")
+    step = lm.heads_step(state, rvq)
+    with torch.no_grad():
+        lm.feed(state, rows[:, :20])
+        for i in range(20, 24):
+            replayed, eager = lm.heads(state.last_hidden, rvq, step=step), lm.heads(state.last_hidden, rvq)
+            assert (replayed.text_logits - eager.text_logits).abs().max() < 1e-4
+            assert torch.equal(replayed.taste_indices, eager.taste_indices)
+            assert torch.equal(replayed.taste_logits, eager.taste_logits)
+            lm.feed(state, rows[:, i:i + 1])
+    assert step.step.captured, step.step.fallback_reason
+
+
 def test_a_graphed_lm_step_waits_for_the_gpu_once(golden, loaded, monkeypatch):
     """Outside the captured backbone a decode step reads one value back (the chosen text token):
     counted with torch's sync debug mode around the heads, the sampler, the audio side and the next
@@ -269,6 +288,14 @@ def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
     bucket = cache.prefill_bucket(prefix.shape[1])
     assert bucket is not None and cache._prefill_steps[bucket].captured, cache.fallback_reason
 
+    # the conditioning (both encoders, the fusion) replayed from its padded bucket: the eager prefix
+    graph = decoder.condition_graph(cache)
+    with torch.no_grad():
+        replayed = decoder.prefix_embeds(on_cuda(golden, "in.speaker_embeds"), on_cuda(golden, "d.audio_unit_embeds"),
+                                         on_cuda(golden, "in.asr_token_ids"), graph=graph)
+    assert graph.captured, graph.fallback_reason
+    assert replayed.shape == prefix.shape and (replayed - prefix).abs().max() < 1e-4
+
 
 def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a):
     """Streaming synthesis with the flow loop and the vocoder replayed from captured buckets gives
@@ -300,6 +327,7 @@ def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a)
         torch.testing.assert_close(got.mel, ref.mel, atol=1e-3, rtol=0)
         torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
     assert graphs.prepared()["flow"] and graphs.prepared()["vocoder"]
+    assert graphs._encoders and all(e.step.captured for e in graphs._encoders.values())  # the token encoder's too
     assert not graphs.fallback_reasons(), graphs.fallback_reasons()  # every bucket was captured
 
 
@@ -564,9 +592,13 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     session = engine.new_session(GenerationSettings(max_reply_tokens=6))
     session.warm_up()
     if decoding != "eager":  # a segment's multi-row speech-decoder feeds: captured bucket steps, ready before the turn
+        heads = session.conversation.state.decode.cache.heads_step  # and the spoken LM's heads
+        assert heads is not None and heads.step.captured, heads.step.fallback_reason
         speech = session.speech_cache()
         assert speech._prefill_steps and all(step.captured for step in speech._prefill_steps.values()), \
             speech.fallback_reason
+        assert speech.condition_graph is not None and speech.condition_graph.captured, \
+            speech.condition_graph and speech.condition_graph.fallback_reason
     turn = session.user_turn(hello.audio, hello.text)
     segments = [e for e in session.reply(turn, threading.Event()) if e.kind == "segment"]
     assert segments

@@ -45,8 +45,8 @@ def test_the_tokenizers_eos_id_ends_the_reply(model, processor, user_turn, monke
     assert bool(tables.banned[eos])  # <|end_of_text|> is banned, as in the original
     heads = model.spoken_lm.heads
 
-    def eos_preferred(hidden, rvq):  # a model that wants to end at once
-        out = heads(hidden, rvq)
+    def eos_preferred(hidden, rvq, **kwargs):  # a model that wants to end at once
+        out = heads(hidden, rvq, **kwargs)
         out.text_logits[eos] += 50.0
         return out
 
@@ -71,8 +71,8 @@ def test_a_special_token_the_model_picks_ends_the_reply_and_the_reply_stays_spea
     assert reserved, "the tiny vocabulary has sampleable special tokens"
     special, heads, steps = reserved[len(reserved) // 2], model.spoken_lm.heads, []
 
-    def special_after_some_words(hidden, rvq):  # a model that leaves the text after a few tokens
-        out = heads(hidden, rvq)
+    def special_after_some_words(hidden, rvq, **kwargs):  # a model that leaves the text after a few tokens
+        out = heads(hidden, rvq, **kwargs)
         steps.append(1)
         if len(steps) > 4:
             out.text_logits[special] += 50.0

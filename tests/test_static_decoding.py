@@ -117,6 +117,33 @@ def test_a_copied_static_state_decodes_on_its_own(lm):
     assert all(torch.equal(a, b) for a, b in zip(h_twin, h_orig))
 
 
+def test_the_captured_heads_step_gives_the_eager_heads_and_stays_with_its_cache(lm, rvq):
+    """Rehearsed (the capture protocol, then runs that overwrite the same outputs, as replays do): each
+    step's heads equal the eager ones, and what an earlier step returned is not overwritten by the
+    next. The cache keeps the step for its later decodes; a copy starts without; eager caches and
+    growing ones have none."""
+    state = lm.new_decode_state(cache=lm.new_cache("static", capacity=64, graph_mode="rehearse"))
+    rows = random_rows(lm, 24, seed=2)
+    step = lm.heads_step(state, rvq)
+    assert step is not None and lm.heads_step(state, rvq) is step
+    got, want = [], []
+    with torch.no_grad():
+        lm.feed(state, rows[:, :20])
+        for i in range(20, 24):
+            got.append(lm.heads(state.last_hidden, rvq, step=step))
+            want.append(lm.heads(state.last_hidden, rvq))
+            lm.feed(state, rows[:, i:i + 1])
+    assert len({float(h.text_logits.sum()) for h in got}) == len(got)  # four different steps
+    for a, b in zip(got, want):  # (kept from earlier steps: copies, not the step's outputs)
+        assert torch.equal(a.text_logits, b.text_logits) and torch.equal(a.taste_logits, b.taste_logits)
+        assert torch.equal(a.taste_indices, b.taste_indices) and torch.equal(a.taste_z, b.taste_z)
+    assert step.step is not None and step.step.mode == "rehearse"
+    assert state.cache.heads_step is step
+    assert copy.deepcopy(state).cache.heads_step is None
+    for cache in (lm.new_cache("static", capacity=64, graph_mode="eager"), lm.new_cache("dynamic")):
+        assert lm.heads_step(lm.new_decode_state(cache=cache), rvq) is None
+
+
 def test_bad_cache_requests_fail_clearly(lm):
     with pytest.raises(ValueError, match="cache kind"):
         lm.new_cache("paged")

@@ -136,7 +136,7 @@ def test_vocoder_buckets_alone_are_exact_to_rounding(vg, utterance, policy):
     the mel is identical and any audio difference comes from HiFT's padded decode, final flush
     (the window's true end reaches the output there) included."""
     tokens, speaker = utterance
-    graphs = SynthesisGraphs(vg, "rehearse", flow_buckets=(1,))
+    graphs = SynthesisGraphs(vg, "rehearse", flow_buckets=(1,), token_buckets=())  # (the whole flow eager)
     _, reference = stream(vg, tokens, speaker, POLICIES[policy], UNEVEN, kind="dynamic")
     _, chunks = stream(vg, tokens, speaker, POLICIES[policy], UNEVEN, graphs=graphs)
     assert graphs.counts["flow", None] == sum(graphs.counts[k] for k in graphs.counts if k[0] == "flow") > 0
@@ -694,3 +694,26 @@ def test_compile_flow_is_checked():
         SynthesisGraphs(torch.nn.Linear(1, 1), compile_flow=1)
     with pytest.raises(ValueError, match="repeat_warmup_runs >= 1"):
         SynthesisGraphs(torch.nn.Linear(1, 1), compile_flow=True, repeat_warmup_runs=0)
+
+
+def test_the_token_encoder_s_padded_steps_give_the_flow_s_encodings(vg):
+    """Rehearsed: a window's tokens padded to a token bucket, the padding keys masked (the encoder
+    attends to the whole window), give ``flow.encode_tokens``'s rows; encodings kept from an earlier
+    window are not overwritten; more tokens than the largest bucket are encoded eagerly."""
+    from taste_speech.streaming.synthesis_graphs import TOKEN_BUCKETS
+
+    graphs = SynthesisGraphs(vg, "rehearse")
+    g = torch.Generator().manual_seed(3)
+    kept = []
+    with torch.no_grad():
+        for n in (1, 9, 16, 17, 40, 256, 257):
+            tokens = torch.randint(0, vg.flow.vocab_size, (1, n), generator=g)
+            got, want = graphs.encode_tokens(tokens), vg.flow.encode_tokens(tokens)
+            assert got.shape == want.shape == (1, n, vg.flow.output_size)
+            assert float((got - want).abs().max()) < 1e-5, n
+            kept.append((got, want))
+    assert all(float((a - b).abs().max()) < 1e-5 for a, b in kept)
+    assert sorted(graphs._encoders) == [16, 32, 64, 256]  # 257 tokens: eager
+    graphs.warm_up(flow_frames=[17], vocoder_frames=[16])
+    assert sorted(graphs._encoders) == list(TOKEN_BUCKETS)
+    assert all(e.step.mode == "rehearse" for e in graphs._encoders.values())

@@ -851,6 +851,8 @@ class TasteSession:
                 decode.crop(length)
                 decode.last_hidden = hidden
                 decode.cache.warm_up_prefill(self.model.spoken_lm.backbone)  # a turn's prefill steps
+                lm, rvq = self.model.spoken_lm, self.model.audio_tower.vq.rvq
+                lm.heads(hidden, rvq, step=lm.heads_step(decode, rvq))  # the heads' step (kept by the cache)
             cache = self.speech_cache()
             if isinstance(cache, StaticSpeechCache):
                 decoder = self.model.speech_decoder
@@ -859,6 +861,8 @@ class TasteSession:
                 while decoder.step(state) is not None:  # the 2nd step feeds a token: captured (the next start resets)
                     pass
                 cache.warm_up_prefill()  # a segment's prefix and continued speech: padded bucket steps
+                if (conditioning := decoder.condition_graph(cache)) is not None:
+                    conditioning.warm_up()  # and the encoders of its words
 
     def speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:
         """Speech tokens of one reply segment, continuing the previous segment of the same reply
@@ -888,9 +892,11 @@ class TasteSession:
             # waiting for the GPU (a wait would be for every call's queued work); the speech-token
             # draws are this path's only reads
             audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste, aligned.asr_word_ids)
-            prefix = decoder.prefix_embeds(self.voice, audio_embeds, aligned.asr_token_ids)
+            cache = self.speech_cache()
+            prefix = decoder.prefix_embeds(self.voice, audio_embeds, aligned.asr_token_ids,
+                                           graph=decoder.condition_graph(cache))
             min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
-            dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=self.speech_cache())
+            dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=cache)
             if state.prev_speech_ids:
                 prev = to_device(torch.tensor([state.prev_speech_ids], dtype=torch.long), decoder.device)
                 dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(prev))

@@ -257,7 +257,8 @@ def taste_detokenize_stream(
     current = processor.align_llm_ids(text_ids)
     # (host tensors: checked there and copied in without waiting for the GPU)
     audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste, aligned.asr_word_ids)
-    prefix = decoder.prefix_embeds(speaker_embeds, audio_embeds, aligned.asr_token_ids)
+    prefix = decoder.prefix_embeds(speaker_embeds, audio_embeds, aligned.asr_token_ids,
+                                   graph=decoder.condition_graph(decoder_cache))
 
     # 2. the speech decoder, continuing the previous segment's speech tokens. With a state they are
     # the last segment's (the prefix holds that segment's words; feeding the whole utterance would

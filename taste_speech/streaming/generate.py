@@ -260,7 +260,7 @@ def _reply(model, processor, conversation: Conversation, sampler: TasteSampler, 
 
     if fmt.decides_turns:
         # The model's own next token decides: user role = hand the turn back, assistant = answer.
-        text_logits = lm.heads(decode.last_hidden, rvq).text_logits
+        text_logits = lm.heads(decode.last_hidden, rvq, step=lm.heads_step(decode, rvq)).text_logits
         choice = fmt.turn_logits(text_logits)
         if params.text_top_p > 0:
             probs = (choice / params.text_temperature).softmax(-1)
@@ -288,7 +288,7 @@ def _reply(model, processor, conversation: Conversation, sampler: TasteSampler, 
     generated = 0
     end_reason, flags = None, {}
     while True:
-        heads = lm.heads(decode.last_hidden, rvq)
+        heads = lm.heads(decode.last_hidden, rvq, step=lm.heads_step(decode, rvq))
         stopped = _stop_requested(stop)
         if stopped or generated >= max_length:
             # End now: the head at this position gives the code of the word in progress, exactly

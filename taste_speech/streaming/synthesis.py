@@ -273,7 +273,8 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
     first_frame = _window_start(state, state.frames(first_token), frames_right)
     if first_frame < state.frames(first_token):  # reached further back: encode from its first frame's token
         first_token = state.token_of(first_frame)
-    h = flow.encode_tokens(state.window_tokens(first_token, right))  # (1, n, 80)
+    tokens = state.window_tokens(first_token, right)
+    h = flow.encode_tokens(tokens) if state.graphs is None else state.graphs.encode_tokens(tokens)  # (1, n, 80)
     # nearest-neighbour stretch on the utterance's grid (441/256 frames per token)
     rows = to_device(torch.tensor([state.token_of(f) - first_token for f in range(first_frame, frames_right)]), h.device)
     rows = rows.clamp(0, h.shape[1] - 1)

@@ -33,7 +33,12 @@ size and row count would be a capture each at start-up for little.
 
 What is captured per bucket:
     flow:    the whole ODE (all Euler steps, both CFG halves as one batch-2 estimator call each);
-             the token encoder and length regulator stay eager (they vary with the token count).
+             the length regulator stays eager (its GroupNorm statistics span the window, so it
+             cannot be padded). The token encoder before it (six transformer blocks at the real
+             size, some hundreds of launches a window eagerly) has steps of its own, padded to a
+             token bucket (``TOKEN_BUCKETS``) with the padding keys masked - it attends to the
+             whole window, so the mask, not causality, keeps the padding out - run by the window's
+             own thread, one at a time (``encode_tokens``).
     vocoder: HiFT's decode (source STFT, conv stack, iSTFT); the F0 predictor and the harmonic
              source stay eager (small, and they depend on the window's context offset).
 Random noise is never drawn inside: the noise tapes' values are copied into the static inputs.
@@ -109,6 +114,8 @@ FULL_FLOW_WINDOWS = (17, 37, 87, 88, 143, 144, 255, 256, 383, 384, 511, 512, 639
 # Warm-up runs before a capture (``StepGraph``): the first capture of each of a bucket's
 # computations gets StepGraph's two; later row counts of it one (lazy set-up is done by then).
 REPEAT_WARMUP_RUNS = 1
+# Speech tokens of a flow window (left context, chunk, lookahead) whose token encoder runs a padded step
+TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 VOCODER_BUCKETS = (16, 24, 60, 92, 128, 256, 384, 512, 640)
 # The least a vocoder step waits for the windows of its flow step's utterances: on CUDA a step's
 # host time is its launches only (the GPU still works through it), the eager work between the
@@ -250,13 +257,37 @@ class _Window:
         self.output = None  # the result, or the exception the step raised
 
 
+class _TokenEncoderBucket:
+    """The flow's token encoder for windows of up to ``tokens`` tokens: static ids and a key mask, padded."""
+
+    def __init__(self, flow, tokens: int, device, mode: str, pool):
+        self.flow = flow
+        with torch.inference_mode(False):
+            self.ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+            self.valid = torch.zeros(1, tokens, dtype=torch.bool, device=device)
+        self.step = StepGraph(self._encode, device, mode, pool=pool, name=f"flow token encoder ({tokens} tokens)")
+
+    def run(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(1, n) ids -> (1, n, 80), as ``flow.encode_tokens``; a copy (the outputs are overwritten next run)."""
+        n = tokens.shape[1]
+        self.ids[:, :n].copy_(tokens)
+        self.ids[:, n:].zero_()
+        self.valid[:, :n].fill_(True)
+        self.valid[:, n:].fill_(False)
+        return self.step.run()[:, :n].clone()
+
+    def _encode(self) -> torch.Tensor:
+        emb = self.flow.input_embedding(self.ids.clamp(min=0))
+        return self.flow.encoder_proj(self.flow.encoder(emb, self.valid))
+
+
 class SynthesisGraphs:
     def __init__(self, vg, graph_mode: str = "auto", flow_buckets: Iterable[int] = FLOW_BUCKETS,
                  vocoder_buckets: Iterable[int] = VOCODER_BUCKETS, rows: int = 1, gather: float = 0.5,
                  full_flow_frames: Optional[Iterable[int]] = None,
                  batched_full_frames: Optional[Iterable[int]] = FIRST_WINDOW_FRAMES,
                  repeat_warmup_runs: int = REPEAT_WARMUP_RUNS, compile_flow: bool | str = False,
-                 first_gather: float = 1.0):
+                 first_gather: float = 1.0, token_buckets: Iterable[int] = TOKEN_BUCKETS):
         """Bucketed steps for ``vg`` on its current device. ``graph_mode`` (see ``step_graph``):
         'auto' captures CUDA graphs on CUDA and runs the padded steps eagerly elsewhere; 'eager' and
         'rehearse' (the capture protocol without a graph) work on any device. ``rows``: the most
@@ -280,7 +311,8 @@ class SynthesisGraphs:
         Off by default. ``first_gather``: how long an utterance's first flow window waits for the
         first windows of the other utterances announced by ``start_speaking``, as a multiple of a
         first-window step's time (``warm_up`` measures it on the device, later first steps update
-        it; 0: no waiting)."""
+        it; 0: no waiting). ``token_buckets``: the window token counts the flow's token encoder
+        pads to (empty: it runs eagerly, as the reference does)."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
         if not 0 <= gather <= 1:
@@ -313,6 +345,9 @@ class SynthesisGraphs:
                 not math.isfinite(first_gather) or first_gather < 0:
             raise ValueError(f"first_gather must be a number of first-window steps >= 0, got {first_gather!r}")
         self.first_gather = float(first_gather)
+        self.token_buckets = tuple(sorted(int(b) for b in token_buckets))
+        if self.token_buckets and self.token_buckets[0] < 1:
+            raise ValueError("token_buckets must be positive token counts")
         self.counts: Counter = Counter()  # windows per ('flow' | 'vocoder', bucket frames or None = eager fallback)
         self.padded_frames: Counter = Counter()  # padding frames computed per stage (how much padding occurred)
         self.padded_windows: Counter = Counter()  # windows per stage that ran a padded (masked) step
@@ -320,6 +355,7 @@ class SynthesisGraphs:
         self.first_batches: Counter = Counter()  # first-window flow steps per first windows in the step
         self._queue: list[_Window] = []
         self._lock = threading.Condition()
+        self._encoder_lock = threading.Lock()  # one token-encoder step at a time (shared static inputs)
         self._stepping = False  # a thread is running a step (or capturing)
         # id(owner) of the utterances whose next window of each stage is due at once
         self._awaited: dict[str, set[int]] = {"flow": set(), "vocoder": set()}
@@ -353,6 +389,7 @@ class SynthesisGraphs:
     def fallback_reasons(self) -> dict[str, str]:
         """Steps whose capture failed (they run eagerly), with the reason."""
         steps = [step for b in (*self._flow.values(), *self._vocoder.values()) for step in b.steps.values()]
+        steps += [encoder.step for encoder in self._encoders.values()]
         return {step.name: step.fallback_reason for step in steps if step.fallback_reason}
 
     def stats(self) -> dict:
@@ -370,6 +407,21 @@ class SynthesisGraphs:
                                     "mean_batch": round(windows / steps, 3) if steps else None,
                                     **self._starting.stats()}
             return out
+
+    def encode_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A flow window's speech tokens (1, n) through the flow's token encoder: (1, n, 80), as
+        ``flow.encode_tokens`` gives them - the padded step of the smallest ``token_buckets`` size
+        that holds them, or eagerly (more tokens, or eager mode). Windows of several calls take
+        turns (a step's inputs are shared buffers: all synthesis work runs on one stream)."""
+        bucket = next((b for b in self.token_buckets if b >= tokens.shape[1]), None)
+        if bucket is None or self._mode == "eager" or self._weights() != self._fingerprint:
+            return self.vg.flow.encode_tokens(tokens)  # (moved weights: the next step rebuilds the buckets)
+        with self._encoder_lock:
+            encoders = self._encoders
+            if bucket not in encoders:
+                encoders[bucket] = _TokenEncoderBucket(self.vg.flow, bucket, self._device, self._mode,
+                                                       self._encoder_pool)
+            return encoders[bucket].run(tokens)
 
     def expect_first_window(self, owner) -> None:
         """Announce a new utterance (``start_speaking`` does): the first flow window of another
@@ -431,6 +483,8 @@ class SynthesisGraphs:
                     short = max(1, size - 1)
                     self._vocoder_bucket(size).run([(zeros(1, n_mel, short), zeros(1, 1, short * spf))] * n, n)
             self._time_first_step(flow_window)
+        for bucket in self.token_buckets:  # the token encoder's steps (a window one token short)
+            self.encode_tokens(torch.zeros(1, bucket - 1, dtype=torch.long, device=self._device))
 
     def _time_first_step(self, flow_window) -> None:
         """(Warm-up.) A first window's step alone, timed on the device: how long first windows wait
@@ -639,6 +693,9 @@ class SynthesisGraphs:
                                             fullgraph=True)
         self._flow: dict[int, _FlowBucket] = {}
         self._vocoder: dict[int, _VocoderBucket] = {}
+        # the token encoder's steps, run by the windows' threads outside the queue: a pool of their own
+        self._encoder_pool = torch.cuda.graph_pool_handle() if self._mode == "graph" else None
+        self._encoders: dict[int, _TokenEncoderBucket] = {}
 
     def _check_weights(self) -> None:
         """A graph replays the weights at the addresses it was captured with: rebuild after a move or cast."""
