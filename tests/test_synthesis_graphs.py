@@ -717,3 +717,20 @@ def test_the_token_encoder_s_padded_steps_give_the_flow_s_encodings(vg):
     graphs.warm_up(flow_frames=[17], vocoder_frames=[16])
     assert sorted(graphs._encoders) == list(TOKEN_BUCKETS)
     assert all(e.step.mode == "rehearse" for e in graphs._encoders.values())
+
+
+def test_new_token_encoder_weights_are_noticed_and_encoded_eagerly_until_the_steps_are_rebuilt(vg):
+    """A graph replays the weights it was captured with: token-encoder weights replaced (not only the
+    estimator's or the vocoder's) change the fingerprint, so windows are encoded eagerly with the new
+    weights until the next step rebuilds the buckets."""
+    own = copy.deepcopy(vg)
+    graphs = SynthesisGraphs(own, "rehearse")
+    tokens = torch.randint(0, own.flow.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        graphs.encode_tokens(tokens)
+        assert list(graphs._encoders) == [16]
+        own.flow.encoder.load_state_dict({k: v * 1.01 for k, v in own.flow.encoder.state_dict().items()}, assign=True)
+        assert graphs._weights() != graphs._fingerprint
+        assert torch.equal(graphs.encode_tokens(tokens), own.flow.encode_tokens(tokens))
+        graphs._check_weights()  # (what the next flow or vocoder step does first)
+    assert graphs._encoders == {} and graphs._weights() == graphs._fingerprint

@@ -389,7 +389,8 @@ class SynthesisGraphs:
     def fallback_reasons(self) -> dict[str, str]:
         """Steps whose capture failed (they run eagerly), with the reason."""
         steps = [step for b in (*self._flow.values(), *self._vocoder.values()) for step in b.steps.values()]
-        steps += [encoder.step for encoder in self._encoders.values()]
+        with self._encoder_lock:
+            steps += [encoder.step for encoder in self._encoders.values()]
         return {step.name: step.fallback_reason for step in steps if step.fallback_reason}
 
     def stats(self) -> dict:
@@ -678,11 +679,12 @@ class SynthesisGraphs:
     def _weights(self):
         estimator = next(self.vg.flow.decoder.estimator.parameters())
         vocoder = next(self.vg.hift.parameters())
-        return (estimator.device, estimator.dtype, estimator.data_ptr(), vocoder.data_ptr())
+        encoder = next(self.vg.flow.encoder.parameters())
+        return (estimator.device, estimator.dtype, estimator.data_ptr(), vocoder.data_ptr(), encoder.data_ptr())
 
     def _reset(self) -> None:
-        self._fingerprint = self._weights()
-        self._device, self._dtype = self._fingerprint[0], self._fingerprint[1]
+        fingerprint = self._weights()
+        self._device, self._dtype = fingerprint[0], fingerprint[1]
         self._mode = resolve_mode(self.graph_mode, self._device)
         # one pool for every graph: their steps never overlap and their outputs are copied out at once
         self._pool = torch.cuda.graph_pool_handle() if self._mode == "graph" else None
@@ -694,8 +696,10 @@ class SynthesisGraphs:
         self._flow: dict[int, _FlowBucket] = {}
         self._vocoder: dict[int, _VocoderBucket] = {}
         # the token encoder's steps, run by the windows' threads outside the queue: a pool of their own
-        self._encoder_pool = torch.cuda.graph_pool_handle() if self._mode == "graph" else None
-        self._encoders: dict[int, _TokenEncoderBucket] = {}
+        with self._encoder_lock:
+            self._encoder_pool = torch.cuda.graph_pool_handle() if self._mode == "graph" else None
+            self._encoders: dict[int, _TokenEncoderBucket] = {}
+        self._fingerprint = fingerprint  # last: encode_tokens trusts the steps it finds once this matches
 
     def _check_weights(self) -> None:
         """A graph replays the weights at the addresses it was captured with: rebuild after a move or cast."""
