@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from taste_speech.step_graph import StepGraph, first_fallback_reason
+from taste_speech.step_graph import StepGraph, first_fallback_reason, smallest_bucket
 
 # Whisper tokens of the words a segment's speech is conditioned on (the previous segment's and its own)
 BUCKETS = (16, 32, 64, 128)
@@ -49,7 +49,7 @@ class ConditionGraph:
     @staticmethod
     def bucket(tokens: int) -> int | None:
         """The step ``tokens`` tokens take (None: more than the largest bucket, eager)."""
-        return next((b for b in BUCKETS if b >= tokens), None)
+        return smallest_bucket(BUCKETS, tokens)
 
     def encode(self, audio_unit_embeds: torch.Tensor, asr_token_ids: torch.Tensor) -> tuple | None:
         """(text, audio, fused) encodings, each (1, L, d), of device inputs (1, L, in) and (1, L), as

@@ -34,7 +34,7 @@ import inspect
 import torch
 from transformers import DynamicCache, LlamaModel, StaticCache
 
-from taste_speech.step_graph import StepGraph, first_fallback_reason, resolve_mode
+from taste_speech.step_graph import StepGraph, first_fallback_reason, resolve_mode, smallest_bucket
 
 CACHE_KINDS = ("auto", "static", "dynamic")
 DEFAULT_CAPACITY = 1024
@@ -126,7 +126,7 @@ class StaticLMCache:
         """The captured prefill step a feed of ``rows`` rows would take now (None: eager)."""
         if self.graph_mode == "eager" or rows < 2:
             return None
-        bucket = next((b for b in PREFILL_BUCKETS if b >= rows), None)
+        bucket = smallest_bucket(PREFILL_BUCKETS, rows)
         return bucket if bucket is not None and self._length + bucket <= self.capacity else None
 
     def warm_up_prefill(self, backbone) -> None:

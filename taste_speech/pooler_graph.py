@@ -34,7 +34,7 @@ import threading
 import torch
 
 from taste_speech.encoder_graph import event_after_current_work
-from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode
+from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode, smallest_bucket
 from taste_speech.word_alignment import mean_pool_runs, word_runs
 
 MIN_BUCKET = 16  # decoder tokens of the smallest step (the prompt and <|endoftext|> take 5)
@@ -89,7 +89,7 @@ class PoolerGraph:
         if ids.shape[0] != n + self.skip + 1:
             raise ValueError(f"decoder_input_ids has {ids.shape[0]} tokens for {n} word ids: give the "
                              f"prompt, the transcript and <|endoftext|> ({n + self.skip + 1} tokens)")
-        size = next((b for b in self.buckets if b >= ids.shape[0]), None)
+        size = smallest_bucket(self.buckets, ids.shape[0])
         if size is None:
             raise ValueError(f"the decoder takes at most {self.buckets[-1]} tokens, got {ids.shape[0]}: split the turn")
         inputs = self._host_inputs(ids, words, size)

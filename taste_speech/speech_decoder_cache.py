@@ -45,7 +45,7 @@ import copy
 import torch
 
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, sinusoid_encoding
-from taste_speech.step_graph import StepGraph, first_fallback_reason, resolve_mode
+from taste_speech.step_graph import StepGraph, first_fallback_reason, resolve_mode, smallest_bucket
 
 CACHE_KINDS = ("auto", "static", "dynamic")
 DEFAULT_CAPACITY = 1024
@@ -127,7 +127,7 @@ class StaticSpeechCache:
         """The captured step a feed of ``rows`` rows would take now (None: eager)."""
         if self.graph_mode == "eager" or rows < 2:
             return None
-        bucket = next((b for b in PREFILL_BUCKETS if b >= rows), None)
+        bucket = smallest_bucket(PREFILL_BUCKETS, rows)
         return bucket if bucket is not None and self._length + bucket <= self.capacity else None
 
     def warm_up_prefill(self) -> None:

@@ -138,6 +138,12 @@ class StepGraph(Generic[Outputs]):
             logger.warning("CUDA graph capture of %s failed, running it eagerly: %s", self.name, self.fallback_reason)
 
 
+def smallest_bucket(sizes, n: int) -> int | None:
+    """The smallest of ``sizes`` (ascending) that holds ``n``: the padded step ``n`` rows (tokens,
+    frames) take; None when none does (they run eagerly)."""
+    return next((size for size in sizes if size >= n), None)
+
+
 def all_captured(steps) -> bool:
     """Every one of ``steps`` (the ``StepGraph`` s an owner made so far) is a captured graph, and
     there is one."""

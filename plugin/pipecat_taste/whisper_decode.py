@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from taste_speech.device_copies import copy_in, to_device
-from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode
+from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode, smallest_bucket
 
 VERIFY_BUCKETS = (8, 16, 32, 64)  # rows of the captured draft check (4 start tokens + the draft)
 
@@ -369,7 +369,7 @@ class StaticWhisperDecoder:
         from the last start token on: one pass for all, captured where a bucket holds the longest."""
         first, eos = len(self.plan.init_tokens) - 1, self.plan.eos_token_id
         n, longest = self._size(len(rows)), max(len(r) for r in rows)
-        bucket = next((b for b in self.verify_buckets if b >= longest), None)
+        bucket = smallest_bucket(self.verify_buckets, longest)
         width = bucket or longest
         padded = torch.tensor([r + [eos] * (width - len(r)) for r in rows] + [[eos] * width] * (n - len(rows)))
         if bucket is None:

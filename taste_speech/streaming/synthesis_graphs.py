@@ -94,7 +94,7 @@ import torch
 
 from taste_speech.announcements import Announcements, StepTimer
 from taste_speech.batched_steps import step_sizes
-from taste_speech.step_graph import StepGraph, resolve_mode
+from taste_speech.step_graph import StepGraph, resolve_mode, smallest_bucket
 
 # Window sizes in mel frames (ascending). See the module docstring for the measured windows.
 # 17 and 37 are the first chunks' flow windows of 'low_latency' (10 tokens) and 'quality' (12 +
@@ -380,7 +380,7 @@ class SynthesisGraphs:
         (None: eager). Windows of one bucket are stepped together; a flow step whose windows all
         have one ``full_flow_frames`` size runs that size's unpadded step instead."""
         sizes = self.flow_buckets if stage == "flow" else self.vocoder_buckets
-        return next((b for b in sizes if b >= frames), None)
+        return smallest_bucket(sizes, frames)
 
     def prepared(self) -> dict[str, list[int]]:
         """The bucket sizes with static buffers (and a graph once run) per stage."""
@@ -414,7 +414,7 @@ class SynthesisGraphs:
         ``flow.encode_tokens`` gives them - the padded step of the smallest ``token_buckets`` size
         that holds them, or eagerly (more tokens, or eager mode). Windows of several calls take
         turns (a step's inputs are shared buffers: all synthesis work runs on one stream)."""
-        bucket = next((b for b in self.token_buckets if b >= tokens.shape[1]), None)
+        bucket = smallest_bucket(self.token_buckets, tokens.shape[1])
         if bucket is None or self._mode == "eager" or self._weights() != self._fingerprint:
             return self.vg.flow.encode_tokens(tokens)  # (moved weights: the next step rebuilds the buckets)
         with self._encoder_lock:
