@@ -1,6 +1,6 @@
 """Operators left outside captured steps, per first-audio stage - counted on a CPU.
 
-    python benchmarks/bench_eager_ops.py [--size tiny|full]
+    python benchmarks/bench_eager_ops.py [--size tiny|full] [--device cpu|cuda] [--dtype bfloat16]
 
 On a GPU every operator that runs outside a captured step is at least one kernel launch, each a few
 microseconds of the host's time and a turn at the driver's lock; with eight calls ending at once the
@@ -14,7 +14,8 @@ then the step runs as its replay would, its outputs overwritten in place) - what
 steps is then exactly what runs outside the graphs on CUDA. The CUDA-only shared steps (the tower's
 encoder and text side, the calls' synthesis steps) are made here too, rehearsed. Host-only operators
 (the log-mel, the word alignment: CPU tensors on a GPU host too) are counted as well, so the counts
-are an upper bound of the launches.
+are an upper bound of the launches. With ``--device cuda`` the fast path runs as it does there (real
+graphs, nothing patched), and the counts are those of the real dimensions' code on the GPU.
 """
 
 from __future__ import annotations
@@ -157,15 +158,17 @@ def count_turn(engine, asr, path, audio) -> StageCounts:
     return counts
 
 
-def measure(size: str = "tiny") -> dict:
-    """{path: {stage: (operators outside steps, step runs)}} for the eager and the rehearsed fast path."""
+def measure(size: str = "tiny", device: str = "cpu", dtype: str | None = None) -> dict:
+    """{path: {stage: (operators outside steps, step runs)}} for the eager path and the fast path
+    (rehearsed on a CPU, captured on CUDA; the key says 'fast path, rehearsed' either way)."""
     torch.manual_seed(0)
-    base = gpu_suite.build_engine(size, "cpu", None)
-    asr = gpu_suite.build_asr(size, base, "cpu", None)
+    base = gpu_suite.build_engine(size, device, dtype)
+    asr = gpu_suite.build_asr(size, base, device, dtype)
     audio = gpu_suite.user_audio()
+    cpu = torch.device(device).type == "cpu"
     result = {}
     for name, path in (("eager", gpu_suite.EAGER), ("fast path, rehearsed", gpu_suite.GRAPHED)):
-        with rehearsed_fast_path() if path is gpu_suite.GRAPHED else contextlib.nullcontext():
+        with rehearsed_fast_path() if path is gpu_suite.GRAPHED and cpu else contextlib.nullcontext():
             engine = gpu_suite.path_engine(base, path)
             counts = count_turn(engine, asr, path, audio)
         result[name] = {stage: (counts.eager[stage], counts.steps[stage]) for stage in STAGES}
@@ -189,10 +192,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "full"],
                         help="full: the published dimensions, random weights (some 20 GB and minutes on a CPU)")
+    parser.add_argument("--device", default="cpu", help="cpu (the fast path's steps rehearsed) or cuda (captured)")
+    parser.add_argument("--dtype", default=None, help="the engine's dtype (default: the device's run dtypes)")
     args = parser.parse_args(argv)
-    print(f"# operators outside captured steps per first-audio stage ({args.size} size, CPU, float32, "
-          f"torch {torch.__version__})")
-    print("\n".join(table(measure(args.size))))
+    print(f"# operators outside captured steps per first-audio stage ({args.size} size, {args.device}, "
+          f"{args.dtype or 'default dtypes'}, torch {torch.__version__})")
+    print("\n".join(table(measure(args.size, args.device, args.dtype))))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@
 # FIRST_TURN=1 adds the first-turn benchmark (with and without the start-up rehearsal) before the suite.
 # ASR_BATCH=1 adds the built-in ASR's benchmark at whisper-large-v3 size (bench_asr.py): eight turn
 # ends decoded one by one against one batch (ASR_BATCH_S seconds at most, default 150).
-# OUT_DIR gets machine.txt (GPU, driver, torch), tests.log, first_turn.txt, asr_batch.txt, suite.log,
+# EAGER_OPS=1 adds the operators a turn's first audio runs outside captured steps, per stage, at full
+# size (bench_eager_ops.py; EAGER_OPS_S seconds at most, default 240): eager path vs fast path.
+# OUT_DIR gets machine.txt (GPU, driver, torch), tests.log, first_turn.txt, asr_batch.txt, eager_ops.txt, suite.log,
 # gpu_suite.md and gpu_suite.json.
 # On a machine without a package index whose image already has CUDA PyTorch and transformers, carry
 # the wheels of `bash scripts/gpu_wheels.sh` in .whl/: they are installed first (docs/GPU.md).
@@ -80,6 +82,14 @@ if [ "${ASR_BATCH:-0}" = 1 ]; then
     asr=(--models large --device cuda --dtype bfloat16 --together 8)
     [ "${REHEARSE:-0}" = 1 ] && asr=(--models tiny --together 4 --repeats 2)
     timeout -k 10 "${ASR_BATCH_S:-150}" "$PYTHON" benchmarks/bench_asr.py "${asr[@]}" 2>&1 | tee "$out/asr_batch.txt"
+fi
+
+# EAGER_OPS=1: the operators left outside the graphs per first-audio stage (bench_eager_ops.py).
+if [ "${EAGER_OPS:-0}" = 1 ]; then
+    echo "== eager operators ($(date +%H:%M:%S))"
+    ops=(--size full --device cuda --dtype bfloat16)
+    [ "${REHEARSE:-0}" = 1 ] && ops=(--size tiny --device cpu)
+    timeout -k 10 "${EAGER_OPS_S:-240}" "$PYTHON" benchmarks/bench_eager_ops.py "${ops[@]}" 2>&1 | tee "$out/eager_ops.txt"
 fi
 
 # The suite gets what is left. It starts no part later than a minute before the end (its longest
