@@ -45,7 +45,7 @@ import copy
 import torch
 
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, sinusoid_encoding
-from taste_speech.step_graph import StepGraph, first_fallback_reason, resolve_mode, smallest_bucket
+from taste_speech.step_graph import StepGraph, first_fallback_reason, fitting_bucket, resolve_mode
 
 CACHE_KINDS = ("auto", "static", "dynamic")
 DEFAULT_CAPACITY = 1024
@@ -125,10 +125,9 @@ class StaticSpeechCache:
 
     def prefill_bucket(self, rows: int) -> int | None:
         """The captured step a feed of ``rows`` rows would take now (None: eager)."""
-        if self.graph_mode == "eager" or rows < 2:
+        if self.graph_mode == "eager":
             return None
-        bucket = smallest_bucket(PREFILL_BUCKETS, rows)
-        return bucket if bucket is not None and self._length + bucket <= self.capacity else None
+        return fitting_bucket(PREFILL_BUCKETS, rows, self.capacity - self._length)
 
     def warm_up_prefill(self) -> None:
         """Run (and so capture) every prefill bucket that fits after the current positions, then

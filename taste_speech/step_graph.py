@@ -144,6 +144,14 @@ def smallest_bucket(sizes, n: int) -> int | None:
     return next((size for size in sizes if size >= n), None)
 
 
+def fitting_bucket(sizes, rows: int, room: int) -> int | None:
+    """The padded step a multi-row feed of ``rows`` rows takes into a cache with ``room`` free slots:
+    the smallest of ``sizes`` that holds it, if its padding fits too; None: the feed runs eagerly
+    (a single row takes the cache's one-row step)."""
+    bucket = smallest_bucket(sizes, rows) if rows >= 2 else None
+    return bucket if bucket is not None and bucket <= room else None
+
+
 def all_captured(steps) -> bool:
     """Every one of ``steps`` (the ``StepGraph`` s an owner made so far) is a captured graph, and
     there is one."""
