@@ -196,11 +196,15 @@ def build_engine(size: str, device: str, dtype: str | None):
 def build_asr(size: str, engine, device: str, dtype: str | None, calls: int = 1) -> dict:
     """The built-in ASR at the published size (whisper-large-v3 dimensions, random weights) or tiny,
     one transcriber per path over the same weights: eager = ``generate``, graphed = our static
-    loop (captured step on CUDA) with incremental partials, warmed up for ``calls`` calls at once."""
+    loop (captured step on CUDA) with incremental partials, warmed up for ``calls`` calls at once.
+    Its encoder has the audio tower's weights, as the published ASR's has the published tower's
+    (Whisper-large-v3's encoder, frozen): the fast path's engines share one pass a turn
+    (``TasteEngine.share_tower_encoder``)."""
     from pipecat_taste.asr import WhisperTranscriber
     from transformers import WhisperFeatureExtractor
 
-    tiny = WhisperTranscriber.random_tiny(engine.checkpoint_dir)
+    tower = engine.model.audio_tower
+    tiny = WhisperTranscriber.random_tiny(engine.checkpoint_dir, tower=tower)
     model, features, max_new = tiny.model, tiny.feature_extractor, None
     if size == "full":
         from transformers import WhisperConfig, WhisperForConditionalGeneration
@@ -212,6 +216,7 @@ def build_asr(size: str, engine, device: str, dtype: str | None, calls: int = 1)
             model = WhisperForConditionalGeneration(config)
         model.generation_config.forced_decoder_ids = None
         features, max_new = WhisperFeatureExtractor(feature_size=128), 20  # a fixed 20-token transcript
+        model.model.encoder.load_state_dict(tower.encoder.state_dict())
     model.to(device=device, dtype=getattr(torch, dtype) if dtype else torch.float32)
     asr = {path.name: WhisperTranscriber(model, features, tiny.tokenizer, device=device, language=None,
                                          max_new_tokens=max_new, decode="dynamic" if path is EAGER else "static")
@@ -245,10 +250,11 @@ def asr_after_turn(asr, turn, audio: np.ndarray, clock: "Clock") -> None:
 
 
 # -- one reply, stage by stage ----------------------------------------------------------------------------
-def path_engine(engine, path: DecodePath):
+def path_engine(engine, path: DecodePath, calls: int = 1):
     """The same weights behind an engine whose hot loops take ``path``, warmed up as taste-agent
-    does at start-up (the shared synthesis graphs, the batched LM steps). Make one per path and
-    share it between calls, as a server does."""
+    does at start-up (the shared synthesis graphs, the batched LM steps) for ``calls`` calls at once
+    (``taste-agent --max-calls``: on CUDA its rehearsal is that many calls ending together). Make
+    one per path and share it between calls, as a server does."""
     from pipecat_taste.engine import TasteEngine
 
     cuda = torch.device(engine.device).type == "cuda"
@@ -257,7 +263,7 @@ def path_engine(engine, path: DecodePath):
                          device=engine.device, asr=None, decoding=path.name, batch_slots=path.batch_slots,
                          streams=path.streams, compile_flow=path.compile_flow)
     started = time.perf_counter()
-    engine.warm_up()
+    engine.warm_up(calls=calls)
     # captures (with compile_flow, the compilations too), then the rehearsal turn taste-agent runs; the
     # shared steps' counters (mean batch) include that turn's steps
     engine.warm_up_s = time.perf_counter() - started
@@ -310,7 +316,7 @@ def _after_the_turn(engine, asr, path: DecodePath, session, turn, audio: np.ndar
     clock = Clock(device)
     if asr is not None:
         asr_after_turn(asr[path.name], turn, audio, clock)
-    turn = session.user_turn(audio, USER_TEXT)
+    turn = session.user_turn(audio, USER_TEXT, turn)  # (an ASR sharing the tower's encoder encoded the turn)
     clock.mark("audio_tower")
     session.conversation.add_turn(turn.segment)
     clock.mark("lm_prefill")
@@ -1024,6 +1030,7 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
     threads = [threading.Thread(target=one, args=(i,), name=f"gpu-suite-call-{i}") for i in range(calls)]
     transcriber = asr[path.name] if asr is not None else None
     shared_before = shared_counts(engine, transcriber)
+    pinned_before = pinned_host_blocks()
     for t in threads:
         t.start()
     for t in threads:
@@ -1041,7 +1048,25 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
     if torch.device(engine.device).type == "cuda":
         upfront = getattr(engine, "upfront_bytes", 0)
         out["peak_mib_per_call"] = (torch.cuda.max_memory_allocated() - before + upfront) / calls / 2**20
+        pinned_after = pinned_host_blocks()
+        if pinned_before is not None and pinned_after is not None:
+            out["pinned_blocks_made"] = pinned_after[0] - pinned_before[0]
+            out["pinned_alloc_ms"] = round((pinned_after[1] - pinned_before[1]) / 1000, 1)
     return out
+
+
+def pinned_host_blocks() -> tuple[int, float] | None:
+    """(pinned host blocks torch's caching host allocator has made so far, microseconds spent making
+    them), or None where torch does not count them (no CUDA, or an older torch). Each block made is
+    a ``cudaHostAlloc``: milliseconds that hold the driver's lock, every thread's launches waiting."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return None
+    try:
+        figures = stats()
+        return int(figures["num_host_alloc"]), float(figures["host_alloc_time.total"])
+    except (KeyError, RuntimeError):
+        return None
 
 
 def shared_counts(engine, asr=None) -> dict:
@@ -1086,6 +1111,17 @@ def sharing_lines(graphed: dict) -> list[str]:
             "announced ones); — none):",
             ""] + table_lines(["calls", "path", "transcriptions", "ASR batches", "ASR encoder passes", "turns", "tower passes",
                                "first windows", "flow steps"], rows) + [""]
+
+
+def pinned_lines(graphed: dict) -> list[str]:
+    rows = [[str(row["calls"]), label, fmt(row["pinned_blocks_made"]), fmt(row["pinned_alloc_ms"])]
+            for key, label in CALL_ROWS.items() for row in graphed.get(key, []) if "pinned_blocks_made" in row]
+    if not rows:
+        return []
+    return ["Pinned host blocks made during each row (torch's caching host allocator grows by a cudaHostAlloc "
+            "whenever no cached block of the size is free: copies in flight together, or blocks held behind "
+            "an unfinished copy's event; each holds the driver's lock, so the other calls' launches wait):", ""] + \
+        table_lines(["calls", "path", "blocks made", "ms making them"], rows) + [""]
 
 
 def stage_growth_lines(graphed: dict) -> list[str]:
@@ -1152,9 +1188,10 @@ class Suite:
             torch.profiler._utils._init_for_cuda_graphs()
         dtype = None if args.dtype == "float32" else args.dtype
         self.engine = build_engine(args.size, args.device, dtype)
-        concurrent = set(args.parts) & (set(CALL_PARTS) | {"gpu_busy_calls"})  # (workspaces for calls at once)
-        self.asr = build_asr(args.size, self.engine, args.device, dtype,
-                             calls=max(args.calls or (1,)) if concurrent else 1)
+        concurrent = set(args.parts) & (set(CALL_PARTS) | {"gpu_busy_calls"})
+        # the most calls at once: the ASR's workspaces and the engines' warm-up (a server's --max-calls)
+        self.max_calls = max(args.calls or (1,)) if concurrent else 1
+        self.asr = build_asr(args.size, self.engine, args.device, dtype, calls=self.max_calls)
         progress(f"built the {args.size} model and ASR on {args.device} in {time.perf_counter() - self.started:.0f} s")
         self.forced = ForcedReply(self.engine.model.spoken_lm)
         self.audio = user_audio()
@@ -1179,7 +1216,11 @@ class Suite:
 
     def engine_for(self, path: DecodePath):
         if path not in self.engines:
-            self.engines[path] = path_engine(self.engine, path)
+            self.engines[path] = path_engine(self.engine, path, calls=self.max_calls)
+            # one encoder pass a turn for its ASR and tower (the fast path's, on CUDA); the ASR's
+            # workspaces are made again with that encoder: warmed up again, as at start-up
+            if self.engines[path].share_tower_encoder(self.asr[path.name]):
+                self.asr[path.name].warm_up(workspaces=self.max_calls)
             if self.freeze_gc:  # as taste-agent does once ready: no full collection walks start-up's objects
                 from pipecat_taste.gc_pauses import freeze_startup_objects
 
@@ -1424,7 +1465,8 @@ def markdown(data: dict, command: str) -> list[str]:
                                f"{r['compiled_ms'] / r['plain_ms']:.2f}", f"{r['compile_s']:.0f}",
                                f"{r['max_mel_diff']:.2g}"] for r in data["compiled_flow"]["rows"]]) + [""]
     if any(key in entry for entry in (eager, graphed) for key in ("concurrency", *CALL_KEYS.values())):
-        lines += concurrency_lines(eager, graphed) + sharing_lines(graphed) + stage_growth_lines(graphed)
+        lines += (concurrency_lines(eager, graphed) + sharing_lines(graphed) + pinned_lines(graphed)
+                  + stage_growth_lines(graphed))
     return lines
 
 

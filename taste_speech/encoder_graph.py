@@ -23,7 +23,15 @@ before it reads its copies. Each pass also waits for the last one's queued kerne
 are reused), which calls running on streams of their own do not wait for otherwise.
 
 It is passed explicitly (``taste_tokenize(..., encoder=...)``; ``TasteEngine`` makes one on the
-CUDA fast path), so a model shared by an eager engine and a graphed one keeps both. Moving or
+CUDA fast path), so a model shared by an eager engine and a graphed one keeps both.
+
+One pass for the ASR and the tower: the published tower's Whisper encoder is Whisper-large-v3's,
+frozen (``TASTE_ARCHITECTURE.md`` section 3.2), so a built-in Whisper ASR whose encoder has the
+same weights encodes the same window into the same states. Such an ASR runs its passes through the
+tower's ``EncoderGraph`` (``WhisperTranscriber.share_encoder``; the engine checks the weights
+tensor by tensor) and hands the outputs of a turn's final transcription on as an
+:class:`EncodedTurn`, which ``taste_tokenize(..., encoded=...)`` uses instead of a second pass when
+its audio is the turn's. Moving or
 casting the tower is detected and the steps are rebuilt. Its memory: the input windows, the two
 outputs and the graphs' shared private pool (the largest layer's activations) for ``rows`` turns.
 """
@@ -39,6 +47,33 @@ import torch
 from taste_speech.announcements import Announcements, StepTimer
 from taste_speech.batched_steps import step_sizes
 from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason
+
+
+class EncodedTurn:
+    """The tower encoder's outputs for one turn's window (``(target_hidden, last_hidden)``, each
+    (1, S, d)), made already, with the 16 kHz mono audio whose window it was. ``ready``: on CUDA an
+    event after they were written (made on another call's stream: ``use_here`` waits for it)."""
+
+    __slots__ = ("audio", "outputs", "ready")
+
+    def __init__(self, audio, outputs: tuple, ready=None):
+        self.audio, self.outputs, self.ready = audio, tuple(outputs), ready
+
+    def matches(self, audio16k) -> bool:
+        """Whether ``audio16k`` (the tower's 16 kHz mono float32 input) is the audio these came from."""
+        import numpy as np
+
+        return self.audio is audio16k or np.array_equal(self.audio, audio16k)
+
+    def use_here(self) -> tuple:
+        """The outputs, for this thread's current stream: it waits for them, and they are not
+        freed for reuse before its kernels that read them have run."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream(self.outputs[0].device)
+            stream.wait_event(self.ready)
+            for out in self.outputs:
+                out.record_stream(stream)
+        return self.outputs
 
 
 class _Turn:

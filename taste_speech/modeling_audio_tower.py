@@ -159,7 +159,14 @@ class TasteAudioTower(nn.Module):
 
         Shorter inputs are right-padded with 0.0 to the full window, as the original does; nothing
         is masked (the encoder and the cross-attention see the padding). ``encoder``: an
-        ``EncoderGraph`` of this tower to run the fixed-shape stack with (None: eagerly)."""
+        ``EncoderGraph`` of this tower to run the fixed-shape stack with (None: eagerly).
+        ``audio_features`` None: ``encoder()`` gives the outputs made already (``taste_tokenize``
+        with an ``EncodedTurn``: the built-in ASR's pass over the same window)."""
+        if audio_features is None:
+            if encoder is None:
+                raise ValueError("audio_features are needed to encode a turn (only an encoder that gives the outputs "
+                                 "made already goes without them)")
+            return encoder(None)
         window = self.encoder_window(audio_features)
         return self.encoder_stack(window) if encoder is None else encoder(window)
 

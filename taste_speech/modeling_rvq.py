@@ -56,6 +56,15 @@ class EuclideanCodebook(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (it grows with every in-place write), or None for an inference
+    tensor, which keeps none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 def _raise_if_not_initted(name: str, initted: torch.Tensor) -> None:
     if not bool((initted == 1).all()):
         raise ValueError(
@@ -98,6 +107,7 @@ class ResidualVQ(nn.Module):
         self.project_out = nn.Linear(codebook_dim, dim)
         self.layers = nn.ModuleList(QuantizerLevel(codebook_size, codebook_dim) for _ in range(num_quantizers))
         self.mlps = nn.ModuleList(UnusedImplicitCodebookMLP(codebook_dim) for _ in range(num_quantizers - 1))
+        self._joined = None  # (the codebooks' key, their joined table, its row offsets): ``_joined_codebooks``
 
     def codebooks(self) -> list[EuclideanCodebook]:
         return [layer._codebook for layer in self.layers]
@@ -137,12 +147,7 @@ class ResidualVQ(nn.Module):
         GPU): for indices this RVQ's own search just made."""
         if check:
             self.check_indices(indices)
-        out = []
-        for k, book in enumerate(self.codebooks()):
-            idx = indices[..., k].long()
-            present = (idx != IGNORE).unsqueeze(-1)
-            out.append(book.codes[idx.clamp(min=0)] * present)
-        return torch.stack(out, dim=0)
+        return self._gathered_codes(indices).movedim(-2, 0)
 
     def decode(self, indices: torch.Tensor, check: bool = True) -> torch.Tensor:
         """TASTE embedding of indices (..., K): project_out of the summed codes, (..., dim), in the
@@ -150,9 +155,37 @@ class ResidualVQ(nn.Module):
         word's codes) are checked on the host and copied in without waiting for the GPU."""
         if check:
             self.check_indices(indices)
-        indices = to_device(indices, self.project_out.weight.device)
-        summed = self.codes_from_indices(indices, check=False).sum(dim=0)
+        summed = self._gathered_codes(indices).sum(dim=-2)
         return self.project_out(summed.to(self.project_out.weight.dtype))
+
+    def _gathered_codes(self, indices: torch.Tensor) -> torch.Tensor:
+        """(..., K, codebook_dim) fp32: each level's code, zeros for IGNORE - one gather from the
+        levels' joined table. (A word is decoded after every step of a reply, by the spoken LM and
+        the speech decoder: level by level it was some 35 operators, each a kernel launch on a GPU;
+        joined, the rows are worked out where the indices are - on the host for a turn's codes -
+        and the device runs a copy, a gather and a sum.)"""
+        table, offsets = self._joined_codebooks()
+        if offsets.device != indices.device:  # host indices: their rows are worked out on the host
+            offsets = torch.arange(self.num_quantizers, device=indices.device) * (self.codebook_size + 1)
+        rows = indices.long().remainder(self.codebook_size + 1) + offsets  # IGNORE (-1): the level's zero row
+        return nn.functional.embedding(to_device(rows, table.device), table)
+
+    def _joined_codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every level's codes in one (K * (codebook_size + 1), codebook_dim) fp32 table, each level
+        followed by a zero row (IGNORE's), and each level's first row (K,). Kept until a codebook is
+        moved, cast, replaced or written in place (its version), then made again - by an eager
+        caller: a captured step would go on reading the table it was captured with."""
+        books = self.codebooks()
+        key = tuple((book.embed.data_ptr(), book.embed.device, book.embed.dtype, _version(book.embed))
+                    for book in books)
+        kept = self._joined
+        if kept is None or kept[0] != key:
+            with torch.no_grad():
+                table = torch.cat([torch.cat([book.codes, book.codes.new_zeros(1, self.codebook_dim)])
+                                   for book in books])
+            offsets = torch.arange(self.num_quantizers, device=table.device) * (self.codebook_size + 1)
+            kept = self._joined = (key, table, offsets)  # (one assignment: another thread sees them together)
+        return kept[1], kept[2]
 
     def check_indices(self, indices: torch.Tensor) -> None:
         """Raise on indices that are not (..., K) integers in [0, codebook_size) or IGNORE. Host

@@ -328,6 +328,7 @@ def test_synthesis_graphed_chunks_equal_the_dynamic_ones(voice_generator_tiny_a)
         torch.testing.assert_close(got.audio, ref.audio, atol=5e-3, rtol=0)
     assert graphs.prepared()["flow"] and graphs.prepared()["vocoder"]
     assert graphs._encoders and all(e.step.captured for e in graphs._encoders.values())  # the token encoder's too
+    assert graphs._f0 and all(f0.step.captured for f0 in graphs._f0.values())  # and the F0 predictor's
     assert not graphs.fallback_reasons(), graphs.fallback_reasons()  # every bucket was captured
 
 
@@ -737,3 +738,36 @@ def test_no_automatic_garbage_collection_runs_while_a_step_is_captured():
     assert graph.captured and graph.fallback_reason is None, graph.fallback_reason
     assert seen == [False] and gc.isenabled()
     assert torch.equal(out, torch.full((4,), 2.0, device="cuda"))
+
+
+def test_an_asr_with_the_tower_s_encoder_encodes_each_turn_once_on_cuda():
+    """The fast path's engine shares its captured tower encoder with a built-in ASR that has the
+    tower's encoder weights: the turn's final transcription pass is the tower's pass too, and its
+    codes are those of the tower encoding the turn again (no new capture, no second pass)."""
+    from pipecat_taste.asr import WhisperTranscriber
+    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from taste_agents.caller import load_utterances
+
+    base = TasteEngine.from_pretrained(None, device="cuda", asr=None)
+    asr = WhisperTranscriber.random_tiny(base.checkpoint_dir, tower=base.model.audio_tower, decode="static")
+    engine = TasteEngine(base.model, base.processor, base.voice_generator, checkpoint_dir=base.checkpoint_dir,
+                         device="cuda", asr=asr)
+    assert engine.tower_encoder is not None and asr.shares_tower_encoder
+    engine.warm_up()
+    hello = load_utterances()["hello"]
+    session = engine.new_session(GenerationSettings(seed=1))
+    try:
+        transcript = session.start_transcript()
+        transcript.partial(hello.audio[: hello.audio.size // 2])
+        session.turn_ended(transcript)
+        transcript.finish(hello.audio)
+        assert transcript.encoded is not None and transcript.encoded.ready is not None
+        passes = engine.tower_encoder.stats()["passes"]
+        shared = session.user_turn(hello.audio, hello.text, transcript)
+        assert engine.tower_encoder.stats()["passes"] == passes
+        again = session.user_turn(hello.audio, hello.text)
+        assert engine.tower_encoder.stats()["passes"] == passes + 1
+    finally:
+        session.close()
+    assert torch.equal(shared.segment.taste_ids, again.segment.taste_ids)
+    assert engine.tower_encoder.step.captured

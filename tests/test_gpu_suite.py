@@ -315,3 +315,29 @@ def test_a_path_whose_engine_would_not_fit_the_budget_left_is_not_built():
     del suite.engines[gpu_suite.BATCHED]
     assert not suite._no_time_for_engine(gpu_suite.BATCHED, "batched_calls")
 
+
+
+def test_each_path_engine_is_warmed_up_for_the_most_calls_its_rows_run(monkeypatch):
+    """As taste-agent --max-calls N does at start-up: on CUDA its rehearsal is N calls ending
+    together, so the first row of N calls is not the first burst the engine sees."""
+    from pipecat_taste.engine import TasteEngine
+
+    warmed = []
+    monkeypatch.setattr(TasteEngine, "warm_up", lambda self, calls=1, **kwargs: warmed.append(calls))
+    base = gpu_suite.build_engine("tiny", "cpu", None)
+    gpu_suite.path_engine(base, gpu_suite.GRAPHED, calls=8)
+    gpu_suite.path_engine(base, gpu_suite.EAGER)
+    assert warmed == [8, 1]
+
+
+def test_the_pinned_host_blocks_each_row_made_are_tabled():
+    graphed = {"concurrency_synthesis_stream": [{"calls": 1, "pinned_blocks_made": 0, "pinned_alloc_ms": 0.0},
+                                                {"calls": 8, "pinned_blocks_made": 37, "pinned_alloc_ms": 200.8}],
+               "concurrency_batched": [{"calls": 8}]}  # (a torch that does not count them)
+    lines = gpu_suite.pinned_lines(graphed)
+    table = [line for line in lines if line.startswith("| ")]
+    assert table[0].split("|")[1:-1] == [" calls ", " path ", " blocks made ", " ms making them "]
+    assert [row.split("|")[1:-1] for row in table[2:]] == [[" 1 ", " synthesis stream ", " 0 ", " 0.0 "],
+                                                           [" 8 ", " synthesis stream ", " 37 ", " 200.8 "]]
+    assert gpu_suite.pinned_lines({"concurrency": [{"calls": 2}]}) == []
+    assert gpu_suite.pinned_host_blocks() is None  # (no CUDA here)

@@ -780,7 +780,8 @@ class AudioKeepingEngine(FakeEngine):
     def new_session(self, settings=None, voice=None):
         session = super().new_session(settings, voice)
         user_turn = session.user_turn
-        session.user_turn = lambda audio, transcript: (self.turn_audio.append(audio.copy()), user_turn(audio, transcript))[1]
+        session.user_turn = lambda audio, transcript, *heard: (self.turn_audio.append(audio.copy()),
+                                                               user_turn(audio, transcript, *heard))[1]
         return session
 
 

@@ -3,6 +3,7 @@ checkpoint: every stage runs once, and nothing of the throwaway call stays behin
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -68,9 +69,9 @@ def test_the_rehearsal_runs_each_stage_on_a_worker_thread_that_ends(engine, monk
 
     threads, listen = {}, rehearsal._listen
 
-    def recorded(session, engine, audio):
+    def recorded(session, engine, audio, *args):
         threads["listen"] = threading.current_thread()
-        return listen(session, engine, audio)
+        return listen(session, engine, audio, *args)
 
     monkeypatch.setattr(rehearsal, "_listen", recorded)
     like(engine, asr=engine.asr).warm_up()
@@ -109,3 +110,76 @@ def test_the_rehearsal_audio_is_voice_like_and_the_same_every_time():
     assert audio.dtype == np.float32 and audio.shape == (32000,)
     assert 0.05 < np.abs(audio).max() <= 1.0 and np.sqrt(np.mean(audio ** 2)) > 0.01  # not silence
     assert np.array_equal(audio, rehearsal_audio(16000))
+
+
+def test_calls_rehearsed_together_end_their_turns_together_and_leave_the_answer_unchanged(engine, hello):
+    """The first burst of concurrent calls, rehearsed at start-up (TasteEngine.warm_up does it on
+    CUDA for its ``calls``): each throwaway call runs every stage, their turns end at one moment,
+    and nothing of them changes a later call's answer."""
+    import pipecat_taste.rehearsal as rehearsal
+
+    plain = like(engine, asr=engine.asr, decoding="graphed")
+    plain.warm_up(rehearse=False)
+    expected = answer(plain, hello)
+    rehearsed = like(engine, asr=engine.asr, decoding="graphed")
+    rehearsed.warm_up(rehearse=False)
+    arrivals, ends, listen = [], [], rehearsal._listen
+
+    def timed(session, engine, audio, turn_ends):
+        def arrive():
+            if len(arrivals) == 2:  # the last caller is a little late: the others wait for it
+                time.sleep(0.3)
+            arrivals.append(time.perf_counter())
+            turn_ends()
+
+        text, heard, turn_end = listen(session, engine, audio, arrive)
+        ends.append(turn_end)
+        return text, heard, turn_end
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(rehearsal, "_listen", timed):
+        together = rehearsal.rehearse_turn(rehearsed, calls=3)
+    assert together.calls == 3 and together.first_audio_s > 0 and together.seconds > together.first_audio_s
+    assert together.reply_segments >= 3 and together.speech_tokens > 0 and together.audio_samples > 0
+    assert len(ends) == 3 and min(ends) >= max(arrivals)  # no turn ended before every caller stopped speaking
+    heard, words, tokens, audio = answer(rehearsed, hello)
+    assert (heard, words, tokens) == expected[:3]
+    assert audio.shape == expected[3].shape and np.abs(audio - expected[3]).max() < 2e-4
+
+
+def test_a_call_failing_in_a_rehearsal_of_several_raises_its_own_fault_and_no_call_waits_for_it(engine,
+                                                                                             monkeypatch):
+    import pipecat_taste.rehearsal as rehearsal
+
+    listen, calls = rehearsal._listen, []
+
+    def first_one_breaks(session, engine, audio, turn_ends):
+        calls.append(session)
+        if len(calls) == 1:
+            raise RuntimeError("this caller's microphone is broken")
+        return listen(session, engine, audio, turn_ends)
+
+    monkeypatch.setattr(rehearsal, "TURN_END_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(rehearsal, "_listen", first_one_breaks)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="microphone is broken"):
+        rehearsal.rehearse_turn(like(engine, asr=None), calls=2)
+    assert time.perf_counter() - started < 30  # the other call did not wait out the barrier's 60 s
+    assert len(calls) == 2
+    for session in calls:  # both calls were closed
+        with pytest.raises(RuntimeError, match="session was closed"):
+            next(session.reply(None, threading.Event()))
+
+
+def test_warm_up_rehearses_one_call_on_a_cpu_whatever_its_calls(engine):
+    rehearsal = like(engine, asr=None).warm_up(calls=3)
+    assert rehearsal.calls == 1 and rehearsal.audio_samples > 0
+
+
+@pytest.mark.parametrize("calls", [0, -1, 1.5, True])
+def test_rehearsal_calls_must_be_a_positive_integer(engine, calls):
+    from pipecat_taste.rehearsal import rehearse_turn
+
+    with pytest.raises(ValueError, match="calls must be an integer >= 1"):
+        rehearse_turn(engine, calls=calls)

@@ -28,6 +28,7 @@ from taste_speech.streaming.synthesis_graphs import (
     FIRST_WINDOW_FRAMES,
     FLOW_BUCKETS,
     FULL_FLOW_WINDOWS,
+    VOCODER_BUCKETS,
     SynthesisGraphs,
     _FlowBucket,
     _Window,
@@ -191,6 +192,25 @@ def test_flow_ode_padding_never_reaches_valid_frames(vg, n, bucket):
     if n < bucket:  # the same padding without the masked statistics does reach them
         leaky = decoder(inputs[0], mask, spks, inputs[1], inputs[2])
         assert float((leaky[..., :n] - reference).abs().max()) > 100 * MEL_ATOL
+
+
+@pytest.mark.parametrize("n, bucket", [(17, 24), (61, 88), (88, 88)])
+@torch.inference_mode()
+def test_length_regulator_padding_never_reaches_valid_frames(vg, n, bucket):
+    """The flow's steps run the length regulator on the padded window too: each conv sees zeros
+    past the valid frames, GroupNorm their statistics alone."""
+    g = torch.Generator().manual_seed(n)
+    regulator = vg.flow.length_regulator
+    stretched = torch.randn(1, 80, n, generator=g)
+    reference = regulator.regulate(stretched)
+    assert torch.equal(reference, regulator.model(stretched))  # no mask: the published module as it is
+    mask = frame_mask(n, bucket)
+    out = regulator.regulate(padded(stretched, bucket, g), mask)
+    torch.testing.assert_close(out[..., :n], reference, atol=1e-5, rtol=0)
+    assert not out[..., n:].any()  # zeros after the window, as the ODE's inputs are padded
+    if n < bucket:  # unmasked, the padding reaches them
+        leaky = regulator.regulate(padded(stretched, bucket, g))
+        assert float((leaky[..., :n] - reference).abs().max()) > 1e-2
 
 
 @pytest.mark.parametrize("n, bucket", [(13, 16), (21, 24), (57, 60), (103, 128), (60, 60)])
@@ -734,3 +754,39 @@ def test_new_token_encoder_weights_are_noticed_and_encoded_eagerly_until_the_ste
         assert torch.equal(graphs.encode_tokens(tokens), own.flow.encode_tokens(tokens))
         graphs._check_weights()  # (what the next flow or vocoder step does first)
     assert graphs._encoders == {} and graphs._weights() == graphs._fingerprint
+
+
+@pytest.mark.parametrize("n, bucket", [(13, 16), (57, 60), (60, 60)])
+@torch.inference_mode()
+def test_f0_predictor_padding_never_reaches_valid_frames(vg, n, bucket):
+    g = torch.Generator().manual_seed(n)
+    predictor = vg.hift.f0_predictor
+    mel = torch.randn(1, 80, n, generator=g) - 5
+    reference = predictor(mel)
+    out = predictor(padded(mel, bucket, g), frame_mask(n, bucket))
+    assert out.shape == (1, bucket)
+    torch.testing.assert_close(out[:, :n], reference, atol=1e-5, rtol=0)
+    if n < bucket:  # unmasked, the padding reaches the last frames
+        leaky = predictor(padded(mel, bucket, g))
+        assert float((leaky[:, :n] - reference).abs().max()) > 1e-3
+
+
+def test_the_f0_predictor_s_padded_steps_give_its_eager_values(vg):
+    """Rehearsed: a vocoder window's mel padded to its vocoder bucket, the padding masked, gives
+    ``hift.f0_predictor``'s values; an F0 kept from an earlier window is not overwritten; a window
+    longer than the largest bucket is predicted eagerly; warm_up makes a step per vocoder bucket."""
+    graphs = SynthesisGraphs(vg, "rehearse")
+    g = torch.Generator().manual_seed(6)
+    kept = []
+    with torch.no_grad():
+        for n in (1, 13, 16, 17, 100, VOCODER_BUCKETS[-1] + 1):
+            mel = torch.randn(1, 80, n, generator=g) - 5
+            got, want = graphs.predict_f0(mel), vg.hift.f0_predictor(mel)
+            assert got.shape == want.shape == (1, n)
+            assert float((got - want).abs().max()) < 1e-4, n
+            kept.append((got, want))
+    assert all(float((a - b).abs().max()) < 1e-4 for a, b in kept)
+    assert sorted(graphs._f0) == [16, 24, 128]  # the last window: eager
+    graphs.warm_up(flow_frames=[17])
+    assert sorted(graphs._f0) == list(VOCODER_BUCKETS)
+    assert all(f0.step.mode == "rehearse" for f0 in graphs._f0.values())

@@ -184,6 +184,19 @@ def test_the_odes_time_conditioning_in_one_pass_is_the_per_call_one_with_fewer_o
     assert per_call_ops.total - batched_ops.total >= (n_steps - 1) * (2 * resnets + 3)
 
 
+def test_the_sources_harmonic_increments_come_all_at_once_bit_for_bit_with_few_operators(model):
+    """f0 times each harmonic's number over the sampling rate: one broadcast, the numbers of one
+    product per harmonic (the published way), a handful of operators whatever the harmonics."""
+    from benchmarks.bench_lora_merge import OperatorCount
+
+    source = model.hift.m_source
+    f0 = torch.rand(2, 1, 300, generator=torch.Generator().manual_seed(4)) * 400
+    per_harmonic = torch.cat([f0 * (h + 1) / source.sampling_rate for h in range(source.n_harmonics)], dim=1)
+    with OperatorCount() as ops:
+        together = source.cycles(f0)
+    assert torch.equal(together, per_harmonic) and ops.total <= 4 < source.n_harmonics
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_legacy_weight_norm_matches_torch(transpose):
     torch.manual_seed(0)

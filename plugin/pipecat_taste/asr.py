@@ -24,6 +24,13 @@ transcribes the whole turn with the latest partial's tokens as a draft.
 Calls whose turns end together (``batch_rows``): their transcriptions meet in one queue
 (``asr_batches.UtteranceBatcher``) and go through the static loop as one batch - one encoder
 pass, one draft check, the tails token by token side by side - instead of one after the other.
+
+One encoder pass for the transcript and the audio tower (``share_encoder``): the published
+tower's Whisper encoder is Whisper-large-v3's, frozen, so where this model's encoder has the
+tower's weights (``encoder_matches``; ``TasteEngine`` checks it on its CUDA fast path) the
+encoder passes run through the tower's ``EncoderGraph``, and a turn's final transcription hands
+the tower's outputs on (``TurnTranscript.encoded``, an ``EncodedTurn``): the tower does not encode
+the turn again.
 """
 
 from __future__ import annotations
@@ -94,6 +101,7 @@ class WhisperTranscriber:
         self._workspaces: list = []  # the free ones
         self._made = weakref.WeakSet()  # every workspace alive, free or in use
         self._encoder = None  # the workspaces' shared EncoderGraph, made with the first workspace
+        self.shares_tower_encoder = False  # its passes are the audio tower's (``share_encoder``)
         self._batcher = None  # where the calls' utterances meet (UtteranceBatcher), made at the first
         self.batch_rows = batch_rows
         self._lock = threading.Lock()
@@ -129,18 +137,27 @@ class WhisperTranscriber:
                    **kwargs)
 
     @classmethod
-    def random_tiny(cls, checkpoint_dir: str, seed: int = 0, **kwargs):
-        """A random 2-layer Whisper over ``checkpoint_dir/asr_tokenizer`` (tiny checkpoints only)."""
+    def random_tiny(cls, checkpoint_dir: str, seed: int = 0, tower=None, **kwargs):
+        """A random 2-layer Whisper over ``checkpoint_dir/asr_tokenizer`` (tiny checkpoints only).
+        ``tower``: the tiny model's audio tower, whose encoder (architecture, window and weights)
+        it takes, as the published ASR has the published tower's (``share_encoder``); its decoder
+        stays a random 1-layer one."""
         import torch
         from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint_dir, "asr_tokenizer"))
         vocab = len(tokenizer)
-        config = WhisperConfig(vocab_size=vocab, num_mel_bins=80, d_model=32, encoder_layers=1, decoder_layers=1,
-                               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-                               decoder_ffn_dim=64, max_source_positions=1500, max_target_positions=32,
+        encoder = dict(num_mel_bins=80, d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                       decoder_attention_heads=2, decoder_ffn_dim=64, max_source_positions=1500)
+        if tower is not None:
+            c = tower.whisper_config
+            encoder = dict(num_mel_bins=c.num_mel_bins, d_model=c.d_model, encoder_layers=c.encoder_layers,
+                           encoder_attention_heads=c.encoder_attention_heads, encoder_ffn_dim=c.encoder_ffn_dim,
+                           decoder_attention_heads=c.encoder_attention_heads, decoder_ffn_dim=c.encoder_ffn_dim,
+                           max_source_positions=c.max_source_positions, activation_function=c.activation_function)
+        config = WhisperConfig(vocab_size=vocab, decoder_layers=1, max_target_positions=32,
                                decoder_start_token_id=0, eos_token_id=vocab - 1, pad_token_id=vocab - 1,
-                               bos_token_id=0, suppress_tokens=[], begin_suppress_tokens=[])
+                               bos_token_id=0, suppress_tokens=[], begin_suppress_tokens=[], **encoder)
         # Only pieces that read as (parts of) words, so the gibberish is at least made of words.
         import re
 
@@ -149,11 +166,16 @@ class WhisperTranscriber:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = WhisperForConditionalGeneration(config)
+        features = WhisperFeatureExtractor(feature_size=config.num_mel_bins,
+                                           chunk_length=2 * config.max_source_positions // 100)
+        if tower is not None:
+            weights = tower.encoder.conv1.weight
+            model.to(device=weights.device, dtype=weights.dtype)
+            model.model.encoder.load_state_dict(tower.encoder.state_dict())
         model.generation_config.forced_decoder_ids = None
         model.generation_config.suppress_tokens = config.suppress_tokens
         model.generation_config.max_length = 7
-        return cls(model, WhisperFeatureExtractor(feature_size=80), tokenizer, language=None, max_new_tokens=None,
-                   **kwargs)
+        return cls(model, features, tokenizer, language=None, max_new_tokens=None, **kwargs)
 
     # -- transcribing -----------------------------------------------------------------------------
     def __call__(self, audio16k: np.ndarray) -> str:
@@ -246,6 +268,35 @@ class WhisperTranscriber:
     def batch_stats(self) -> dict | None:
         """The utterances decoded and the batches they took (``UtteranceBatcher.stats``), None before any."""
         return self._batcher.stats() if self._batcher is not None else None
+
+    def encoder_matches(self, tower, processor) -> bool:
+        """Whether this model's Whisper encoder makes the states ``tower``'s encoder makes, on the
+        same window: Whisper's standard front end at the tower's window (``processor``'s mel bins
+        and samples), and every encoder tensor equal to the tower's (names, shapes, dtype, device,
+        values). The published checkpoint's tower froze Whisper-large-v3's encoder; a Whisper run
+        in another dtype, or fine-tuned, does not match."""
+        import torch
+
+        config = self.model.config
+        if not _standard_whisper_front_end(self.feature_extractor, config.num_mel_bins) or \
+                (config.num_mel_bins, self.feature_extractor.n_samples) != (processor.n_mels, processor.max_samples):
+            return False
+        mine, theirs = self.model.model.encoder.state_dict(), tower.encoder.state_dict()
+        if mine.keys() != theirs.keys():
+            return False
+        with torch.no_grad():
+            return all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+                       for a, b in ((mine[k], theirs[k]) for k in mine))
+
+    def share_encoder(self, tower_encoder) -> None:
+        """Run the encoder passes through ``tower_encoder`` (the audio tower's ``EncoderGraph``, its
+        encoder's weights this model's: ``encoder_matches``), and hand each turn's final encoding on
+        (``TurnTranscript.encoded``). Workspaces made before are dropped (they hold the old encoder)."""
+        with self._lock:
+            self._encoder = tower_encoder
+            self.shares_tower_encoder = True
+            self._workspaces = []
+            self._made = weakref.WeakSet()
 
     def new_turn(self) -> "TurnTranscript | None":
         """Incremental ASR state for one user turn, or None where partials would not help
@@ -418,6 +469,10 @@ class TurnTranscript:
         self.text = ""  # the latest partial transcript
         self.partials = 0
         self.kept = 0  # draft tokens the final transcription kept
+        # The audio tower's encoding of the whole turn, made by the final transcription's pass
+        # (an EncodedTurn, when the transcriber shares the tower's encoder; else None)
+        self.encoded = None
+        self._encoding = None  # (outputs, ready) of the transcription running (``keep_encoding``)
 
     def ended(self) -> None:
         """The caller stopped speaking: ``finish`` comes next. A decoding batch that another call's
@@ -428,12 +483,25 @@ class TurnTranscript:
         """Transcribe the audio so far; its tokens become the draft of the next transcription."""
         # (as its owner: once the turn has ended, a pass leading this partial does not wait for the finish)
         result = self.transcriber.transcribe(audio16k, self.draft, owner=self)
+        self._encoding = None  # (a partial's encoding is of no use to the tower)
         self.draft, self.text = result.ids, result.text
         self.partials += 1
         return result.text
 
     def finish(self, audio16k: np.ndarray) -> str:
-        """The transcript of the whole turn."""
+        """The transcript of the whole turn (and, sharing the tower's encoder, its ``encoded``)."""
+        from taste_speech.encoder_graph import EncodedTurn
+
+        audio16k = np.asarray(audio16k, np.float32)
+        self._encoding = self.encoded = None
         result = self.transcriber.transcribe(audio16k, self.draft, owner=self)
         self.kept = result.kept
+        encoding, self._encoding = self._encoding, None
+        if encoding is not None and self.transcriber.shares_tower_encoder:
+            self.encoded = EncodedTurn(audio16k, *encoding)
         return result.text
+
+    def keep_encoding(self, outputs: tuple, ready=None) -> None:
+        """(The decoding workspace, on the thread that ran the pass.) The encoder's outputs for this
+        turn's transcription running now; ``ready``: on CUDA an event after them."""
+        self._encoding = (outputs, ready)

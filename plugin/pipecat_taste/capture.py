@@ -710,7 +710,9 @@ class TasteTurnCapture(FrameProcessor):
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
         await self.start_processing_metrics()
         try:
-            user_turn = await self._call.run("listen", session.user_turn, audio16k, transcript)
+            # (the built-in ASR's final pass may have encoded the turn for the tower too: ``heard``)
+            heard = () if turn.asr is None or turn.asr.transcript is None else (turn.asr.transcript,)
+            user_turn = await self._call.run("listen", session.user_turn, audio16k, transcript, *heard)
         except Exception as e:
             await self.stop_processing_metrics()
             await self._fail(turn, f"could not tokenize the user's speech ({transcript!r}): {e}", e)

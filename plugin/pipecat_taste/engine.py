@@ -7,7 +7,7 @@ threads, one stage per thread:
     listening   turn_ended(transcript)                     (the caller stopped speaking: its turn comes soon)
                 transcribe(audio) -> str                  (built-in ASR, when the engine has one)
                 start_transcript() -> TurnTranscript | None   (incremental built-in ASR of one turn)
-                user_turn(audio, transcript) -> UserTurn  (taste_tokenize)
+                user_turn(audio, transcript, heard) -> UserTurn  (taste_tokenize)
     thinking    reply(turn, stop) -> iterator of ReplyEvent  (streaming_generate, one Conversation per call)
                 commit_reply(played_words)                 (keep the words the caller heard)
     speaking    start_speech(rate) -> SpeechState          (one voice-generator state per reply)
@@ -246,6 +246,7 @@ class TasteEngine:
         self.tower_encoder = _tower_encoder(model, decoding, slots)  # the audio tower's encoder as a CUDA graph, or None
         self.tower_pooler = _tower_pooler(model, decoding)  # its text side as CUDA graphs, or None
         self.asr = asr  # built-in ASR (pipecat_taste.asr.WhisperTranscriber) or None
+        self.share_tower_encoder()
         self.start_needs = StartNeeds()  # how late recent replies' second chunks came (the playout's start hold)
         # Calls in one process share the weights; every per-call state (KV caches, synthesis
         # continuity) lives in the state objects the session passes to the model.
@@ -324,6 +325,27 @@ class TasteEngine:
         thread's own stream where there is none."""
         return on_stream(self.synthesis_stream)
 
+    def share_tower_encoder(self, asr=None) -> bool:
+        """One Whisper encoder pass a turn, not two: where ``asr`` (default: the built-in ASR) has
+        the audio tower's encoder weights (the published tower froze Whisper-large-v3's encoder),
+        its passes run through this engine's tower ``EncoderGraph`` and a turn's final transcription
+        hands the tower its encoding (``pipecat_taste.asr``; the session's ``user_turn(...,
+        heard=)`` takes it). The engine does it for its own ASR when made. Whether it does: only on
+        the CUDA fast path (elsewhere the tower has no shared encoder) and for a Whisper decoding
+        with the static loop (``generate`` has no passes to share)."""
+        from pipecat_taste.asr import WhisperTranscriber
+
+        asr = self.asr if asr is None else asr
+        if self.tower_encoder is None or not isinstance(asr, WhisperTranscriber) or asr.plan is None:
+            return False
+        if not asr.encoder_matches(self.model.audio_tower, self.processor):
+            logger.info("the built-in ASR's Whisper encoder differs from the audio tower's (weights, dtype or front "
+                        "end): the tower encodes each turn again")
+            return False
+        asr.share_encoder(self.tower_encoder)
+        logger.info("the built-in ASR's Whisper encoder has the audio tower's weights: one encoder pass a turn")
+        return True
+
     def new_call_stream(self):
         """A CUDA stream for one call's work other than synthesis (``streams='calls'``), else None.
         The call runs its jobs with it current (``on_stream``; ``TasteCall`` starts its worker
@@ -346,16 +368,21 @@ class TasteEngine:
         built-in ASR prepares a decoding workspace for each (elsewhere one: a workspace there is
         only buffers, made in a moment when needed). ``rehearse``: then run one whole turn of a
         throwaway call (``pipecat_taste.rehearsal``: the first run of every operator around the
-        graphs is paid there, not by the first caller), its audio at ``out_sample_rate``; returns
-        its ``Rehearsal`` (None without). A rehearsal that fails is logged, not raised: the agent
-        still starts, and the first call shows the fault where it belongs."""
+        graphs is paid there, not by the first caller), its audio at ``out_sample_rate``; on CUDA
+        the turns of ``calls`` throwaway calls ending together (what a first burst of calls pays
+        - pinned host blocks, larger batches of the shared steps - is paid there; a CPU has no
+        such cost); returns its ``Rehearsal`` (None without). A rehearsal that fails is logged,
+        not raised: the agent still starts, and the first call shows the fault where it belongs."""
+        import torch
+
         self._capture(calls)
         if not rehearse:
             return None
         from pipecat_taste.rehearsal import rehearse_turn
 
+        together = calls if torch.device(self.device).type == "cuda" else 1
         try:
-            return rehearse_turn(self, out_sample_rate)
+            return rehearse_turn(self, out_sample_rate, calls=together)
         except Exception as exc:
             logger.warning("the rehearsal turn at start-up failed (%s: %s); the first call will pay for its "
                            "kernels' first runs", type(exc).__name__, exc, exc_info=True)
@@ -695,10 +722,15 @@ class TasteSession:
         ended = getattr(transcript, "ended", None)
         if ended is not None:
             ended()
-        if self.engine.tower_encoder is not None:
+        # (an ASR sharing the tower's encoder: its final pass is the turn's tower pass, announced above)
+        shared = getattr(getattr(transcript, "transcriber", None), "shares_tower_encoder", False)
+        if self.engine.tower_encoder is not None and not shared:
             self.engine.tower_encoder.expect_turn(self)
 
-    def user_turn(self, audio: np.ndarray, transcript: str) -> UserTurn:
+    def user_turn(self, audio: np.ndarray, transcript: str, heard=None) -> UserTurn:
+        """The turn's TASTE segment (``taste_tokenize``). ``heard``: the turn's
+        ``start_transcript()`` after its ``finish(audio)``, whose encoding of the audio the tower
+        then uses (an ASR sharing the tower's encoder), or None."""
         import functools
 
         import torch
@@ -716,7 +748,7 @@ class TasteSession:
             encoder = functools.partial(encoder, owner=self)
         taste_ids = taste_tokenize(self.model, self.processor, torch.from_numpy(wav).view(1, -1),
                                    text_ids, sampling_rate=self.input_sample_rate, encoder=encoder,
-                                   pooler=self.engine.tower_pooler)
+                                   pooler=self.engine.tower_pooler, encoded=getattr(heard, "encoded", None))
         segment = TASTESegment("user", "audio", text_ids, taste_ids)
         return UserTurn(transcript, segment, int(text_ids.shape[1]), wav.size / self.input_sample_rate)
 

@@ -16,6 +16,15 @@ closed afterwards: nothing of it stays but warm kernels, pools and handles (shar
 as a step's mean batch, count it like any call). What it cannot warm: what is the first call's
 own (its stream's cached memory with ``streams='calls'``, its session's captures, made by
 ``TasteSession.warm_up`` when the call starts).
+
+Several calls at once (``calls`` > 1): that many throwaway calls whose callers stop speaking at
+the same moment, each with its own stage threads. A first burst of concurrent calls pays for
+what one call alone never needs: on a GPU the pinned host blocks of copies in flight together
+(each made by a ``cudaHostAlloc`` of milliseconds that holds the driver's lock, so every other
+call's kernel launches wait behind it; torch keeps the blocks once made), the shared steps' larger
+row counts and the allocator's blocks for several calls' buffers at once. The H100's profile of
+eight calls ending together counted 37 such allocations, 200 ms of them, in the span of their
+first audio (BENCHMARKS.md section 5).
 """
 
 from __future__ import annotations
@@ -32,11 +41,14 @@ import numpy as np
 # not transcribe): the tower needs words to align the audio to.
 REHEARSAL_TRANSCRIPT = "hello, can you hear me"
 REHEARSAL_SECONDS = 2.0
+# how long concurrent rehearsal calls wait for each other's turn ends (their start-ups: captures)
+TURN_END_TIMEOUT_S = 120.0
 
 
 @dataclass
 class Rehearsal:
-    """What the rehearsal turn did (for the start-up log and the tests)."""
+    """What the rehearsal turn did (for the start-up log and the tests); of several calls at once,
+    the slowest call's first audio and the sums of their work."""
 
     seconds: float  # the whole rehearsal
     # from the end of its turn (the ASR's rest included) to the first audio, None if none came; its
@@ -46,6 +58,7 @@ class Rehearsal:
     reply_segments: int  # segments of the reply spoken (at most 2; 0: the caller's turn stood in)
     speech_tokens: int
     audio_samples: int
+    calls: int = 1  # throwaway calls whose turns ended together
 
 
 def rehearsal_audio(sample_rate: int, seconds: float = REHEARSAL_SECONDS) -> np.ndarray:
@@ -60,28 +73,58 @@ def rehearsal_audio(sample_rate: int, seconds: float = REHEARSAL_SECONDS) -> np.
     return (0.2 * voice * syllables + 0.005 * noise).astype(np.float32)
 
 
-def rehearse_turn(engine, out_sample_rate: int = 16000) -> Rehearsal:
-    """One whole turn of a throwaway call on ``engine`` (a ``TasteEngine``); see the module."""
+def rehearse_turn(engine, out_sample_rate: int = 16000, calls: int = 1) -> Rehearsal:
+    """One whole turn of a throwaway call on ``engine`` (a ``TasteEngine``), or of ``calls``
+    throwaway calls whose turns end together; see the module. A call that fails raises its fault
+    once every call has stopped (the others at their turn's end if it had not come, else when
+    they finish)."""
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"calls must be an integer >= 1, got {calls!r}")
+    started = time.perf_counter()
+    if calls == 1:
+        one = _rehearse_one(engine, out_sample_rate, lambda: None)
+        return Rehearsal(time.perf_counter() - started, *one)
+    # (a call that fails before its turn ends breaks the barrier: the others do not wait for it)
+    turns_end = threading.Barrier(calls, timeout=TURN_END_TIMEOUT_S)
+    with ThreadPoolExecutor(max_workers=calls, thread_name_prefix="taste-rehearsal-call") as pool:
+        futures = [pool.submit(_rehearse_one, engine, out_sample_rate, turns_end.wait, turns_end.abort)
+                   for _ in range(calls)]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:  # the fault itself, not the broken barrier it left the other calls
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    done = [future.result() for future in futures]
+    firsts = [d[0] for d in done]
+    return Rehearsal(time.perf_counter() - started, None if None in firsts else max(firsts), done[0][1],
+                     sum(d[2] for d in done), sum(d[3] for d in done), sum(d[4] for d in done), calls)
+
+
+def _rehearse_one(engine, out_sample_rate: int, turn_ends, failed=lambda: None) -> tuple:
+    """One throwaway call's turn: (first_audio_s, transcript, reply segments, speech tokens, audio
+    samples). ``turn_ends()``: called when its caller stops speaking (the calls' barrier);
+    ``failed()``: called when it fails."""
     from pipecat_taste.engine import GenerationSettings
 
-    started = time.perf_counter()
     audio = rehearsal_audio(engine.input_sample_rate)
     # an answer of a few words is enough to run every stage; 'instruct' always answers
     settings = GenerationSettings(prompt_format="instruct", max_reply_tokens=12, words_per_segment=1)
-    with _StageThreads(engine.new_call_stream(), engine.threads_per_job) as stages:
-        session = stages.run("think", engine.new_session, settings)
-        try:
-            stages.run("think", session.warm_up)
-            # (turn_end: when the caller stops speaking - after the partial a live call makes while
-            # they speak - so that what is left of the ASR is timed)
-            transcript, turn_end = stages.run("listen", _listen, session, engine, audio)
-            turn = stages.run("listen", session.user_turn, audio, transcript)
-            segments = stages.run("think", _reply_segments, session, turn)
-            first_audio_s, tokens, samples = _speak(stages, session, segments or [turn.segment], out_sample_rate,
-                                                    turn_end)
-        finally:
-            session.close()
-    return Rehearsal(time.perf_counter() - started, first_audio_s, transcript, len(segments), tokens, samples)
+    try:
+        with _StageThreads(engine.new_call_stream(), engine.threads_per_job) as stages:
+            session = stages.run("think", engine.new_session, settings)
+            try:
+                stages.run("think", session.warm_up)
+                # (turn_end: when the caller stops speaking - after the partial a live call makes while
+                # they speak - so that what is left of the ASR is timed)
+                transcript, heard, turn_end = stages.run("listen", _listen, session, engine, audio, turn_ends)
+                turn = stages.run("listen", session.user_turn, audio, transcript, heard)
+                segments = stages.run("think", _reply_segments, session, turn)
+                first_audio_s, tokens, samples = _speak(stages, session, segments or [turn.segment],
+                                                        out_sample_rate, turn_end)
+            finally:
+                session.close()
+    except BaseException:
+        failed()
+        raise
+    return first_audio_s, transcript, len(segments), tokens, samples
 
 
 class _StageThreads:
@@ -111,22 +154,25 @@ class _StageThreads:
             executor.shutdown(wait=True)
 
 
-def _listen(session, engine, audio: np.ndarray) -> tuple[str, float]:
+def _listen(session, engine, audio: np.ndarray, turn_ends=lambda: None) -> tuple[str, object, float]:
     """The turn's transcript as a live call makes it: partials while the caller speaks, then the
     rest when the turn ends (or the whole turn at its end: an ASR without partials). No ASR
-    (transcripts from an upstream STT): the fixed one. With the moment the turn ended (after the
-    partials)."""
+    (transcripts from an upstream STT): the fixed one. With the incremental ASR's state (or None)
+    and the moment the turn ended (after the partials and ``turn_ends()``)."""
     text = ""
     transcript = session.start_transcript()
     if transcript is not None:
         transcript.partial(audio[: audio.size // 2])
+    turn_ends()
     turn_end = time.perf_counter()
     session.turn_ended(transcript)
     if transcript is not None:
         text = transcript.finish(audio)
     elif engine.has_asr:
         text = session.transcribe(audio)
-    return (text if session.processor.split_words(text) else REHEARSAL_TRANSCRIPT), turn_end
+    if not session.processor.split_words(text):  # (random weights: the stand-in words, not the audio's)
+        return REHEARSAL_TRANSCRIPT, transcript, turn_end
+    return text, transcript, turn_end
 
 
 def _reply_segments(session, turn) -> list:

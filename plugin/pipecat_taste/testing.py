@@ -100,7 +100,7 @@ class FakeSession:
             raise NotImplementedError("no built-in ASR in this engine")
         return self.engine.asr_text
 
-    def user_turn(self, audio: np.ndarray, transcript: str) -> UserTurn:
+    def user_turn(self, audio: np.ndarray, transcript: str, heard=None) -> UserTurn:
         self.threads.add(threading.current_thread().name)
         time.sleep(self.engine.turn_delay)
         if any(bad in transcript for bad in self.engine.fail_on):

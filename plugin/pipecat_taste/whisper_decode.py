@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from taste_speech.device_copies import copy_in, to_device
+from taste_speech.encoder_graph import event_after_current_work
 from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode, smallest_bucket
 
 VERIFY_BUCKETS = (8, 16, 32, 64)  # rows of the captured draft check (4 start tokens + the draft)
@@ -447,8 +448,14 @@ class StaticWhisperDecoder:
                 raise ValueError(f"Whisper features must be {expected} (the padded 30 s window), "
                                  f"got {tuple(feats.shape)}: use the model's feature extractor")
         windows = [to_device(feats, self.device).to(self.dtype) for feats in features]
-        for row, (states,) in enumerate(self.encoder.encode(windows, owners)):
-            self.states[row:row + 1].copy_(states)
+        encoded = self.encoder.encode(windows, owners)
+        keeps = [getattr(owner, "keep_encoding", None) for owner in owners]  # (TurnTranscripts: the tower may use them)
+        # (an owner may read its outputs on another stream: after this event)
+        ready = event_after_current_work(self.device) if any(keeps) else None
+        for row, (keep, outputs) in enumerate(zip(keeps, encoded)):
+            self.states[row:row + 1].copy_(outputs[-1])  # the last layer's states (the tower's stack: its 2nd output)
+            if keep is not None:
+                keep(outputs, ready)
         self._graph(("cross", n)).run()
 
 

@@ -278,17 +278,17 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
     # nearest-neighbour stretch on the utterance's grid (441/256 frames per token)
     rows = to_device(torch.tensor([state.token_of(f) - first_token for f in range(first_frame, frames_right)]), h.device)
     rows = rows.clamp(0, h.shape[1] - 1)
-    mu = flow.length_regulator.model(h[:, rows].transpose(1, 2))
+    stretched = h[:, rows].transpose(1, 2)
     n_frames = frames_right - first_frame
-    cond = torch.zeros(1, flow.output_size, n_frames, device=mu.device, dtype=mu.dtype)
+    cond = torch.zeros(1, flow.output_size, n_frames, device=stretched.device, dtype=stretched.dtype)
     n_prompt = state.mel_done - first_frame
     if policy.prompt_with_emitted_mel and n_prompt > 0:
         cond[:, :, :n_prompt] = state.mel_history[:, :, -n_prompt:]
     noise = state.flow_noise.get(first_frame, frames_right)
-    if state.graphs is None:
-        mel_window = flow.decoder(mu, None, state.spks, cond, noise)  # one whole window: every frame valid
-    else:
-        mel_window = state.graphs.flow(mu, state.spks, cond, noise, owner=state)
+    if state.graphs is None:  # one whole window: every frame valid
+        mel_window = flow.decoder(flow.length_regulator.regulate(stretched), None, state.spks, cond, noise)
+    else:  # (the length regulator runs in the flow's step)
+        mel_window = state.graphs.flow(stretched, state.spks, cond, noise, owner=state)
 
     new = mel_window[:, :, n_prompt:end - first_frame].clone()
     if state.mel_tail is not None:
@@ -349,7 +349,7 @@ def _vocoder_step(vg: VoiceGenerator, state: SynthesisState, new_mel: torch.Tens
     start = max(state.voc_mel_start, state.voc_done - policy.vocoder_context_frames)
     n_context = state.voc_done - start
     mel = state.voc_mel[:, :, start - state.voc_mel_start:]
-    f0 = hift.f0_predictor(mel)
+    f0 = hift.f0_predictor(mel) if state.graphs is None else state.graphs.predict_f0(mel)
     f0_up = hift.upsample_f0(f0[:, n_context:])
     draws = SourceDraws(state.phase_u01, state.source_noise.get(state.voc_done * spf, mel_end * spf))
     carried = state.cycle_pos if policy.carry_source_phase else None

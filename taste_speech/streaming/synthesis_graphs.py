@@ -32,15 +32,19 @@ windows of several calls rarely line up (``BENCHMARKS.md`` section 5), and an un
 size and row count would be a capture each at start-up for little.
 
 What is captured per bucket:
-    flow:    the whole ODE (all Euler steps, both CFG halves as one batch-2 estimator call each);
-             the length regulator stays eager (its GroupNorm statistics span the window, so it
-             cannot be padded). The token encoder before it (six transformer blocks at the real
-             size, some hundreds of launches a window eagerly) has steps of its own, padded to a
-             token bucket (``TOKEN_BUCKETS``) with the padding keys masked - it attends to the
-             whole window, so the mask, not causality, keeps the padding out - run by the window's
-             own thread, one at a time (``encode_tokens``).
-    vocoder: HiFT's decode (source STFT, conv stack, iSTFT); the F0 predictor and the harmonic
-             source stay eager (small, and they depend on the window's context offset).
+    flow:    the length regulator's convolutions on the window's stretched token features (in a
+             padded step with its GroupNorm statistics over the valid frames, as the ODE's), then
+             the whole ODE (all Euler steps, both CFG halves as one batch-2 estimator call each).
+             The token encoder before it (six transformer blocks at the real size, some hundreds
+             of launches a window eagerly) has steps of its own, padded to a token bucket
+             (``TOKEN_BUCKETS``) with the padding keys masked - it attends to the whole window, so
+             the mask, not causality, keeps the padding out - run by the window's own thread, one
+             at a time (``encode_tokens``).
+    vocoder: HiFT's decode (source STFT, conv stack, iSTFT). The F0 predictor before it (five
+             convolutions on the window's mel) has steps of its own, padded to a vocoder bucket
+             with a frame mask, run by the window's own thread like the token encoder's
+             (``predict_f0``); the harmonic source between the two stays eager (it carries the
+             utterance's phase from window to window and starts at the window's context offset).
 Random noise is never drawn inside: the noise tapes' values are copied into the static inputs.
 
 Calls share one :class:`SynthesisGraphs` (threads: each call speaks in its own). Every window
@@ -189,7 +193,8 @@ class _Bucket:
 
 
 class _FlowBucket(_Bucket):
-    """The flow's ODE on ``frames``-frame windows: mu, cond, noise (rows, 80, frames), spks (rows, 80)."""
+    """The flow's length regulator and ODE on ``frames``-frame windows: the stretched token features
+    (``stretched``), cond, noise (rows, 80, frames), spks (rows, 80)."""
 
     def __init__(self, flow, frames: int, rows: int, device, dtype, mode: str, pool=None, full_rows: int = 0,
                  repeat_warmup_runs: int = REPEAT_WARMUP_RUNS, estimator=None):
@@ -197,23 +202,26 @@ class _FlowBucket(_Bucket):
         self.flow = flow
         self.estimator = estimator  # None: the flow's own; else e.g. the compiled one
         c = flow.output_size
-        self.mu = torch.zeros(rows, c, frames, device=device, dtype=dtype)
-        self.cond = torch.zeros_like(self.mu)
-        self.noise = torch.zeros_like(self.mu)
+        self.stretched = torch.zeros(rows, flow.length_regulator.model[0].in_channels, frames, device=device,
+                                     dtype=dtype)
+        self.cond = torch.zeros(rows, c, frames, device=device, dtype=dtype)
+        self.noise = torch.zeros_like(self.cond)
         self.mask = torch.zeros(rows, 1, frames, device=device, dtype=dtype)
         self.spks = torch.zeros(rows, c, device=device, dtype=dtype)
 
     def _compute(self, n: int, full: bool) -> torch.Tensor:
         # a full step has no padding: no mask (its multiplications by ones are left out)
-        return self.flow.decoder(self.mu[:n], None if full else self.mask[:n], self.spks[:n], self.cond[:n],
-                                 self.noise[:n], padded=not full, estimator=self.estimator)
+        mask = None if full else self.mask[:n]
+        mu = self.flow.length_regulator.regulate(self.stretched[:n], mask)
+        return self.flow.decoder(mu, mask, self.spks[:n], self.cond[:n], self.noise[:n], padded=not full,
+                                 estimator=self.estimator)
 
-    def _put_row(self, row: int, mu, spks, cond, noise) -> None:
+    def _put_row(self, row: int, stretched, spks, cond, noise) -> None:
         r = slice(row, row + 1)
-        _put(self.mu[r], mu)
+        _put(self.stretched[r], stretched)
         _put(self.cond[r], cond)
         _put(self.noise[r], noise)
-        _valid_mask(self.mask[r], mu.shape[-1])
+        _valid_mask(self.mask[r], stretched.shape[-1])
         self.spks[r].copy_(spks)
 
     def _valid(self, window: tuple) -> int:
@@ -279,6 +287,24 @@ class _TokenEncoderBucket:
     def _encode(self) -> torch.Tensor:
         emb = self.flow.input_embedding(self.ids.clamp(min=0))
         return self.flow.encoder_proj(self.flow.encoder(emb, self.valid))
+
+
+class _F0Bucket:
+    """HiFT's F0 predictor for mel windows of up to ``frames`` frames: a static mel and frame mask, padded."""
+
+    def __init__(self, hift, frames: int, device, dtype, mode: str, pool):
+        self.hift = hift
+        self.mel = torch.zeros(1, hift.conv_pre.in_channels, frames, device=device, dtype=dtype)
+        self.mask = torch.zeros(1, 1, frames, device=device, dtype=dtype)
+        self.step = StepGraph(lambda: hift.f0_predictor(self.mel, self.mask), device, mode, pool=pool,
+                              name=f"HiFT F0 predictor ({frames} frames)")
+
+    def run(self, mel: torch.Tensor) -> torch.Tensor:
+        """(1, 80, n) -> (1, n), as ``hift.f0_predictor`` gives it; a copy (the output is overwritten next run)."""
+        n = mel.shape[-1]
+        _put(self.mel, mel)
+        _valid_mask(self.mask, n)
+        return self.step.run()[:, :n].clone()
 
 
 class SynthesisGraphs:
@@ -355,7 +381,7 @@ class SynthesisGraphs:
         self.first_batches: Counter = Counter()  # first-window flow steps per first windows in the step
         self._queue: list[_Window] = []
         self._lock = threading.Condition()
-        self._encoder_lock = threading.Lock()  # one token-encoder step at a time (shared static inputs)
+        self._side_lock = threading.Lock()  # one token-encoder or F0 step at a time (shared static inputs)
         self._stepping = False  # a thread is running a step (or capturing)
         # id(owner) of the utterances whose next window of each stage is due at once
         self._awaited: dict[str, set[int]] = {"flow": set(), "vocoder": set()}
@@ -389,8 +415,8 @@ class SynthesisGraphs:
     def fallback_reasons(self) -> dict[str, str]:
         """Steps whose capture failed (they run eagerly), with the reason."""
         steps = [step for b in (*self._flow.values(), *self._vocoder.values()) for step in b.steps.values()]
-        with self._encoder_lock:
-            steps += [encoder.step for encoder in self._encoders.values()]
+        with self._side_lock:
+            steps += [side.step for side in (*self._encoders.values(), *self._f0.values())]
         return {step.name: step.fallback_reason for step in steps if step.fallback_reason}
 
     def stats(self) -> dict:
@@ -417,12 +443,26 @@ class SynthesisGraphs:
         bucket = smallest_bucket(self.token_buckets, tokens.shape[1])
         if bucket is None or self._mode == "eager" or self._weights() != self._fingerprint:
             return self.vg.flow.encode_tokens(tokens)  # (moved weights: the next step rebuilds the buckets)
-        with self._encoder_lock:
+        with self._side_lock:
             encoders = self._encoders
             if bucket not in encoders:
                 encoders[bucket] = _TokenEncoderBucket(self.vg.flow, bucket, self._device, self._mode,
-                                                       self._encoder_pool)
+                                                       self._side_pool)
             return encoders[bucket].run(tokens)
+
+    def predict_f0(self, mel: torch.Tensor) -> torch.Tensor:
+        """A vocoder window's mel (1, 80, n) through HiFT's F0 predictor: (1, n), as
+        ``hift.f0_predictor`` gives it - the padded step of the smallest vocoder bucket that holds
+        it, or eagerly (a longer window, or eager mode). Windows of several calls take turns, as
+        with ``encode_tokens``."""
+        bucket = self.bucket_for("vocoder", mel.shape[-1])
+        if bucket is None or self._mode == "eager" or self._weights() != self._fingerprint:
+            return self.vg.hift.f0_predictor(mel)  # (moved weights: the next step rebuilds the buckets)
+        with self._side_lock:
+            if bucket not in self._f0:
+                self._f0[bucket] = _F0Bucket(self.vg.hift, bucket, self._device, self._dtype, self._mode,
+                                             self._side_pool)
+            return self._f0[bucket].run(mel)
 
     def expect_first_window(self, owner) -> None:
         """Announce a new utterance (``start_speaking`` does): the first flow window of another
@@ -439,12 +479,14 @@ class SynthesisGraphs:
             self._starting.withdraw(owner)
             self._lock.notify_all()  # (a step waiting for it goes on)
 
-    def flow(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor,
+    def flow(self, stretched: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor,
              owner=None) -> torch.Tensor:
-        """The flow's ODE on one window: mu, cond, noise (1, 80, n), spks (1, 80) -> mel (1, 80, n).
-        ``owner``: the utterance (its state), whose vocoder window is then awaited by the next
-        vocoder step (None: no waiting for it)."""
-        return self._submit(_Window("flow", self.bucket_for("flow", mu.shape[-1]), (mu, spks, cond, noise), owner))
+        """The flow on one window from its token features stretched to its frames (the length
+        regulator's convolutions, then the ODE): stretched, cond, noise (1, 80, n), spks (1, 80) ->
+        mel (1, 80, n). ``owner``: the utterance (its state), whose vocoder window is then awaited
+        by the next vocoder step (None: no waiting for it)."""
+        window = _Window("flow", self.bucket_for("flow", stretched.shape[-1]), (stretched, spks, cond, noise), owner)
+        return self._submit(window)
 
     def vocoder(self, mel: torch.Tensor, source: torch.Tensor, owner=None, more: bool = False) -> torch.Tensor:
         """HiFT's decode on one window: mel (1, 80, n), source (1, 1, 256 n) -> waveform (1, 256 n), unclamped.
@@ -486,6 +528,9 @@ class SynthesisGraphs:
             self._time_first_step(flow_window)
         for bucket in self.token_buckets:  # the token encoder's steps (a window one token short)
             self.encode_tokens(torch.zeros(1, bucket - 1, dtype=torch.long, device=self._device))
+        n_mel = self.vg.hift.conv_pre.in_channels
+        for bucket in sorted({self.bucket_for("vocoder", f) for f in vocoder_frames} - {None}):  # the F0 predictor's
+            self.predict_f0(torch.zeros(1, n_mel, max(1, bucket - 1), device=self._device, dtype=self._dtype))
 
     def _time_first_step(self, flow_window) -> None:
         """(Warm-up.) A first window's step alone, timed on the device: how long first windows wait
@@ -640,8 +685,8 @@ class SynthesisGraphs:
     def _eager(self, window: _Window) -> torch.Tensor:
         if window.stage == "vocoder":
             return self.vg.hift.decode(*window.inputs)
-        mu, spks, cond, noise = window.inputs
-        return self.vg.flow.decoder(mu, None, spks, cond, noise)  # one whole window: every frame valid
+        stretched, spks, cond, noise = window.inputs  # one whole window: every frame valid
+        return self.vg.flow.decoder(self.vg.flow.length_regulator.regulate(stretched), None, spks, cond, noise)
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -680,7 +725,9 @@ class SynthesisGraphs:
         estimator = next(self.vg.flow.decoder.estimator.parameters())
         vocoder = next(self.vg.hift.parameters())
         encoder = next(self.vg.flow.encoder.parameters())
-        return (estimator.device, estimator.dtype, estimator.data_ptr(), vocoder.data_ptr(), encoder.data_ptr())
+        regulator = next(self.vg.flow.length_regulator.parameters())
+        return (estimator.device, estimator.dtype, estimator.data_ptr(), vocoder.data_ptr(), encoder.data_ptr(),
+                regulator.data_ptr())
 
     def _reset(self) -> None:
         fingerprint = self._weights()
@@ -695,10 +742,12 @@ class SynthesisGraphs:
                                             fullgraph=True)
         self._flow: dict[int, _FlowBucket] = {}
         self._vocoder: dict[int, _VocoderBucket] = {}
-        # the token encoder's steps, run by the windows' threads outside the queue: a pool of their own
-        with self._encoder_lock:
-            self._encoder_pool = torch.cuda.graph_pool_handle() if self._mode == "graph" else None
+        # the token encoder's and the F0 predictor's steps, run by the windows' threads outside the
+        # queue, one at a time: a pool of their own
+        with self._side_lock:
+            self._side_pool = torch.cuda.graph_pool_handle() if self._mode == "graph" else None
             self._encoders: dict[int, _TokenEncoderBucket] = {}
+            self._f0: dict[int, _F0Bucket] = {}
         self._fingerprint = fingerprint  # last: encode_tokens trusts the steps it finds once this matches
 
     def _check_weights(self) -> None:

@@ -12,7 +12,7 @@ from taste_speech.sampler import special_token_ids
 
 @torch.no_grad()
 def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int, *, encoder=None,
-                   pooler=None) -> torch.Tensor:
+                   pooler=None, encoded=None) -> torch.Tensor:
     """(1, S, K) int64 TASTE ids for ``text_ids`` (1, S): each word's K codes on its first token,
     -1 on its other tokens - the original ``extract_vq`` mapping.
 
@@ -24,7 +24,9 @@ def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int, *, enc
     the caller, e.g. at pauses, each piece with its own part of the transcript. ``encoder``: an
     ``EncoderGraph`` of the model's audio tower (its Whisper encoder as a CUDA graph), or None.
     ``pooler``: a ``PoolerGraph`` of it (its text side - attention pooler, word means, RVQ - as
-    CUDA graphs, one per length bucket), or None.
+    CUDA graphs, one per length bucket), or None. ``encoded``: an ``EncodedTurn``, the tower
+    encoder's outputs made already for this turn (the built-in ASR's final pass when it shares the
+    tower's encoder): used instead of encoding again when its audio is this turn's, else ignored.
     """
     text_ids = _check_text_ids(text_ids)
     check_llm_ids(processor, text_ids, "text_ids")
@@ -42,8 +44,12 @@ def taste_tokenize(model, processor, audio, text_ids, sampling_rate: int, *, enc
         raise ValueError(f"the transcript has {text.asr_token_ids.shape[1]} ASR tokens; the audio tower takes at most "
                          f"{limit}: split the turn into shorter pieces")
     device = model.audio_tower.vq.rvq.project_out.weight.device
-    # (pinned on CUDA: the copy does not wait for the kernels queued before it, other calls')
-    features = to_device(processor.audio_features(wav, 16000), device)
+    if encoded is not None and encoded.matches(wav):
+        outputs = encoded.use_here()
+        features, encoder = None, lambda window: outputs  # (no window: the outputs are made)
+    else:
+        # (pinned on CUDA: the copy does not wait for the kernels queued before it, other calls')
+        features = to_device(processor.audio_features(wav, 16000), device)
     # with a pooler the ids stay on the host (it reads them there), so the codes' read is the one wait
     ids_device = device if pooler is None else torch.device("cpu")
     _, llm_indices = model.extract_vq(features, text.asr_token_ids.to(ids_device), text.asr_word_ids.to(ids_device),

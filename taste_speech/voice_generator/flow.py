@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from taste_speech.voice_generator.estimator import ConditionalDecoder
+from taste_speech.voice_generator.estimator import ConditionalDecoder, masked_group_norm
 
 TOKEN_RATE = 50  # speech tokens per second (20 ms each)
 OUTPUT_RATE = 22050  # Hz of the audio HiFT makes from the mel
@@ -69,6 +69,20 @@ class LengthRegulator(nn.Module):
     def forward(self, h: torch.Tensor, n_frames: int) -> torch.Tensor:
         """(B, N, C) token features -> (B, C, T) frame features (channel-major, ready for the CFM)."""
         return self.model(self.stretch(h, n_frames))
+
+    def regulate(self, stretched: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The convolutions on frames already stretched, (B, C, T) -> (B, C_out, T). ``mask`` (B, 1, T):
+        only the frames where it is 1 are the window's (a window padded to a fixed size): each conv
+        sees zeros past them, as at the window's true end, and GroupNorm takes its statistics over
+        them alone - their values are the unpadded window's up to float rounding, the padding's are
+        zeros."""
+        if mask is None:
+            return self.model(stretched)
+        x = stretched
+        layers = list(self.model)
+        for conv, norm, act in zip(layers[:-1:3], layers[1:-1:3], layers[2:-1:3]):
+            x = act(masked_group_norm(conv(x * mask), norm, mask))
+        return layers[-1](x * mask) * mask
 
 
 class ConditionalCFM(nn.Module):
