@@ -157,10 +157,11 @@ class SynthesisCalls:
         windows = []
         for i in range(calls):
             g = torch.Generator().manual_seed(i)
-            mu, cond, noise = (torch.randn(1, c, self.FLOW_FRAMES, generator=g) for _ in range(3))
+            # (the flow step's inputs: the window's token features stretched to its frames, cond, noise)
+            stretched, cond, noise = (torch.randn(1, c, self.FLOW_FRAMES, generator=g) for _ in range(3))
             mel = torch.randn(1, self.vg.hift.conv_pre.in_channels, self.VOCODER_FRAMES, generator=g) - 5
             source = 0.1 * torch.randn(1, 1, self.VOCODER_FRAMES * spf, generator=g)
-            windows.append((i, tuple(x.to(self.device) for x in (mu, torch.randn(1, c, generator=g), cond, noise)),
+            windows.append((i, tuple(x.to(self.device) for x in (stretched, torch.randn(1, c, generator=g), cond, noise)),
                             (mel.to(self.device), source.to(self.device))))
         return windows
 

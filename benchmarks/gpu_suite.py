@@ -860,22 +860,22 @@ WIDE_BUCKETS = (384, 512, 640)
 
 @torch.inference_mode()
 def window_step_ms(graphs, sizes, repeats: int) -> list[dict]:
-    """Median ms of one flow step (the whole ODE, unpadded: a window of exactly a full size) and one
-    vocoder step (a window one frame shorter than that size, in the smallest vocoder bucket holding
-    it) per window size: the cost per window as it grows."""
+    """Median ms of one flow step (the length regulator and the whole ODE, unpadded: a window of
+    exactly a full size) and one vocoder step (a window one frame shorter than that size, in the
+    smallest vocoder bucket holding it) per window size: the cost per window as it grows."""
     from benchmarks.bench_first_chunk_flow import median_ms
 
     vg, device = graphs.vg, graphs.device
     c, n_mel, spf = vg.flow.output_size, vg.hift.conv_pre.in_channels, vg.hift.samples_per_frame
     rows = []
     for frames in sizes:
-        mu = torch.randn(1, c, frames, device=device)
+        stretched = torch.randn(1, c, frames, device=device)  # the window's token features, stretched to its frames
         spks = torch.randn(1, c, device=device)
-        cond, noise = torch.zeros_like(mu), torch.randn_like(mu)
+        cond, noise = torch.zeros_like(stretched), torch.randn_like(stretched)
         mel = torch.randn(1, n_mel, frames - 1, device=device)
         source = torch.zeros(1, 1, (frames - 1) * spf, device=device)
         row = {"frames": frames, "vocoder_bucket": graphs.bucket_for("vocoder", frames - 1)}
-        for stage, run in (("flow_ms", lambda: graphs.flow(mu, spks, cond, noise)),
+        for stage, run in (("flow_ms", lambda: graphs.flow(stretched, spks, cond, noise)),
                            ("vocoder_ms", lambda: graphs.vocoder(mel, source))):
             run()  # capture
             row[stage] = median_ms(run, torch.device(device), repeats)
@@ -1081,7 +1081,9 @@ def shared_counts(engine, asr=None) -> dict:
         tower = engine.tower_encoder.stats()
         out.update(tower_turns=tower["turns"], tower_passes=tower["passes"])
     if asr is not None and (encoder := asr.encoder_stats()) is not None:
-        out.update(asr_turns=encoder["turns"], asr_passes=encoder["passes"])
+        out["asr_turns"] = encoder["turns"]
+        if asr.encoder is not engine.tower_encoder:  # (sharing the tower's: its passes are the tower passes)
+            out["asr_passes"] = encoder["passes"]
     if asr is not None and (batches := asr.batch_stats()) is not None:
         out.update(asr_batches=batches["batches"])
     return out
@@ -1105,7 +1107,8 @@ def sharing_lines(graphed: dict) -> list[str]:
         return []
     return ["How the calls' first-audio work was shared (per row of the table above: the transcriptions - the "
             "partials included - the decoding batches they took (UtteranceBatcher: a batch waits for the turns announced "
-            "as ended) and the passes of the ASR's shared Whisper encoder; the turns and the audio "
+            "as ended) and the passes of the ASR's shared Whisper encoder (— where the ASR shares the tower's "
+            "encoder: its passes, partials included, are the tower's turns and passes); the turns and the audio "
             "tower's encoder passes (EncoderGraph: a pass waits for the turns announced as ended); the calls' first "
             "flow windows and the steps they ran in (SynthesisGraphs: a first window waits for the other calls' "
             "announced ones); — none):",
@@ -1217,15 +1220,18 @@ class Suite:
     def engine_for(self, path: DecodePath):
         if path not in self.engines:
             self.engines[path] = path_engine(self.engine, path, calls=self.max_calls)
-            # one encoder pass a turn for its ASR and tower (the fast path's, on CUDA); the ASR's
-            # workspaces are made again with that encoder: warmed up again, as at start-up
-            if self.engines[path].share_tower_encoder(self.asr[path.name]):
-                self.asr[path.name].warm_up(workspaces=self.max_calls)
             if self.freeze_gc:  # as taste-agent does once ready: no full collection walks start-up's objects
                 from pipecat_taste.gc_pauses import freeze_startup_objects
 
                 freeze_startup_objects()
-        return self.engines[path]
+        engine, asr = self.engines[path], self.asr[path.name]
+        # one encoder pass a turn for the path's ASR and this engine's tower (the fast path's, on
+        # CUDA; the engines share one transcriber, so each part re-points it at its engine's tower);
+        # the ASR's workspaces are then made again: warmed up again, as at start-up
+        if engine.tower_encoder is not None and asr.encoder is not engine.tower_encoder \
+                and engine.share_tower_encoder(asr):
+            asr.warm_up(workspaces=self.max_calls)
+        return engine
 
     def run(self, parts) -> dict:
         with self.forced:

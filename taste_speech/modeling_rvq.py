@@ -165,6 +165,10 @@ class ResidualVQ(nn.Module):
         joined, the rows are worked out where the indices are - on the host for a turn's codes -
         and the device runs a copy, a gather and a sum.)"""
         table, offsets = self._joined_codebooks()
+        if table.is_cuda:  # read on this thread's stream: not reused before that, should the table be made again
+            stream = torch.cuda.current_stream(table.device)
+            table.record_stream(stream)
+            offsets.record_stream(stream)
         if offsets.device != indices.device:  # host indices: their rows are worked out on the host
             offsets = torch.arange(self.num_quantizers, device=indices.device) * (self.codebook_size + 1)
         rows = indices.long().remainder(self.codebook_size + 1) + offsets  # IGNORE (-1): the level's zero row
@@ -173,8 +177,9 @@ class ResidualVQ(nn.Module):
     def _joined_codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every level's codes in one (K * (codebook_size + 1), codebook_dim) fp32 table, each level
         followed by a zero row (IGNORE's), and each level's first row (K,). Kept until a codebook is
-        moved, cast, replaced or written in place (its version), then made again - by an eager
-        caller: a captured step would go on reading the table it was captured with."""
+        moved, cast, replaced or written in place (its version; an inference tensor keeps none),
+        then made again - by an eager caller: a captured step would go on reading the table it was
+        captured with. Threads that make it at the same moment each make one; either serves."""
         books = self.codebooks()
         key = tuple((book.embed.data_ptr(), book.embed.device, book.embed.dtype, _version(book.embed))
                     for book in books)
@@ -184,6 +189,8 @@ class ResidualVQ(nn.Module):
                 table = torch.cat([torch.cat([book.codes, book.codes.new_zeros(1, self.codebook_dim)])
                                    for book in books])
             offsets = torch.arange(self.num_quantizers, device=table.device) * (self.codebook_size + 1)
+            if table.is_cuda:  # other threads' streams read it next: written first (once per set of weights)
+                torch.cuda.current_stream(table.device).synchronize()
             kept = self._joined = (key, table, offsets)  # (one assignment: another thread sees them together)
         return kept[1], kept[2]
 

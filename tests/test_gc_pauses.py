@@ -20,7 +20,9 @@ def test_freezing_leaves_full_collections_only_what_came_after_and_frees_startup
     del cycles, a, b  # garbage: only the collector frees cycles
     try:
         frozen = freeze_startup_objects()
-        assert frozen == gc.get_freeze_count() > 1000  # (the test process's modules, at least)
+        # (the test process's modules, at least; a frozen object freed since - by a thread an earlier
+        # test left ending - leaves the count, so it may be a little lower now, never higher)
+        assert frozen > 1000 and 0 <= frozen - gc.get_freeze_count() < 100
         assert not any(isinstance(o, Node) for o in gc.get_objects())  # the cycles were freed, not frozen
         later = [Node() for _ in range(10)]
         tracked = gc.get_objects()

@@ -160,7 +160,7 @@ def test_a_call_failing_in_a_rehearsal_of_several_raises_its_own_fault_and_no_ca
             raise RuntimeError("this caller's microphone is broken")
         return listen(session, engine, audio, turn_ends)
 
-    monkeypatch.setattr(rehearsal, "TURN_END_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(rehearsal, "TURN_END_TIMEOUT_S", 30.0)  # (per call: 60 s for these two)
     monkeypatch.setattr(rehearsal, "_listen", first_one_breaks)
     started = time.perf_counter()
     with pytest.raises(RuntimeError, match="microphone is broken"):

@@ -87,6 +87,7 @@ def test_a_turn_is_encoded_once_and_gets_the_codes_of_encoding_it_again(base, he
         passes = engine.tower_encoder.stats()["passes"]
         turn = session.user_turn(hello.audio, hello.text, transcript)
         assert engine.tower_encoder.stats()["passes"] == passes  # the ASR's pass was the tower's
+        assert transcript.encoded is None  # (handed over: the turn keeps no encoder states)
         again = session.user_turn(hello.audio, hello.text)  # (no transcript: the tower encodes the turn)
         assert engine.tower_encoder.stats()["passes"] == passes + 1
     finally:
@@ -118,3 +119,15 @@ def test_an_encoding_of_other_audio_is_not_used(base, hello):
                            expected)
     same = EncodedTurn(np.array(hello.audio), outputs)
     assert torch.equal(taste_tokenize(base.model, base.processor, audio, text_ids, 16000, encoded=same), expected)
+
+
+def test_a_workspace_made_before_the_encoder_was_shared_is_not_used_after(base):
+    """A transcription in flight while ``share_encoder`` runs gives its workspace back after: that
+    workspace holds the old encoder (its outputs are not the tower's), so it is dropped."""
+    asr = tower_asr(base)
+    old = asr._borrow(asr.plan)
+    tower = EncoderGraph(base.model.audio_tower, "rehearse")
+    asr.share_encoder(tower)
+    asr._give_back(old)
+    assert old not in asr._workspaces
+    assert asr._borrow(asr.plan).encoder is tower is asr.encoder

@@ -790,3 +790,6 @@ def test_the_f0_predictor_s_padded_steps_give_its_eager_values(vg):
     graphs.warm_up(flow_frames=[17])
     assert sorted(graphs._f0) == list(VOCODER_BUCKETS)
     assert all(f0.step.mode == "rehearse" for f0 in graphs._f0.values())
+    mel = torch.randn(1, 80, 50, generator=g) - 5
+    with torch.no_grad():  # a step made by the warm-up (in inference mode), run outside it
+        assert float((graphs.predict_f0(mel) - vg.hift.f0_predictor(mel)).abs().max()) < 1e-4

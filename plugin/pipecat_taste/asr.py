@@ -261,6 +261,12 @@ class WhisperTranscriber:
         if self.plan is not None:
             self._batches().expect(owner)
 
+    @property
+    def encoder(self):
+        """The ``EncoderGraph`` its passes run through (the audio tower's after ``share_encoder``),
+        or None before the first workspace is made."""
+        return self._encoder
+
     def encoder_stats(self) -> dict | None:
         """The shared encoder's turns and passes (``EncoderGraph.stats``), None before any."""
         return self._encoder.stats() if self._encoder is not None else None
@@ -420,7 +426,8 @@ class WhisperTranscriber:
 
     def _give_back(self, workspace) -> None:
         with self._lock:
-            self._workspaces.append(workspace)
+            if workspace.encoder is self._encoder:  # (one made before ``share_encoder`` is not used again)
+                self._workspaces.append(workspace)
 
 
 def _standard_whisper_front_end(extractor, n_mels: int) -> bool:
@@ -497,9 +504,14 @@ class TurnTranscript:
         result = self.transcriber.transcribe(audio16k, self.draft, owner=self)
         self.kept = result.kept
         encoding, self._encoding = self._encoding, None
-        if encoding is not None and self.transcriber.shares_tower_encoder:
-            self.encoded = EncodedTurn(audio16k, *encoding)
+        if encoding is not None and len(encoding[0]) == 2 and self.transcriber.shares_tower_encoder:
+            self.encoded = EncodedTurn(audio16k, *encoding)  # (the tower's two outputs: its pass)
         return result.text
+
+    def take_encoded(self):
+        """The turn's ``encoded`` (or None), handed over once: the turn keeps no GPU memory after."""
+        encoded, self.encoded = self.encoded, None
+        return encoded
 
     def keep_encoding(self, outputs: tuple, ready=None) -> None:
         """(The decoding workspace, on the thread that ran the pass.) The encoder's outputs for this

@@ -723,14 +723,15 @@ class TasteSession:
         if ended is not None:
             ended()
         # (an ASR sharing the tower's encoder: its final pass is the turn's tower pass, announced above)
-        shared = getattr(getattr(transcript, "transcriber", None), "shares_tower_encoder", False)
+        transcriber = getattr(transcript, "transcriber", None)
+        shared = getattr(transcriber, "shares_tower_encoder", False) and transcriber.plan is not None
         if self.engine.tower_encoder is not None and not shared:
             self.engine.tower_encoder.expect_turn(self)
 
     def user_turn(self, audio: np.ndarray, transcript: str, heard=None) -> UserTurn:
         """The turn's TASTE segment (``taste_tokenize``). ``heard``: the turn's
         ``start_transcript()`` after its ``finish(audio)``, whose encoding of the audio the tower
-        then uses (an ASR sharing the tower's encoder), or None."""
+        then uses (an ASR sharing the tower's encoder; taken from it), or None."""
         import functools
 
         import torch
@@ -743,12 +744,13 @@ class TasteSession:
             raise ValueError("the transcript is empty: no words to align the user's audio to")
         text_ids = self.processor.encode_words(words).llm_token_ids
         wav = to_mono_float(audio)  # (channels, samples) or (samples, channels) are mixed down
+        take_encoded = getattr(heard, "take_encoded", lambda: None)
         encoder = self.engine.tower_encoder
         if encoder is not None:  # (this call's pass: the one announced by turn_ended)
             encoder = functools.partial(encoder, owner=self)
         taste_ids = taste_tokenize(self.model, self.processor, torch.from_numpy(wav).view(1, -1),
                                    text_ids, sampling_rate=self.input_sample_rate, encoder=encoder,
-                                   pooler=self.engine.tower_pooler, encoded=getattr(heard, "encoded", None))
+                                   pooler=self.engine.tower_pooler, encoded=take_encoded())
         segment = TASTESegment("user", "audio", text_ids, taste_ids)
         return UserTurn(transcript, segment, int(text_ids.shape[1]), wav.size / self.input_sample_rate)
 

@@ -41,7 +41,8 @@ import numpy as np
 # not transcribe): the tower needs words to align the audio to.
 REHEARSAL_TRANSCRIPT = "hello, can you hear me"
 REHEARSAL_SECONDS = 2.0
-# how long concurrent rehearsal calls wait for each other's turn ends (their start-ups: captures)
+# how long concurrent rehearsal calls wait for each other's turn ends, per call (their start-ups
+# capture their steps one call at a time)
 TURN_END_TIMEOUT_S = 120.0
 
 
@@ -85,7 +86,7 @@ def rehearse_turn(engine, out_sample_rate: int = 16000, calls: int = 1) -> Rehea
         one = _rehearse_one(engine, out_sample_rate, lambda: None)
         return Rehearsal(time.perf_counter() - started, *one)
     # (a call that fails before its turn ends breaks the barrier: the others do not wait for it)
-    turns_end = threading.Barrier(calls, timeout=TURN_END_TIMEOUT_S)
+    turns_end = threading.Barrier(calls, timeout=TURN_END_TIMEOUT_S * calls)
     with ThreadPoolExecutor(max_workers=calls, thread_name_prefix="taste-rehearsal-call") as pool:
         futures = [pool.submit(_rehearse_one, engine, out_sample_rate, turns_end.wait, turns_end.abort)
                    for _ in range(calls)]

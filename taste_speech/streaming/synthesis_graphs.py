@@ -294,8 +294,9 @@ class _F0Bucket:
 
     def __init__(self, hift, frames: int, device, dtype, mode: str, pool):
         self.hift = hift
-        self.mel = torch.zeros(1, hift.conv_pre.in_channels, frames, device=device, dtype=dtype)
-        self.mask = torch.zeros(1, 1, frames, device=device, dtype=dtype)
+        with torch.inference_mode(False):  # (made during warm_up, written by callers in or out of inference mode)
+            self.mel = torch.zeros(1, hift.conv_pre.in_channels, frames, device=device, dtype=dtype)
+            self.mask = torch.zeros(1, 1, frames, device=device, dtype=dtype)
         self.step = StepGraph(lambda: hift.f0_predictor(self.mel, self.mask), device, mode, pool=pool,
                               name=f"HiFT F0 predictor ({frames} frames)")
 
