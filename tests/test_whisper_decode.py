@@ -149,10 +149,10 @@ def test_a_draft_is_verified_and_never_changes_the_result(tiny_asr, audios, mode
     for draft, kept in cases:
         ids, n = decoder.decode(feats, draft)
         assert ids == truth and n == kept, (draft, n)
-    # with graphs the checks of up to 16 rows (4 start tokens + a draft) ran padded buckets of 8
-    # and 16 rows, longer ones (19 rows: the plan allows 20) the unpadded pass; eager, every check
-    # runs unpadded (padding would only add rows to compute)
-    buckets = [] if mode == "eager" else [8, 16]
+    # with graphs the checks ran padded buckets of 8 and 16 rows (4 start tokens + a draft), and
+    # longer ones (19 rows) the last bucket, the transcript's whole length (the plan allows 20): no
+    # check runs outside a step; eager, every check runs unpadded (padding would only add rows)
+    buckets = [] if mode == "eager" else [8, 16, 20]
     assert list(decoder.verify_buckets) == buckets
     assert sorted(key[2] for key in decoder._graphs if key[0] == "check") == buckets
 

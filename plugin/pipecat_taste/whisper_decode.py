@@ -25,7 +25,7 @@ A *draft* (token ids from an earlier transcription of a prefix of the same audio
 transcript taken while the user was still speaking) can be verified in one multi-row pass:
 the longest prefix of the draft that greedy decoding would itself produce is kept, and decoding
 goes on one token at a time after it. That pass (the start tokens and the draft) is padded to a
-bucket of rows (``VERIFY_BUCKETS``) and captured per bucket too: the padding rows sit after the
+bucket of rows (``VERIFY_BUCKETS``, up to the transcript's length) and captured per bucket too: the padding rows sit after the
 real ones, where no real row's query looks, and their keys/values are overwritten by the steps
 that reach those positions.
 
@@ -58,7 +58,12 @@ from taste_speech.device_copies import copy_in, to_device
 from taste_speech.encoder_graph import event_after_current_work
 from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reason, resolve_mode, smallest_bucket
 
-VERIFY_BUCKETS = (8, 16, 32, 64)  # rows of the captured draft check (4 start tokens + the draft)
+# Rows of the captured draft check (4 start tokens + the draft): these below the transcript's
+# length, and the length itself as the last bucket, so that every draft's check is a captured step.
+# (With buckets that stopped below the length, a check longer than the largest ran eagerly: in the
+# GPU suite's 20-token transcripts, the whole 32-layer decoder over the rows, some 1300 operators
+# of the ASR's tail at full size - benchmarks/bench_eager_ops.py, BENCHMARKS.md section 18.)
+VERIFY_BUCKETS = (8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -258,7 +263,8 @@ class StaticWhisperDecoder:
         # token after each of them out; it writes the keys/values of positions 0..bucket-1, which the
         # real run writes again (no rewind). (Eager, padding would only add work: the check runs at
         # the longest row's length.)
-        self.verify_buckets = () if self.graph_mode == "eager" else tuple(b for b in VERIFY_BUCKETS if b <= length)
+        self.verify_buckets = () if self.graph_mode == "eager" else \
+            tuple(b for b in VERIFY_BUCKETS if b < length) + (length,)
         self._check_tokens = {bucket: torch.full((rows, bucket), plan.eos_token_id, dtype=torch.long,
                                                  device=self.device) for bucket in self.verify_buckets}
         # Every graph of the workspace, made when first run: ('step', n), ('cross', n), ('check', n, bucket).
