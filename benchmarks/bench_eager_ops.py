@@ -193,7 +193,7 @@ def table(result: dict) -> list[str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "full"],
-                        help="full: the published dimensions, random weights (some 20 GB and minutes on a CPU)")
+                        help="full: the published dimensions, random weights (23 GB and half an hour on a 2-core CPU)")
     parser.add_argument("--device", default="cpu", help="cpu (the fast path's steps rehearsed) or cuda (captured)")
     parser.add_argument("--dtype", default=None, help="the engine's dtype (default: the device's run dtypes)")
     args = parser.parse_args(argv)
