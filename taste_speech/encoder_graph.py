@@ -69,10 +69,7 @@ class EncodedTurn:
         """The outputs, for this thread's current stream: it waits for them, and they are not
         freed for reuse before its kernels that read them have run."""
         if self.ready is not None:
-            stream = torch.cuda.current_stream(self.outputs[0].device)
-            stream.wait_event(self.ready)
-            for out in self.outputs:
-                out.record_stream(stream)
+            use_on_current_stream(self.outputs, self.ready)
         return self.outputs
 
 
@@ -86,6 +83,15 @@ class _Turn:
         self.ready = event_after_current_work(window.device)  # CUDA: the window is written
         self.output = None  # (target, last), or the exception the pass raised
         self.done = None  # CUDA: the pass and the copies are written
+
+
+def use_on_current_stream(outputs, written) -> None:
+    """(CUDA.) Let this thread's current stream read ``outputs``, made on another stream: it waits
+    for the event ``written``, and their memory is not reused before its kernels have read them."""
+    stream = torch.cuda.current_stream(outputs[0].device)
+    stream.wait_event(written)
+    for out in outputs:
+        out.record_stream(stream)
 
 
 def event_after_current_work(device: torch.device):
@@ -192,11 +198,8 @@ class EncoderGraph:
             if isinstance(turn.output, BaseException):
                 raise turn.output
         for turn in turns:
-            if turn.done is not None:
-                stream = torch.cuda.current_stream(turn.window.device)
-                stream.wait_event(turn.done)
-                for out in turn.output:  # made on the pass's stream, used (and freed) on this one
-                    out.record_stream(stream)
+            if turn.done is not None:  # made on the pass's stream, used (and freed) on this one
+                use_on_current_stream(turn.output, turn.done)
         return [turn.output for turn in turns]
 
     @torch.inference_mode()

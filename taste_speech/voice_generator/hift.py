@@ -122,11 +122,9 @@ class F0Predictor(nn.Module):
         """(B, 80, T) -> (B, T). ``mask`` (B, 1, T): only the frames where it is 1 are the window's (a
         window padded to a fixed size): every conv sees zeros past them, as at the true end, so
         their F0 is the unpadded window's."""
-        if mask is None:
-            return self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1).abs()
         x = mel
         for conv, act in zip(self.condnet[::2], self.condnet[1::2]):
-            x = act(conv(x * mask))
+            x = act(conv(x if mask is None else x * mask))
         return self.classifier(x.transpose(1, 2)).squeeze(-1).abs()
 
 
