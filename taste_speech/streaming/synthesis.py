@@ -70,6 +70,11 @@ from taste_speech.voice_generator import SourceDraws, VoiceGenerator
 # The flow's U-Net runs most of its layers at half the frame rate (one stride-2 level): offline
 # synthesis computes them on the frames 0, 2, 4 ... of the utterance.
 FLOW_GRID = 2
+# Noise is drawn on the host (the same values on every device) a block at a time, and a reply's
+# first block is drawn on its way to first audio: the source's is kept small (64 frames x 256
+# samples x 9 harmonics, ~0.5 ms on one core; 512 frames took ~5 ms), the flow's is small anyway.
+FLOW_NOISE_BLOCK_FRAMES = 512
+SOURCE_NOISE_BLOCK_FRAMES = 64
 
 
 @dataclass
@@ -160,8 +165,9 @@ def start_speaking(
         out_sampling_rate=out_sampling_rate,
         spks=spks,
         speaker_embeds=speaker_embeds.detach().clone(),
-        flow_noise=NoiseTape(vg.flow.output_size, flow_seed, block=512, device=device),
-        source_noise=NoiseTape(harmonics, source_seed, block=512 * SAMPLES_PER_FRAME, device=device),
+        flow_noise=NoiseTape(vg.flow.output_size, flow_seed, block=FLOW_NOISE_BLOCK_FRAMES, device=device),
+        source_noise=NoiseTape(harmonics, source_seed, block=SOURCE_NOISE_BLOCK_FRAMES * SAMPLES_PER_FRAME,
+                               device=device),
         phase_u01=phase_u01,
         resampler=resampler,
         graphs=graphs,
