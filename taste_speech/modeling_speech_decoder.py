@@ -58,14 +58,13 @@ from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS, KVCache, RelPo
 from taste_speech.modeling_rvq import ResidualVQ
 from taste_speech.sampler import draw
 from taste_speech.speech_decoder_batch import SlotSpeechCache
-from taste_speech.speech_decoder_cache import CACHE_KINDS, DEFAULT_CAPACITY, StaticSpeechCache
+from taste_speech.speech_decoder_cache import CACHE_KINDS, DEFAULT_CAPACITY, TOP_K, StaticSpeechCache
 from taste_speech.step_graph import MODES as GRAPH_MODES
 
 IGNORE = -1
 # The TASTE ("audio token") encoder's block settings are fixed in the original code, not in the
 # config: 2 blocks, 8 heads, 2048 FFN units, otherwise like the text encoder.
 AUDIO_ENCODER_BLOCKS, AUDIO_ENCODER_HEADS, AUDIO_ENCODER_UNITS = 2, 8, 2048
-TOP_K = 25
 MIN_LEN_RATIO, MAX_LEN_RATIO = 2, 20  # times the prefix length P = L + 3 (spec §6.5, §11.19)
 
 
@@ -103,13 +102,32 @@ class TopKSampler:
 
     def __call__(self, logp: torch.Tensor, eos_id: int, allow_eos: bool) -> int:
         probs, ids = logp.softmax(dim=-1).topk(min(self.k, logp.shape[-1]))
+        if self._draws_on_host(probs):
+            return self.from_top(torch.cat([probs, ids.to(probs.dtype)]), logp, eos_id, allow_eos)
+        return self._choose(probs, ids, logp, eos_id, allow_eos)
+
+    def from_top(self, top: torch.Tensor, logp: torch.Tensor, eos_id: int, allow_eos: bool) -> int:
+        """``self(logp, ...)`` given ``top``, the top-k of ``logp`` computed already (a static
+        cache's decode step does: ``StaticSpeechCache.last_top``; ``TasteSpeechDecoder.step`` then
+        calls this, not ``__call__``): one (2k,) tensor, the k probabilities then their ids as
+        floats (ids < 2^24 are exact)."""
+        k = top.shape[0] // 2
+        if k != min(self.k, logp.shape[-1]) or top.shape[0] != 2 * k:
+            raise ValueError(f"this top-k holds {top.shape[0] // 2} tokens, the sampler draws among {self.k}")
+        if self._draws_on_host(top):
+            # bring the k probabilities and ids over in one copy (on CUDA one wait for the GPU per
+            # token, not one per read of a pick and an id)
+            top = top.to("cpu")
+        return self._choose(top[:k], top[k:].long(), logp, eos_id, allow_eos)
+
+    def _draws_on_host(self, probs: torch.Tensor) -> bool:
+        """The draws happen on the host (a CPU generator, or torch's global one) for probabilities
+        elsewhere."""
         host = self.generator.device if self.generator is not None else torch.device("cpu")
-        if probs.device != host and host.type == "cpu" and probs.dtype == torch.float32:
-            # the draws happen on the host (a CPU generator, or torch's global one): bring the k
-            # probabilities and ids over in one copy (on CUDA one wait for the GPU per token, not
-            # one per read of a pick and an id; ids < 2^24 are exact)
-            both = torch.cat([probs, ids.to(probs.dtype)]).to(host)
-            probs, ids = both[:ids.shape[0]], both[ids.shape[0]:].long()
+        return probs.device != host and host.type == "cpu" and probs.dtype == torch.float32
+
+    def _choose(self, probs: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor, eos_id: int,
+                allow_eos: bool) -> int:
         for _ in range(self.MAX_REDRAWS):
             token = int(ids[draw(probs, self.generator)])
             if allow_eos or token != eos_id:
@@ -539,18 +557,25 @@ class TasteSpeechDecoder(nn.Module):
         if state.finished:
             return None
         sampler = GreedySampler() if sampler is None else sampler
+        top = None  # the log-probs' top-k, where the step computed it
         if state.next_logp is None:  # feed the previous token only now: no wasted final forward
             if _preallocated(state.cache):
                 self._check_cache_owner(state)
-                state.next_logp = state.cache.decode_step(state.pending_token)  # the captured step
+                # the captured step; its outputs are read (or copied) before the next step
+                state.next_logp = state.cache.decode_step(state.pending_token)
+                top = getattr(state.cache, "last_top", None)
             else:
                 token_row = self.speech_embedding.weight[state.pending_token].view(1, 1, -1)
                 state.next_logp = self.feed(state, token_row)
             state.pending_token = None
         logp = state.next_logp
         if state.step_logprobs is not None:
-            state.step_logprobs.append(logp)
-        token = int(sampler(logp, self.eos_id, allow_eos=len(state.tokens) >= state.min_len))
+            state.step_logprobs.append(logp.clone())
+        allow_eos = len(state.tokens) >= state.min_len
+        if top is not None and isinstance(sampler, TopKSampler) and min(sampler.k, logp.shape[-1]) == top.shape[0] // 2:
+            token = sampler.from_top(top, logp, self.eos_id, allow_eos)
+        else:
+            token = int(sampler(logp, self.eos_id, allow_eos=allow_eos))
         if token == self.eos_id:
             state.finished, state.stop_reason = True, "eos"
             return None

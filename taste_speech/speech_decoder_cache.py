@@ -18,7 +18,9 @@ Slots after p (not fed yet, or stale after a ``truncate``) are masked, so trunca
 the counter back. One decode step therefore has fixed shapes and reads its position from the
 device: the whole step (speech-token embedding -> AR decoder -> ``llm_decoder`` -> log-softmax)
 is run by a ``StepGraph`` (captured on CUDA; eager or rehearsed elsewhere), with the token id in
-a static buffer. Sampling stays outside. A multi-row feed (a segment's prefix, the speech tokens it
+a static buffer. The draw stays outside, but the step also takes the original sampler's first two
+calls on its log-probs (softmax, the ``TOP_K`` largest: ``last_top``, packed for one copy to the
+host), so the top-k sampler needs no kernels of its own per token. A multi-row feed (a segment's prefix, the speech tokens it
 continues, forced tokens) is padded to the smallest of ``PREFILL_BUCKETS`` rows that holds it and
 replays that bucket's captured step: eagerly it is a few hundred kernel launches (seven blocks of
 attention and feed-forward), replayed one. The padding rows come after the real ones, so no real
@@ -52,6 +54,9 @@ DEFAULT_CAPACITY = 1024
 # Multi-row feeds padded to one of these and replayed as that bucket's step: a segment's prefix is its
 # words' Whisper tokens plus 3 rows, the speech it continues some tens of tokens.
 PREFILL_BUCKETS = (16, 32, 64, 128)
+# The original samples each speech token among the 25 most likely (``TopKSampler``); the decode step
+# computes that top-k of its log-probs too.
+TOP_K = 25
 _GROW_QUANTUM = 256  # capacities are multiples of this (fewer distinct shapes to capture)
 
 
@@ -73,6 +78,7 @@ class StaticSpeechCache:
         with _plain_tensors():  # usable inside and outside inference_mode
             self.position = torch.zeros((), dtype=torch.long, device=self.device)
             self._token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.last_top: torch.Tensor | None = None
         self._rows: dict[int, torch.Tensor] = {}  # a static input per prefill bucket, made on first use
         self._prefill_steps: dict[int, StepGraph] = {}
         # one memory pool for this cache's steps: they run one after another, never together
@@ -105,7 +111,7 @@ class StaticSpeechCache:
             twin.values = [v.clone() for v in self.values]
             twin.position = self.position.clone()
             twin._token = torch.zeros_like(self._token)
-        twin._step, twin._rows, twin._prefill_steps = None, {}, {}
+        twin._step, twin._rows, twin._prefill_steps, twin.last_top = None, {}, {}, None
         twin._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
         twin.condition_graph = None
         return twin  # pos_keys and key_positions are never written in place: shared
@@ -150,6 +156,7 @@ class StaticSpeechCache:
             raise ValueError(f"rows must be (1, t>0, {self.llm.input_size}), got {tuple(rows.shape)}")
         t = rows.shape[1]
         self._make_room(t)
+        self.last_top = None  # (of a decode step's log-probs, not of these rows')
         if (bucket := self.prefill_bucket(t)) is not None:
             hidden = self._prefill(rows, bucket)
         else:
@@ -160,15 +167,16 @@ class StaticSpeechCache:
         return hidden
 
     def decode_step(self, token: int) -> torch.Tensor:
-        """Feed one speech token; returns the log-probs (V+1,) of the next decision (a copy: the
-        step's output buffer is overwritten by the next step)."""
+        """Feed one speech token; returns the log-probs (V+1,) of the next decision, and ``last_top``
+        holds their top-k (see ``_token_step``): both the step's output buffers, overwritten by the
+        next step (clone what is kept longer; a copy is a kernel launch per token on a GPU)."""
         self._make_room(1)
         if self._step is None:
             self._step = StepGraph(self._token_step, self.device, self.graph_mode, pool=self._pool,
                                    rewind=self._sync_position,
                                    name="speech decoder step")
         self._token.fill_(int(token))
-        logp = self._step.run().clone()
+        logp, self.last_top = self._step.run()
         self._length += 1
         return logp
 
@@ -212,12 +220,16 @@ class StaticSpeechCache:
         """Device counter := host length (also the step's rewind after a warm-up run)."""
         self.position.fill_(self._length)
 
-    def _token_step(self) -> torch.Tensor:
-        """The captured step: token id buffer -> log-probs (V+1,). Graph-safe: fixed shapes, the
-        position read from the device counter, no host synchronisation."""
+    def _token_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured step: token id buffer -> log-probs (V+1,), and their top-k as one (2k,)
+        float32 tensor, [probabilities, ids]: ``TopKSampler``'s softmax and topk, the same calls on
+        the same values (so the same numbers), and ids < 2^24 are exact as floats. Graph-safe:
+        fixed shapes, the position read from the device counter, no host synchronisation."""
         rows = self.embedding(self._token).unsqueeze(0).to(self.dtype)  # (1, 1, d)
         hidden = self._run(rows)
-        return self.head(hidden[:, -1]).float().log_softmax(dim=-1)[0]
+        logp = self.head(hidden[:, -1]).float().log_softmax(dim=-1)[0]
+        probs, ids = logp.softmax(dim=-1).topk(min(TOP_K, logp.shape[-1]))
+        return logp, torch.cat([probs, ids.to(probs.dtype)])
 
     def _prefill(self, rows: torch.Tensor, bucket: int) -> torch.Tensor:
         """``rows`` (1, t, in) through the bucket's captured step: (1, t, out), a copy (the step's

@@ -288,6 +288,18 @@ def test_speech_decoder_graphed_greedy_equals_eager(golden, taste_lm_tiny_a):
     bucket = cache.prefill_bucket(prefix.shape[1])
     assert bucket is not None and cache._prefill_steps[bucket].captured, cache.fallback_reason
 
+    # top-k draws from the top-k the captured step computed: those of the sampler's own top-k
+    from taste_speech.modeling_speech_decoder import TopKSampler
+
+    def sampled(sampler):
+        state = decoder.start(prefix, min_len=20, max_len=20, cache=cache)
+        return [decoder.step(state, sampler) for _ in range(20)]
+
+    own = TopKSampler(generator=torch.Generator().manual_seed(5))
+    assert (sampled(TopKSampler(generator=torch.Generator().manual_seed(5)))
+            == sampled(lambda logp, eos_id, allow_eos: own(logp, eos_id, allow_eos)))
+    assert cache.last_top is not None and cache.last_top.is_cuda
+
     # the conditioning (both encoders, the fusion) replayed from its padded bucket: the eager prefix
     graph = decoder.condition_graph(cache)
     with torch.no_grad():

@@ -13,8 +13,10 @@ from safetensors.torch import load_file
 
 from taste_speech.configuration_taste import TasteConfig
 from taste_speech.espnet_transformer import KVCache
-from taste_speech.modeling_speech_decoder import GreedySampler, TasteSpeechDecoder
-from taste_speech.speech_decoder_cache import StaticSpeechCache
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from taste_speech.modeling_speech_decoder import GreedySampler, TasteSpeechDecoder, TopKSampler
+from taste_speech.speech_decoder_cache import TOP_K, StaticSpeechCache
 
 MODES = ["eager", "rehearse"]
 
@@ -110,6 +112,52 @@ def test_steps_truncation_and_growth_equal_the_dynamic_cache(decoder, prefix, gr
     n = static.cache.length
     for keys, values, layer in zip(static.cache.keys, static.cache.values, dynamic.cache.layers):
         assert max_diff(keys[:, :, :n], layer.keys) < 1e-4 and max_diff(values[:, :, :n], layer.values) < 1e-4
+
+
+class TopkCalls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.topk.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("graph_mode", MODES)
+def test_the_top_k_sampler_draws_from_the_top_k_the_decode_step_computed(decoder, prefix, graph_mode):
+    """The decode step takes the sampler's softmax and top-k (on CUDA: inside the captured graph),
+    so each token costs one top-k, not two; the draws are those of the sampler's own top-k."""
+    cache = decoder.new_cache("static", graph_mode=graph_mode)
+
+    def sample(sampler):
+        state = decoder.start(prefix, min_len=30, max_len=30, cache=cache)
+        with TopkCalls() as calls:
+            tokens = [decoder.step(state, sampler) for _ in range(30)]
+        return tokens, calls.count
+
+    sample(GreedySampler())  # (the step's first run: its warm-up runs, when rehearsed)
+    from_step, topk_calls = sample(TopKSampler(generator=torch.Generator().manual_seed(3)))
+    own = TopKSampler(generator=torch.Generator().manual_seed(3))
+    by_itself, own_calls = sample(lambda logp, eos_id, allow_eos: own(logp, eos_id, allow_eos))
+    assert from_step == by_itself and len(set(from_step)) > 5  # drawn, not greedy
+    # 30 decisions: the first from the prefix's feed (the sampler's own top-k), 29 after decode steps
+    assert own_calls == 1 + 2 * 29 and topk_calls == 1 + 29
+
+
+def test_the_step_s_top_k_is_that_of_its_log_probs_and_other_sizes_draw_their_own(decoder, prefix):
+    cache = decoder.new_cache("static", graph_mode="rehearse")
+    state = decoder.start(prefix, cache=cache)
+    assert cache.last_top is None  # a feed computes none
+    logp = cache.decode_step(decoder.step(state, GreedySampler()))
+    probs, ids = logp.softmax(dim=-1).topk(TOP_K)
+    assert torch.equal(cache.last_top, torch.cat([probs, ids.float()]))
+    with pytest.raises(ValueError, match="holds 25 tokens, the sampler draws among 5"):
+        TopKSampler(5).from_top(cache.last_top, logp, decoder.eos_id, True)
+    # a top-k sampler of another k draws from its own top-k: with k = 1 the arg-max
+    state = decoder.start(prefix, min_len=8, max_len=8, cache=cache)
+    greedy = decoder.generate(prefix, GreedySampler(), min_len=8, max_len=8, cache_kind="dynamic")
+    assert [decoder.step(state, TopKSampler(1)) for _ in range(8)] == greedy.speech_token_ids[0].tolist()
 
 
 def test_multi_row_feeds_replay_a_padded_bucket_step_and_equal_eager_feeds(decoder, prefix):
