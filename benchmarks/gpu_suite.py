@@ -548,7 +548,32 @@ def gpu_activity(events) -> dict:
             "busy_share": busy / span if span else 0.0, "side_by_side": summed / busy if busy else 0.0,
             "host_busy_share": host / span if span else 0.0, "host_threads": len(working),
             "host_side_by_side": host_summed / host if host else 0.0,
-            "host_operators": host_operators(events, start, end), "device_kernels": device_kernels(events, start, end)}
+            "host_operators": host_operators(events, start, end), "device_kernels": device_kernels(events, start, end),
+            "device_steps": device_time_by_step(events, start, end)}
+
+
+def device_time_by_step(events, start: float, end: float) -> list[dict]:
+    """The GPU's time by captured step: while profiling, each step's run is a host range named
+    ``step_graph.PROFILER_RANGE`` + the step's name, and the profiler files the kernels launched
+    inside a range under it (a graph's replayed kernels; a step run eagerly: under its operators,
+    nested in the range). Per step name, for the runs that
+    started in the span: how many, and their kernels' summed durations, whole (a run's last
+    kernels may end after the span); the ``top`` names by that time. The kernels of the span not
+    under any step ran outside the captured steps."""
+    from torch.autograd import DeviceType
+
+    from taste_speech.step_graph import PROFILER_RANGE
+
+    took: dict = {}
+    runs: dict = {}
+    for e in events:
+        if (e.device_type == DeviceType.CPU and e.name.startswith(PROFILER_RANGE)
+                and start <= e.time_range.start < end):
+            name = e.name[len(PROFILER_RANGE):]
+            took[name] = took.get(name, 0.0) + e.device_time_total  # (its kernels and its operators')
+            runs[name] = runs.get(name, 0) + 1
+    ranked = sorted(took, key=lambda name: (-took[name], name))
+    return [{"name": name, "runs": runs[name], "ms": took[name] / 1000} for name in ranked]
 
 
 def device_kernels(events, start: float, end: float, top: int = HOST_OPERATORS) -> list[dict]:
@@ -1462,6 +1487,15 @@ def markdown(data: dict, command: str) -> list[str]:
                 lines += table_lines(["kernel", "count", "ms", "ms each"],
                                      [[f"`{k['name']}`", str(k["count"]), fmt(k["ms"]), f"{k['ms'] / k['count']:.3f}"]
                                       for k in b["device_kernels"]]) + [""]
+            if any(step["ms"] > 0 for step in b.get("device_steps", ())):
+                under_steps = sum(step["ms"] for step in b["device_steps"])
+                lines += [f"The GPU's time by captured step in that row ({key}, {b['calls']} calls; each step's runs "
+                          "that started in the span and the summed durations of the kernels they launched, the "
+                          f"{HOST_OPERATORS} largest; all steps' {fmt(under_steps)} ms of the span's "
+                          f"{fmt(b['kernel_ms'])} summed kernel ms, the rest ran outside captured steps):", ""]
+                lines += table_lines(["step", "runs", "GPU ms", "ms per run"],
+                                     [[step["name"], str(step["runs"]), fmt(step["ms"]), f"{step['ms'] / step['runs']:.3f}"]
+                                      for step in b["device_steps"][:HOST_OPERATORS]]) + [""]
     if data.get("compiled_flow", {}).get("rows"):
         lines += ["The flow's estimator compiled (`torch.compile`, inductor, static shapes; the engine's opt-in "
                   "`compile_flow` compiles with dynamic shapes): one unpadded ODE captured as one step:", ""]

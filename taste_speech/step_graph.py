@@ -36,6 +36,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "graph", "eager", "rehearse")
+# While the profiler runs, every step's run is a range of this prefix and the step's name: the profiler
+# files the kernels launched inside a range under it, so a profile tells each step's GPU time
+# (``benchmarks/gpu_suite.device_time_by_step``). Outside profiling no range is made.
+PROFILER_RANGE = "step: "
 Outputs = TypeVar("Outputs")
 
 # One capture (with its warm-up runs) at a time in the process: calls warm up from their own
@@ -85,6 +89,12 @@ class StepGraph(Generic[Outputs]):
 
     def run(self) -> Outputs:
         """One step. The first call of a 'graph' or 'rehearse' step warms up (and captures) first."""
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(PROFILER_RANGE + self.name):
+                return self._run()
+        return self._run()
+
+    def _run(self) -> Outputs:
         if not self._prepared:
             self._prepare()
         if self.graph is not None:

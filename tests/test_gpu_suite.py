@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -291,10 +292,60 @@ def test_profiled_calls_span_from_the_first_turn_end_to_the_last_first_audio():
     assert any(line.startswith(f"| `{operators[0]['name']}` | {operators[0]['count']} |") for line in lines)
     assert result["device_kernels"] == []  # (a CPU: no kernels, and no table of them)
     assert not any(line.startswith("Where the GPU's time went") for line in lines)
+    # every step's run was a named range of the calls' threads (on a CPU without kernels: no table)
+    steps = {step["name"]: step for step in result["device_steps"]}
+    assert steps["spoken LM step"]["runs"] >= 2 and steps["speech decoder step"]["runs"] >= 2
+    assert all(step["ms"] == 0 for step in steps.values())
+    assert not any(line.startswith("The GPU's time by captured step") for line in lines)
     kernels = [{"name": "void flash_fwd_kernel<" + "x" * 200, "count": 4, "ms": 2.0}]
     lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "paths": {"eager": {}, "graphed": {}},
                                 "gpu_busy_calls": {"graphed": {**result, "device_kernels": kernels}}}, "cmd")
     assert any(line.startswith("| `void flash_fwd_kernel<") and "| 4 | 2.0 | 0.500 |" in line for line in lines)
+
+
+def test_the_gpu_time_by_step_sums_the_kernels_filed_under_each_step_s_runs():
+    """Each run of a step is a profiler range holding the kernels launched in it (a graph's replay):
+    summed per step name for the runs that started in the span, largest first, and tabled."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from taste_speech.step_graph import PROFILER_RANGE
+
+    def run(name, start, *kernel_us, device=DeviceType.CPU):
+        return SimpleNamespace(name=PROFILER_RANGE + name, device_type=device, is_user_annotation=True, thread=1,
+                               time_range=SimpleNamespace(start=start, end=start + 50),
+                               device_time_total=sum(kernel_us))
+
+    events = [run("spoken LM step", 1000, 100, 200), run("spoken LM step", 2000, 300),
+              run("flow x1", 1500, 900), run("flow x1", 500, 5000),  # started before the span
+              run("flow x1", 1600, 900, device=DeviceType.CUDA),  # the range's mark on the GPU's side
+              run("speech decoder step", 4000)]  # no kernels filed under it
+    steps = gpu_suite.device_time_by_step(events, 1000, 5000)
+    assert steps == [{"name": "flow x1", "runs": 1, "ms": 0.9}, {"name": "spoken LM step", "runs": 2, "ms": 0.6},
+                     {"name": "speech decoder step", "runs": 1, "ms": 0.0}]
+    row = {"calls": 2, "kernel_ms": 2.0, "device_steps": steps, "first_audio_median_ms": 1.0,
+           "first_audio_max_ms": 1.0, "span_ms": 4.0, "busy_share": 0.5, "host_busy_share": 0.5,
+           "host_side_by_side": 1.0, "host_threads": 2}
+    lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "paths": {"eager": {}, "graphed": {}},
+                                "gpu_busy_calls": {"graphed": row}}, "cmd")
+    assert any("all steps' 1.5 ms of the span's 2.0 summed kernel ms" in line for line in lines)
+    assert "| spoken LM step | 2 | 0.6 | 0.300 |" in lines
+
+
+def test_a_step_is_a_profiler_range_only_while_profiling(monkeypatch):
+    from taste_speech.step_graph import PROFILER_RANGE, StepGraph
+
+    step = StepGraph(lambda: torch.ones(2) * 2, "cpu", "rehearse", name="doubling")
+    ranges = []
+    record = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: ranges.append(name) or record(name))
+    step.run()
+    assert ranges == []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert torch.equal(step.run(), torch.full((2,), 2.0))
+    assert ranges == [PROFILER_RANGE + "doubling"]
+    assert any(e.name == PROFILER_RANGE + "doubling" for e in prof.events())
 
 
 def test_a_path_whose_engine_would_not_fit_the_budget_left_is_not_built():
