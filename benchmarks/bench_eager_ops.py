@@ -158,9 +158,34 @@ def count_turn(engine, asr, path, audio) -> StageCounts:
     return counts
 
 
-def measure(size: str = "tiny", device: str = "cpu", dtype: str | None = None) -> dict:
+def host_ms(engine, asr, path, audio, repeats: int = 5) -> list[float]:
+    """First audio with every prepared step's run skipped (its last outputs handed back as they
+    are): what is left is the host's work between the steps - the Python, the operators outside
+    them, and on a CPU their small computations - the part of a call that concurrent calls' threads
+    cannot share out to the GPU. Per stage, the median over ``repeats`` turns, in ms. The values the
+    skipped steps would have made are stale, so it is a measure of time, not of output."""
+    from taste_speech import step_graph
+
+    run = step_graph.StepGraph.run
+
+    def skipped(step):
+        return step.outputs if step._prepared and step.outputs is not None else run(step)
+
+    runs = []
+    with gpu_suite.ForcedReply(engine.model.spoken_lm) as forced, _patches() as patch:
+        gpu_suite.first_audio(engine, asr, path, forced, audio)  # (captures, lazy buffers)
+        patch(step_graph.StepGraph, "run", skipped)
+        for _ in range(repeats):
+            runs.append(gpu_suite.first_audio(engine, asr, path, forced, audio))
+    per_stage = {stage: sorted(r["stages"].get(stage, 0.0) for r in runs)[repeats // 2] for stage in STAGES}
+    return {**per_stage, "first audio": sorted(r["first_audio_ms"] for r in runs)[repeats // 2]}
+
+
+def measure(size: str = "tiny", device: str = "cpu", dtype: str | None = None, host: bool = False) -> dict:
     """{path: {stage: (operators outside steps, step runs)}} for the eager path and the fast path
-    (rehearsed on a CPU, captured on CUDA; the key says 'fast path, rehearsed' either way)."""
+    (rehearsed on a CPU, captured on CUDA; the key says 'fast path, rehearsed' either way); with
+    ``host``, also the fast path's host ms per stage with its steps skipped (``host_ms``, under
+    'host ms')."""
     torch.manual_seed(0)
     base = gpu_suite.build_engine(size, device, dtype)
     asr = gpu_suite.build_asr(size, base, device, dtype)
@@ -173,20 +198,24 @@ def measure(size: str = "tiny", device: str = "cpu", dtype: str | None = None) -
             if engine.share_tower_encoder(asr[path.name]):  # (the fast path's: one encoder pass a turn)
                 asr[path.name].warm_up()
             counts = count_turn(engine, asr, path, audio)
+            if host and path is gpu_suite.GRAPHED:
+                result["host ms"] = host_ms(engine, asr, path, audio)
         result[name] = {stage: (counts.eager[stage], counts.steps[stage]) for stage in STAGES}
     return result
 
 
 def table(result: dict) -> list[str]:
-    eager, fast = result["eager"], result["fast path, rehearsed"]
-    lines = ["| stage | eager path: operators | fast path: operators outside steps | its step runs | fast / eager |",
-             "| --- | --- | --- | --- | --- |"]
+    eager, fast, host = result["eager"], result["fast path, rehearsed"], result.get("host ms")
+    lines = ["| stage | eager path: operators | fast path: operators outside steps | its step runs | fast / eager |"
+             + (" fast path: host ms, steps skipped |" if host else ""),
+             "| --- | --- | --- | --- | --- |" + (" --- |" if host else "")]
     for stage in STAGES:
         ratio = fast[stage][0] / eager[stage][0] if eager[stage][0] else float("nan")
-        lines.append(f"| {stage} | {eager[stage][0]} | {fast[stage][0]} | {fast[stage][1]} | {ratio:.2f} |")
+        lines.append(f"| {stage} | {eager[stage][0]} | {fast[stage][0]} | {fast[stage][1]} | {ratio:.2f} |"
+                     + (f" {host[stage]:.1f} |" if host else ""))
     total_e, total_f = sum(v[0] for v in eager.values()), sum(v[0] for v in fast.values())
     lines.append(f"| first audio | {total_e} | {total_f} | {sum(v[1] for v in fast.values())} | "
-                 f"{total_f / total_e:.2f} |")
+                 f"{total_f / total_e:.2f} |" + (f" {host['first audio']:.1f} |" if host else ""))
     return lines
 
 
@@ -196,10 +225,13 @@ def main(argv=None) -> None:
                         help="full: the published dimensions, random weights (23 GB and half an hour on a 2-core CPU)")
     parser.add_argument("--device", default="cpu", help="cpu (the fast path's steps rehearsed) or cuda (captured)")
     parser.add_argument("--dtype", default=None, help="the engine's dtype (default: the device's run dtypes)")
+    parser.add_argument("--host-ms", action="store_true",
+                        help="also time the fast path's first audio with its steps' runs skipped: the host's work "
+                             "between the steps, per stage (median of 5 turns)")
     args = parser.parse_args(argv)
     print(f"# operators outside captured steps per first-audio stage ({args.size} size, {args.device}, "
           f"{args.dtype or 'default dtypes'}, torch {torch.__version__})")
-    print("\n".join(table(measure(args.size, args.device, args.dtype))))
+    print("\n".join(table(measure(args.size, args.device, args.dtype, host=args.host_ms))))
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def test_eager_ops_benchmark_counts_fewer_operators_outside_the_fast_path_s_step
     stage runs its conditioning, its prefix and its first decisions as steps."""
     from benchmarks.bench_eager_ops import STAGES, measure, table
 
-    result = measure("tiny")
+    result = measure("tiny", host=True)
     eager, fast = result["eager"], result["fast path, rehearsed"]
     assert set(eager) == set(fast) == set(STAGES)
     assert all(eager[stage][1] == 0 for stage in STAGES)  # the eager path has no steps
@@ -252,3 +252,7 @@ def test_eager_ops_benchmark_counts_fewer_operators_outside_the_fast_path_s_step
     total = sum(v[0] for v in fast.values()) / sum(v[0] for v in eager.values())
     assert total < 0.2, total
     assert table(result)[-1].startswith("| first audio |")
+    # the host's work between the steps, the steps skipped: every stage has some
+    host = result["host ms"]
+    assert set(host) == {*STAGES, "first audio"} and all(host[stage] > 0 for stage in STAGES)
+    assert table(result)[0].endswith("fast path: host ms, steps skipped |")
