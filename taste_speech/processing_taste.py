@@ -306,7 +306,6 @@ class TasteProcessor:
     def encode_words(self, words: list[str]) -> TextInputs:
         if not words:
             raise ValueError("the text has no words: give a non-empty transcript")
-        llm_ids, llm_wids, asr_ids, asr_wids = [], [], [], []
         for i, word in enumerate(words):
             if not isinstance(word, str) or not word:
                 raise ValueError(f"word {i} is {word!r}; words must be non-empty strings (' ' + word)")
@@ -315,10 +314,9 @@ class TasteProcessor:
                 # silently become one word, ' good morning' two
                 raise ValueError(f"word {i} ({word!r}) must be one word after one space (' ' + word, as "
                                  "split_words(text) makes them)")
-            # a transcript's "<|eot_id|>" (or Whisper's "<|endoftext|>") is text the caller said,
-            # never a control token
-            l_ids = self.llm_tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
-            a_ids = self.asr_tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
+        llm_ids, llm_wids, asr_ids, asr_wids = [], [], [], []
+        for i, (word, l_ids, a_ids) in enumerate(zip(words, _encode_each(self.llm_tokenizer, words),
+                                                     _encode_each(self.asr_tokenizer, words))):
             if not l_ids or not a_ids:
                 raise ValueError(f"word {i} ({word!r}) has no tokens in one of the tokenizers; remove it")
             llm_ids += l_ids
@@ -365,9 +363,8 @@ class TasteProcessor:
         if all(w == " " for w in words):
             raise ValueError("text_ids decode to no words (only whitespace): give at least one real word")
         llm_wids, asr_ids, asr_wids = [], [], []
-        for i, (group, word) in enumerate(zip(groups, words)):
+        for i, (group, word, a_ids) in enumerate(zip(groups, words, _encode_each(self.asr_tokenizer, words))):
             llm_wids += [i] * len(group)
-            a_ids = self.asr_tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
             if not a_ids:
                 raise ValueError(f"word {word!r} has no ASR tokens")
             asr_ids += a_ids
@@ -506,6 +503,14 @@ class TasteProcessor:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+def _encode_each(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's ids on its own (no special tokens added), in one batched call of the tokenizer:
+    a word at a time was one call per word of every segment, on the way to a reply's first audio.
+    A transcript's "<|eot_id|>" (or Whisper's "<|endoftext|>") is text the caller said, never a
+    control token (``split_special_tokens``)."""
+    return tokenizer(list(words), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def as_speaker_embedding(value, dim: int, name: str = "speaker_embeds") -> torch.Tensor:
     """``value`` as the (1, ``dim``) float32 voice vector of a call, checked: a mistake here would
     otherwise surface deep in the decoder, or as a voice nobody has."""

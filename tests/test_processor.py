@@ -191,6 +191,22 @@ def test_process_text_rules(processor):
     assert text.text == " The cat sat on the mat."
 
 
+def test_words_are_encoded_in_one_batch_as_each_alone(processor):
+    """The batched encoding gives every word the ids it gets on its own, in both tokenizers - special
+    tokens' text, punctuation, digits, non-ASCII and unknown characters included."""
+    from taste_speech.processing_taste import _encode_each
+
+    words = [" The", " cat's", " <|eot_id|>", " <|endoftext|>", " 1984,", " naïve", " 日本", " ok...", " a"]
+    def alone(tokenizer, word):  # (a special token's text stays text)
+        return tokenizer.encode(word, add_special_tokens=False, split_special_tokens=True)
+
+    for tokenizer in (processor.llm_tokenizer, processor.asr_tokenizer):
+        assert _encode_each(tokenizer, words) == [alone(tokenizer, w) for w in words]
+    text = processor.encode_words(words)
+    assert text.llm_token_ids[0].tolist() == [i for w in words for i in alone(processor.llm_tokenizer, w)]
+    assert text.asr_token_ids[0].tolist() == [i for w in words for i in alone(processor.asr_tokenizer, w)]
+
+
 def test_process_text_whitespace_follows_the_original(processor):
     """Upstream (spec §2.2, §11.29): whitespace -> space, strip, split on EVERY single space; a
     double space therefore yields a word that is a lone space, which gets its own tokens."""
