@@ -553,27 +553,45 @@ def gpu_activity(events) -> dict:
 
 
 def device_time_by_step(events, start: float, end: float) -> list[dict]:
-    """The GPU's time by captured step: while profiling, each step's run is a host range named
-    ``step_graph.PROFILER_RANGE`` + the step's name, and the profiler files the kernels launched
-    inside a range under it (a graph's replayed kernels; a step run eagerly: under its operators,
-    nested in the range). Per step name, for the runs that
-    started in the span: how many, and their kernels' summed durations, whole (a run's last
-    kernels may end after the span); the ``top`` names by that time. The kernels of the span not
-    under any step ran outside the captured steps."""
+    """The GPU's time by step: while profiling, each step's run is a host range named
+    ``step_graph.PROFILER_RANGE`` + the step's name, and the profiler marks on the GPU's side, per
+    stream, the stretch from the first to the last kernel launched inside it (a user annotation of
+    the same name: a graph replay is no operator, so its kernels are filed under no host event - the
+    GPU's marks are what ties them to the step). A kernel of the span counts for the step whose mark
+    on its stream holds its start. Per step name: the runs that started in the span (the host's
+    ranges) and the kernels' durations, clipped to the span, summed; largest first. The span's
+    other kernels ran outside the steps."""
+    import bisect
+
     from torch.autograd import DeviceType
 
     from taste_speech.step_graph import PROFILER_RANGE
 
-    took: dict = {}
     runs: dict = {}
+    marks: dict = {}  # stream -> sorted [(start, end, step name)]
     for e in events:
-        if (e.device_type == DeviceType.CPU and e.name.startswith(PROFILER_RANGE)
-                and start <= e.time_range.start < end):
-            name = e.name[len(PROFILER_RANGE):]
-            took[name] = took.get(name, 0.0) + e.device_time_total  # (its kernels and its operators')
+        if not e.name.startswith(PROFILER_RANGE):
+            continue
+        name = e.name[len(PROFILER_RANGE):]
+        if e.device_type == DeviceType.CPU and start <= e.time_range.start < end:
             runs[name] = runs.get(name, 0) + 1
+        elif e.device_type == DeviceType.CUDA and e.time_range.end > start and e.time_range.start < end:
+            marks.setdefault(getattr(e, "device_resource_id", None), []).append(
+                (e.time_range.start, e.time_range.end, name))
+    starts = {stream: [m[0] for m in sorted(ms)] for stream, ms in marks.items()}
+    marks = {stream: sorted(ms) for stream, ms in marks.items()}
+    took = dict.fromkeys(runs, 0.0)
+    for e, (a, b) in in_span(events, start, end, host=False):
+        resource = getattr(e, "device_resource_id", None)
+        stream = marks.get(resource)
+        if not stream:
+            continue
+        i = bisect.bisect_right(starts[resource], e.time_range.start) - 1
+        if i >= 0 and e.time_range.start < stream[i][1]:
+            name = stream[i][2]
+            took[name] = took.get(name, 0.0) + b - a
     ranked = sorted(took, key=lambda name: (-took[name], name))
-    return [{"name": name, "runs": runs[name], "ms": took[name] / 1000} for name in ranked]
+    return [{"name": name, "runs": runs.get(name, 0), "ms": took[name] / 1000} for name in ranked]
 
 
 def device_kernels(events, start: float, end: float, top: int = HOST_OPERATORS) -> list[dict]:
@@ -1489,12 +1507,13 @@ def markdown(data: dict, command: str) -> list[str]:
                                       for k in b["device_kernels"]]) + [""]
             if any(step["ms"] > 0 for step in b.get("device_steps", ())):
                 under_steps = sum(step["ms"] for step in b["device_steps"])
-                lines += [f"The GPU's time by captured step in that row ({key}, {b['calls']} calls; each step's runs "
-                          "that started in the span and the summed durations of the kernels they launched, the "
-                          f"{HOST_OPERATORS} largest; all steps' {fmt(under_steps)} ms of the span's "
-                          f"{fmt(b['kernel_ms'])} summed kernel ms, the rest ran outside captured steps):", ""]
+                lines += [f"The GPU's time by step in that row ({key}, {b['calls']} calls; each step's runs that "
+                          "started in the span and the summed durations of the kernels they launched, in the span, "
+                          f"the {HOST_OPERATORS} largest; all steps' {fmt(under_steps)} ms of the span's "
+                          f"{fmt(b['kernel_ms'])} summed kernel ms, the rest ran outside the steps):", ""]
                 lines += table_lines(["step", "runs", "GPU ms", "ms per run"],
-                                     [[step["name"], str(step["runs"]), fmt(step["ms"]), f"{step['ms'] / step['runs']:.3f}"]
+                                     [[step["name"], str(step["runs"]), fmt(step["ms"]),
+                                       f"{step['ms'] / step['runs']:.3f}" if step["runs"] else "-"]
                                       for step in b["device_steps"][:HOST_OPERATORS]]) + [""]
     if data.get("compiled_flow", {}).get("rows"):
         lines += ["The flow's estimator compiled (`torch.compile`, inductor, static shapes; the engine's opt-in "

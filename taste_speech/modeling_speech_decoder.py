@@ -558,9 +558,10 @@ class TasteSpeechDecoder(nn.Module):
             return None
         sampler = GreedySampler() if sampler is None else sampler
         top = None  # the log-probs' top-k, where the step computed it
+        if _preallocated(state.cache):  # (its log-probs may be the step's buffer, which a later start reuses)
+            self._check_cache_owner(state)
         if state.next_logp is None:  # feed the previous token only now: no wasted final forward
             if _preallocated(state.cache):
-                self._check_cache_owner(state)
                 # the captured step; its outputs are read (or copied) before the next step
                 state.next_logp = state.cache.decode_step(state.pending_token)
                 top = getattr(state.cache, "last_top", None)
@@ -572,12 +573,13 @@ class TasteSpeechDecoder(nn.Module):
         if state.step_logprobs is not None:
             state.step_logprobs.append(logp.clone())
         allow_eos = len(state.tokens) >= state.min_len
-        if top is not None and isinstance(sampler, TopKSampler) and min(sampler.k, logp.shape[-1]) == top.shape[0] // 2:
+        if (top is not None and type(sampler).__call__ is TopKSampler.__call__  # (not a subclass's own draw)
+                and min(sampler.k, logp.shape[-1]) == top.shape[0] // 2):
             token = sampler.from_top(top, logp, self.eos_id, allow_eos)
         else:
             token = int(sampler(logp, self.eos_id, allow_eos=allow_eos))
         if token == self.eos_id:
-            state.finished, state.stop_reason = True, "eos"
+            state.finished, state.stop_reason, state.next_logp = True, "eos", None
             return None
         if not 0 <= token < self.speech_token_size:
             raise ValueError(f"the sampler returned {token}, outside [0, {self.speech_token_size}]")

@@ -126,6 +126,7 @@ class SlotSpeechCache(SlotCache):
     def __init__(self, batch: SpeechStepBatch):
         self.llm = batch.llm  # (TasteSpeechDecoder.start checks the cache is its own)
         self.epoch = 0  # bumped by reset(): a decode started before can tell (TasteSpeechDecoder checks it)
+        self.last_top: torch.Tensor | None = None  # (see decode_step)
         super().__init__(batch)
 
     def truncate(self, length: int) -> None:
@@ -151,9 +152,13 @@ class SlotSpeechCache(SlotCache):
         return self.batch.prefill(self.slot, self, rows)
 
     def decode_step(self, token: int) -> torch.Tensor:
-        """Feed one speech token (batched with the other calls' steps); returns the log-probs (V+1,)."""
+        """Feed one speech token (batched with the other calls' steps); returns the log-probs (V+1,).
+        ``last_top``: their top-k where the step computed it (a private cache's step), else None."""
         if self._use_private(1):
-            return self.private.decode_step(token)
+            logp = self.private.decode_step(token)
+            self.last_top = self.private.last_top
+            return logp
+        self.last_top = None
         return self.batch.step(self.slot, self, token)
 
     def clone(self) -> StaticSpeechCache:

@@ -89,7 +89,7 @@ class StepGraph(Generic[Outputs]):
 
     def run(self) -> Outputs:
         """One step. The first call of a 'graph' or 'rehearse' step warms up (and captures) first."""
-        if torch.autograd.profiler._is_profiler_enabled:
+        if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):  # (torch's own quick check)
             with torch.profiler.record_function(PROFILER_RANGE + self.name):
                 return self._run()
         return self._run()

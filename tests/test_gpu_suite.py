@@ -303,34 +303,46 @@ def test_profiled_calls_span_from_the_first_turn_end_to_the_last_first_audio():
     assert any(line.startswith("| `void flash_fwd_kernel<") and "| 4 | 2.0 | 0.500 |" in line for line in lines)
 
 
-def test_the_gpu_time_by_step_sums_the_kernels_filed_under_each_step_s_runs():
-    """Each run of a step is a profiler range holding the kernels launched in it (a graph's replay):
-    summed per step name for the runs that started in the span, largest first, and tabled."""
+def test_the_gpu_time_by_step_sums_the_kernels_inside_each_step_s_marks_on_their_stream():
+    """Each run of a step is a host range and, on the GPU's side, a mark per stream from its first
+    to its last kernel (a graph replay's kernels are filed under no host event): a kernel counts for
+    the step whose mark on its own stream holds its start, clipped to the span; runs are counted on
+    the host; largest first, and tabled."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
     from taste_speech.step_graph import PROFILER_RANGE
 
-    def run(name, start, *kernel_us, device=DeviceType.CPU):
-        return SimpleNamespace(name=PROFILER_RANGE + name, device_type=device, is_user_annotation=True, thread=1,
-                               time_range=SimpleNamespace(start=start, end=start + 50),
-                               device_time_total=sum(kernel_us))
+    def event(name, device, start, end, stream=None, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation, thread=1,
+                               device_resource_id=stream, time_range=SimpleNamespace(start=start, end=end))
 
-    events = [run("spoken LM step", 1000, 100, 200), run("spoken LM step", 2000, 300),
-              run("flow x1", 1500, 900), run("flow x1", 500, 5000),  # started before the span
-              run("flow x1", 1600, 900, device=DeviceType.CUDA),  # the range's mark on the GPU's side
-              run("speech decoder step", 4000)]  # no kernels filed under it
+    def run(name, start, *marks):  # the host's range and the GPU's marks: (stream, start, end)
+        return [event(PROFILER_RANGE + name, DeviceType.CPU, start, start + 50, annotation=True)] + [
+            event(PROFILER_RANGE + name, DeviceType.CUDA, a, b, stream, annotation=True) for stream, a, b in marks]
+
+    def kernel(stream, start, end):
+        return event("kernel", DeviceType.CUDA, start, end, stream)
+
+    events = [*run("spoken LM step", 1000, (7, 1100, 1400)), *run("spoken LM step", 2000, (7, 2100, 2200)),
+              *run("flow x1", 1500, (8, 1100, 3000)),  # on another stream, beside the LM's
+              *run("flow x1", 500, (8, 600, 1050)),  # started before the span: no run counted, its kernels' end is
+              *run("speech decoder step", 4000),  # launched nothing
+              kernel(7, 1100, 1200), kernel(7, 1200, 1400), kernel(7, 2100, 2200),  # the LM's
+              kernel(8, 1100, 2000), kernel(8, 2900, 3100),  # the flow's, the last one past its mark's end
+              kernel(8, 700, 1050),  # in the early flow's mark, clipped to 1000-1050
+              kernel(7, 1500, 1600), kernel(9, 1150, 1250)]  # outside any mark on its stream
     steps = gpu_suite.device_time_by_step(events, 1000, 5000)
-    assert steps == [{"name": "flow x1", "runs": 1, "ms": 0.9}, {"name": "spoken LM step", "runs": 2, "ms": 0.6},
+    assert steps == [{"name": "flow x1", "runs": 1, "ms": 1.15}, {"name": "spoken LM step", "runs": 2, "ms": 0.4},
                      {"name": "speech decoder step", "runs": 1, "ms": 0.0}]
     row = {"calls": 2, "kernel_ms": 2.0, "device_steps": steps, "first_audio_median_ms": 1.0,
            "first_audio_max_ms": 1.0, "span_ms": 4.0, "busy_share": 0.5, "host_busy_share": 0.5,
            "host_side_by_side": 1.0, "host_threads": 2}
     lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "paths": {"eager": {}, "graphed": {}},
                                 "gpu_busy_calls": {"graphed": row}}, "cmd")
-    assert any("all steps' 1.5 ms of the span's 2.0 summed kernel ms" in line for line in lines)
-    assert "| spoken LM step | 2 | 0.6 | 0.300 |" in lines
+    assert any(f"all steps' {gpu_suite.fmt(1.15 + 0.4)} ms of the span's 2.0 summed kernel ms" in line for line in lines)
+    assert "| spoken LM step | 2 | 0.4 | 0.200 |" in lines
 
 
 def test_a_step_is_a_profiler_range_only_while_profiling(monkeypatch):

@@ -305,3 +305,21 @@ def test_a_growing_cache_taken_over_by_a_later_start_is_refused(decoder, prefix,
     with pytest.raises(ValueError, match="taken over by a later start"):
         decoder.feed(first, other_prefix[:, :1])
     decoder.feed(copy_of_first, other_prefix[:, :1])
+
+
+def test_a_decode_whose_draw_failed_is_refused_once_its_cache_is_taken_over(decoder, prefix, other_prefix):
+    """Its log-probs are the step's output buffer, which the later decode overwrites: a retried
+    step must not draw from another utterance's log-probs."""
+    cache = decoder.new_cache("static", graph_mode="rehearse")
+    first = decoder.start(prefix, min_len=5, max_len=10, cache=cache)
+    decoder.step(first, GreedySampler())
+
+    def failing(logp, eos_id, allow_eos):
+        raise RuntimeError("the draw failed")
+
+    with pytest.raises(RuntimeError, match="the draw failed"):
+        decoder.step(first, failing)  # after the decode step: its log-probs are kept for a retry
+    assert first.next_logp is not None
+    decoder.start(other_prefix, cache=cache)
+    with pytest.raises(ValueError, match="taken over"):
+        decoder.step(first, GreedySampler())

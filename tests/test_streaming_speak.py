@@ -174,9 +174,12 @@ def test_per_chunk_work_is_bounded(vg, monkeypatch, grow_to):
     assert max(flow_windows) <= policy.context_tokens + largest + 4
     assert max(hift_windows) <= policy.vocoder_context_frames + frames_for_tokens(largest) + 8
     assert state.tokens.shape[1] <= policy.context_tokens + largest + 4  # old tokens released
-    # the noise kept covers the last window and at most a block on either side
+    # the noise kept covers the last window and at most a block on either side, and is released up
+    # to the block of the first position a later window may still read
     for tape, window in ((state.flow_noise, max(flow_windows) * 2), (state.source_noise, max(hift_windows) * 256)):
         assert len(tape._blocks) <= math.ceil(window / tape.block) + 2
+    assert state.source_noise._first_block == state.voc_done * 256 // state.source_noise.block > 0
+    assert state.flow_noise._first_block == state.frames(state.token_offset) // state.flow_noise.block
 
 
 # -- seams ------------------------------------------------------------------------------------------
