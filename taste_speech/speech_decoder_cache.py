@@ -20,8 +20,8 @@ device: the whole step (speech-token embedding -> AR decoder -> ``llm_decoder`` 
 is run by a ``StepGraph`` (captured on CUDA; eager or rehearsed elsewhere), with the token id in
 a static buffer. The draw stays outside, but the step also takes the original sampler's first two
 calls on its log-probs (softmax, the ``TOP_K`` largest: ``last_top``, packed for one copy to the
-host), so the top-k sampler needs no kernels of its own per token. A multi-row feed (a segment's prefix, the speech tokens it
-continues, forced tokens) is padded to the smallest of ``PREFILL_BUCKETS`` rows that holds it and
+host), so the top-k sampler needs no kernels of its own per token. A multi-row feed (a segment's
+prefix, the speech tokens it continues, forced tokens) is padded to the smallest of ``PREFILL_BUCKETS`` rows that holds it and
 replays that bucket's captured step: eagerly it is a few hundred kernel launches (seven blocks of
 attention and feed-forward), replayed one. The padding rows come after the real ones, so no real
 query sees them (causal); their keys and values land in slots past the real end, masked until a
