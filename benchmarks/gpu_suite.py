@@ -33,8 +33,9 @@ Tables (one run each, all figures from the same process):
    flow's ODE with q/k/v as one product and no all-ones mask vs three products and the mask, the
    ODE with its steps' time conditioning in one pass vs in every estimator call, and a reply's
    synthesis with growing chunks (the default) vs fixed 25-token chunks, and with widened windows
-   vs windows as their context makes them; and (``chunk_limits``) a 24 s reply's synthesis with
-   steady chunks growing to 100, 200 and 300 tokens (300: the default since these figures) on
+   vs windows as their context makes them; (``flow_precision``) one unpadded flow ODE in float32,
+   with TF32 matrix products (CUDA), and as a bfloat16 and a float16 copy; and (``chunk_limits``)
+   a 24 s reply's synthesis with steady chunks growing to 100, 200 and 300 tokens (300: the default since these figures) on
    buckets up to 640 frames, with one flow and one vocoder step's ms per window size;
 5. the whole reply as the agent runs it (``pipelined_reply``: the spoken LM, the speech decoder and
    the vocoder on three threads, as the plugin's processors run them): wall seconds per second of
@@ -48,7 +49,7 @@ Tables (one run each, all figures from the same process):
    ``compile_flow`` compiles with dynamic shapes: ``compiled_flow_reply``); about a minute per shape.
 
 The parts run in this order (``--parts`` picks some): ``parity``, ``first_audio``, ``per_token``,
-``levers``, ``chunk_limits``, ``pipelined_reply``, then the calls tables ``graphed_calls``,
+``levers``, ``flow_precision``, ``chunk_limits``, ``pipelined_reply``, then the calls tables ``graphed_calls``,
 ``batched_calls``, ``synthesis_stream_calls``, ``call_streams_calls``, ``eager_calls``, and last
 what compiles or profiles: ``gpu_busy_calls`` (CUDA: eight calls ending at once under the profiler,
 on the synthesis stream and batched: how busy the GPU and the host were, and where their time went
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import platform
@@ -1000,6 +1002,67 @@ def compiled_flow(engine, repeats: int, frames=(17, 256), left_s: Callable[[], f
     return {"rows": rows, "backend": backend}
 
 
+# The flow ODE's precisions measured against each other: float32 as the engine runs it (torch's
+# defaults: cuDNN's convolutions in TF32, matrix products not), TF32 matrix products too (CUDA), and
+# a copy of the ODE cast to bfloat16 and to float16 (upstream CosyVoice's fp16 option casts its flow
+# so). At batch 1 a flow step costs its kernels: the question is whether the half-precision
+# products (tensor cores, one kernel where float32's small products took a split-K pair) shorten
+# them, and by how much the mel moves.
+FLOW_PRECISIONS = ("float32", "tf32", "bfloat16", "float16")
+
+
+@contextlib.contextmanager
+def tf32_matmuls(on: bool):
+    """cuBLAS's float32 matrix products in TF32 (``on``) or not while inside; as before after."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@torch.inference_mode()
+def flow_precision(engine, repeats: int, frames=(17, 256), left_s: Callable[[], float] = lambda: float("inf")) -> dict:
+    """One unpadded flow ODE (a window of ``frames``) captured as one step per precision of
+    ``FLOW_PRECISIONS`` ('tf32' on CUDA only: elsewhere it is float32), timed, and its mel's largest
+    difference from float32's. The half-precision rows run a cast copy of the ODE (its state too,
+    as upstream's fp16 flow), their mel cast back to float32; the engine's flow is left as it was.
+    A size starts only with half a minute left."""
+    from benchmarks.bench_first_chunk_flow import median_ms
+    from taste_speech.step_graph import StepGraph
+
+    vg, device = engine.voice_generator, engine.device
+    cfm, c = vg.flow.decoder, vg.flow.output_size
+    cuda = torch.device(device).type == "cuda"
+    precisions = [p for p in FLOW_PRECISIONS if cuda or p != "tf32"]
+    copies = {p: copy.deepcopy(cfm).to(getattr(torch, p)) for p in precisions if p in ("bfloat16", "float16")}
+    rows = []
+    for n in frames:
+        if left_s() < 30:
+            break
+        gen = torch.Generator().manual_seed(n)
+        mu, noise = (torch.randn(1, c, n, generator=gen).to(device) for _ in range(2))
+        spks, cond = torch.randn(1, c, generator=gen).to(device), torch.zeros(1, c, n, device=device)
+        row, mels = {"frames": n}, {}
+        for name in precisions:
+            ode, dtype = copies.get(name, cfm), getattr(torch, name) if name in copies else None
+
+            def solve(ode=ode, dtype=dtype):
+                if dtype is None:
+                    return ode(mu, None, spks, cond, noise)
+                return ode(mu.to(dtype), None, spks.to(dtype), cond.to(dtype), noise.to(dtype)).float()
+
+            with tf32_matmuls(name == "tf32"):  # (a captured step keeps the kernels chosen at its capture)
+                step = StepGraph(solve, device, "auto", name=f"flow ODE {name}")
+                mels[name] = step.run().clone()  # (warm-up runs and the capture)
+            row[name + "_ms"] = median_ms(step.run, torch.device(device), repeats)
+            row[name + "_mel_diff"] = (mels[name] - mels["float32"]).abs().max().item()
+        row["mel_max"] = mels["float32"].abs().max().item()
+        rows.append(row)
+    return {"rows": rows, "precisions": precisions}
+
+
 # -- parity of the two paths at this size and dtype ------------------------------------------------------
 def lm_decode_logits(lm, rvq, path: DecodePath, rows: torch.Tensor, ids: list[int] | None, steps: int):
     """Text logits of ``steps`` decode steps after prefilling ``rows``: greedy when ``ids`` is None,
@@ -1020,10 +1083,10 @@ def float32_copy(config, lm):
     whose captured steps hold thread-local state)."""
     from taste_speech.modeling_spoken_lm import TasteSpokenLM
 
-    copy = TasteSpokenLM(config)
-    copy.load_state_dict({name: value.float() for name, value in lm.state_dict().items()})
-    copy.tie_lm_head()
-    return copy.to(lm.embed_tokens.weight.device).eval()
+    lm32 = TasteSpokenLM(config)
+    lm32.load_state_dict({name: value.float() for name, value in lm.state_dict().items()})
+    lm32.tie_lm_head()
+    return lm32.to(lm.embed_tokens.weight.device).eval()
 
 
 def lm_parity(engine, steps: int = 32) -> dict:
@@ -1194,7 +1257,7 @@ STAGES = ("asr_after_turn", "audio_tower", "lm_prefill", "lm_first_word", "speec
 # its time budget (a lent GPU has minutes, not hours) still holds the headline tables.
 # (The batched calls right after the graphed ones: eight calls ending at once decode in lockstep, one
 # token each in turn, which is the case batched steps are for - the lever measured next.)
-PARTS = ("parity", "first_audio", "per_token", "levers", "chunk_limits", "pipelined_reply", "graphed_calls",
+PARTS = ("parity", "first_audio", "per_token", "levers", "flow_precision", "chunk_limits", "pipelined_reply", "graphed_calls",
          "batched_calls", "synthesis_stream_calls", "call_streams_calls", "eager_calls", "gpu_busy_calls",
          "compiled_flow_reply", "gpu_busy", "compiled_flow")
 CALL_PARTS = {"batched_calls": BATCHED, "graphed_calls": GRAPHED, "synthesis_stream_calls": SYNTHESIS_STREAM,
@@ -1324,6 +1387,10 @@ class Suite:
     def part_levers(self, _name) -> None:
         self.data["levers"] = levers(self.engine_for(GRAPHED), self.args.steps)
         progress(f"levers: {rounded(self.data['levers'])}")
+
+    def part_flow_precision(self, _name) -> None:
+        self.data["flow_precision"] = flow_precision(self.engine, self.args.repeats, left_s=self.left_s)
+        progress(f"flow precision: {rounded(self.data['flow_precision'])}")
 
     def part_chunk_limits(self, _name) -> None:
         # (the engine's own steps are not used: no need to warm up a graphed engine for this part)
@@ -1515,6 +1582,20 @@ def markdown(data: dict, command: str) -> list[str]:
                                      [[step["name"], str(step["runs"]), fmt(step["ms"]),
                                        f"{step['ms'] / step['runs']:.3f}" if step["runs"] else "-"]
                                       for step in b["device_steps"][:HOST_OPERATORS]]) + [""]
+    if data.get("flow_precision", {}).get("rows"):
+        precision = data["flow_precision"]
+        names = [p for p in precision["precisions"] if p != "float32"]
+        label = {"tf32": "TF32 products", "bfloat16": "bfloat16 copy", "float16": "float16 copy"}
+        lines += ["The flow's ODE in lower precisions (`flow_precision`: one unpadded ODE captured as one step "
+                  "each; float32 as the engine runs it; TF32: float32 with TF32 matrix products too; the copies: "
+                  "the ODE cast, state included, its mel cast back; ms, median of the replays, and each mel's "
+                  "largest difference from float32's):", ""]
+        lines += table_lines(["window frames", "float32 ms", *(f"{label[p]} ms (/ float32)" for p in names),
+                              *(f"{label[p]} mel difference" for p in names), "float32 mel's largest value"],
+                             [[str(r["frames"]), fmt(r["float32_ms"]),
+                               *(f"{fmt(r[p + '_ms'])} ({r[p + '_ms'] / r['float32_ms']:.2f})" for p in names),
+                               *(f"{r[p + '_mel_diff']:.2g}" for p in names), f"{r['mel_max']:.2g}"]
+                              for r in precision["rows"]]) + [""]
     if data.get("compiled_flow", {}).get("rows"):
         lines += ["The flow's estimator compiled (`torch.compile`, inductor, static shapes; the engine's opt-in "
                   "`compile_flow` compiles with dynamic shapes): one unpadded ODE captured as one step:", ""]

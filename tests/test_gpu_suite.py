@@ -195,6 +195,24 @@ def test_the_compiled_flow_lever_times_both_steps_and_leaves_the_estimator_as_it
     assert any(line.startswith("| 17 |") for line in lines)
 
 
+def test_the_flow_precision_lever_times_each_precision_against_float32_and_leaves_the_flow_as_it_was():
+    """On a CPU: float32 and the bfloat16 and float16 copies of the ODE (TF32 is CUDA's), each timed, each
+    mel against float32's - near it, not equal (the copies do compute in half precision) - and the
+    engine's flow still float32, the same module."""
+    engine = gpu_suite.build_engine("tiny", "cpu", None)
+    cfm = engine.voice_generator.flow.decoder
+    result = gpu_suite.flow_precision(engine, repeats=1, frames=(17, 24))
+    assert engine.voice_generator.flow.decoder is cfm and cfm.estimator.final_proj.weight.dtype == torch.float32
+    assert result["precisions"] == ["float32", "bfloat16", "float16"]
+    assert [row["frames"] for row in result["rows"]] == [17, 24]
+    for row in result["rows"]:
+        assert all(row[p + "_ms"] > 0 for p in result["precisions"]) and row["float32_mel_diff"] == 0
+        assert 0 < row["float16_mel_diff"] < row["bfloat16_mel_diff"] < 0.05 * row["mel_max"]
+    lines = gpu_suite.markdown({"device": "CPU", "size": "tiny", "dtype": "float32", "flow_precision": result,
+                                "paths": {"eager": {}, "graphed": {}}}, "cmd")
+    assert [line.split(" | ")[0] for line in lines if line.startswith(("| 17 |", "| 24 |"))] == ["| 17", "| 24"]
+
+
 def test_gpu_activity_is_the_union_of_the_device_events_inside_the_timed_span():
     """Busy time counts overlapping kernels (two streams side by side) once and clips them to the
     span; the summed durations count them each; events outside the span do not count."""

@@ -288,7 +288,8 @@ class ConditionalDecoder(nn.Module):
         embedding, (N, dim_out) per block, in ``resnets()`` order. It depends on t alone, so the flow
         computes those of all its Euler steps in one batched pass (N = steps) instead of some forty
         small kernels per estimator call."""
-        temb = self.time_mlp(self.time_embeddings(t))
+        # (the sin/cos features in float32, then the MLP's dtype: a half-precision copy takes them too)
+        temb = self.time_mlp(self.time_embeddings(t).to(self.time_mlp.linear_1.weight.dtype))
         return [block.mlp(temb) for block in self.resnets()]
 
     def forward(
