@@ -799,12 +799,15 @@ def synthesis_rtf(engine, path: DecodePath, policy, seconds: float = 8.0, graphs
 
 @torch.inference_mode()
 def tower_encoder_ms(engine, repeats: int) -> dict:
-    """The audio tower's Whisper encoder on a 3 s turn: eager vs the engine's captured step."""
+    """The audio tower's Whisper encoder on a 3 s turn: eager vs the engine's captured step, and a
+    step captured with the self-attention's scores written out (``fused_encoder_attention`` off: a
+    (heads, 1500, 1500) tensor per layer, as the original computes it) vs the fused kernel."""
     from taste_speech.encoder_graph import EncoderGraph
 
     tower = engine.model.audio_tower
     features = engine.processor.audio_features(user_audio(), 16000).to(tower.encoder.conv1.weight.device)
     graph = engine.tower_encoder or EncoderGraph(tower)  # (on a CPU: eager, the harness only)
+    materialized = EncoderGraph(tower)
 
     def median_ms(encoder) -> float:
         tower.encode_audio(features, encoder)  # warm-up (and capture)
@@ -817,7 +820,13 @@ def tower_encoder_ms(engine, repeats: int) -> dict:
             times.append(1000 * (time.perf_counter() - t0))
         return statistics.median(times)
 
-    return {"eager": median_ms(None), "graph": median_ms(graph), "mode": graph.mode}
+    figures = {"eager": median_ms(None), "graph": median_ms(graph), "mode": graph.mode}
+    tower.fused_encoder_attention = False
+    try:  # (captured with the flag off: its graph keeps the written-out scores)
+        figures["graph_scores_written"] = median_ms(materialized)
+    finally:
+        tower.fused_encoder_attention = True
+    return figures
 
 
 @torch.inference_mode()
@@ -1619,6 +1628,10 @@ def lever_lines(lever: dict) -> list[str]:
     tower = lever["tower_encoder_ms"]
     rows.append(["audio tower's Whisper encoder ms (3 s turn, padded window)", "eager", fmt(tower["eager"]),
                  f"one captured step ({tower['mode']})", fmt(tower["graph"]), f"{tower['graph'] / tower['eager']:.2f}"])
+    if "graph_scores_written" in tower:
+        rows.append(["audio tower's Whisper encoder ms, one captured step", "self-attention scores written out",
+                     fmt(tower["graph_scores_written"]), "fused attention", fmt(tower["graph"]),
+                     f"{tower['graph'] / tower['graph_scores_written']:.2f}"])
     if "tower_text_ms" in lever:
         text = lever["tower_text_ms"]
         rows.append(["audio tower ms (3 s turn, encoder captured; codes read back)", "text side eager",

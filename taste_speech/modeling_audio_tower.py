@@ -31,11 +31,14 @@ WHISPER_PROMPT_IDS = (50258, 50259, 50360, 50364)
 WHISPER_EOT_ID = 50257
 
 
-def whisper_attention(attn, hidden, key_source=None, value_source=None, causal=False):
+def whisper_attention(attn, hidden, key_source=None, value_source=None, causal=False, probabilities=True):
     """Whisper multi-head attention (``attn`` is a transformers WhisperAttention, used for its
     weights) whose keys and values may come from different tensors.
 
-    Returns (output (B, T, d), attention probabilities (B, heads, T, S))."""
+    Returns (output (B, T, d), attention probabilities (B, heads, T, S)); with ``probabilities``
+    False, (output, None) from one fused attention kernel: the encoder's self-attention over its
+    1500 frames would otherwise write, normalise and read back a (B, heads, 1500, 1500) score
+    tensor in every layer (the same math; equal up to float rounding)."""
     key_source = hidden if key_source is None else key_source
     value_source = key_source if value_source is None else value_source
     b, t, d = hidden.shape
@@ -44,6 +47,9 @@ def whisper_attention(attn, hidden, key_source=None, value_source=None, causal=F
     q = (attn.q_proj(hidden) * attn.scaling).view(b, t, heads, head_dim).transpose(1, 2)
     k = attn.k_proj(key_source).view(b, s, heads, head_dim).transpose(1, 2)
     v = attn.v_proj(value_source).view(b, s, heads, head_dim).transpose(1, 2)
+    if not probabilities:  # (q is scaled already, as Whisper scales it: scale 1 here)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
+        return attn.out_proj(out.transpose(1, 2).reshape(b, t, d)), None
     scores = q @ k.transpose(-1, -2)
     if causal:
         future = torch.ones(t, s, dtype=torch.bool, device=hidden.device).triu(1)
@@ -130,6 +136,9 @@ class TasteAudioTower(nn.Module):
             raise ValueError(f"skip_prefix_idx must be {len(WHISPER_PROMPT_IDS)} (the Whisper prompt length)")
         self.audio_joint_encoder_segmenter = JointEncoderSegmenter(self.whisper_config)
         self.vq = TasteVQ(tower)
+        # The encoder's self-attention as one fused kernel (no probabilities are kept from it); False:
+        # the scores written out, as the original computes them (the benchmarks' baseline).
+        self.fused_encoder_attention = True
 
     @property
     def encoder(self) -> WhisperEncoder:
@@ -198,7 +207,8 @@ class TasteAudioTower(nn.Module):
         for i, layer in enumerate(enc.layers):
             if i == self.target_hidden_layer:
                 target = h
-            h = h + whisper_attention(layer.self_attn, layer.self_attn_layer_norm(h))[0]
+            h = h + whisper_attention(layer.self_attn, layer.self_attn_layer_norm(h),
+                                      probabilities=not self.fused_encoder_attention)[0]
             h = h + whisper_feed_forward(layer, h)
         if target is None:  # target_hidden_layer == encoder_layers: the stream before the final LN
             target = h

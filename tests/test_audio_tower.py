@@ -80,6 +80,35 @@ def test_forward_layout(golden, tower):
         assert (rows == rows[0]).all()
 
 
+def test_the_encoders_fused_self_attention_gives_the_written_out_scores_values(golden, tower):
+    """The encoder's self-attention runs as one fused kernel (no (heads, S, S) scores written out);
+    with ``fused_encoder_attention`` off it computes them as the original does. Both give the same
+    states up to float rounding, and the flag does switch the computation (softmax counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Softmaxes(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket.__name__ in ("_softmax", "softmax")
+            return func(*args, **(kwargs or {}))
+
+    features = golden["in.audio_features"]
+    outputs, softmaxes = {}, {}
+    try:
+        for fused in (True, False):
+            tower.fused_encoder_attention = fused
+            with torch.inference_mode(), Softmaxes() as counted:
+                outputs[fused] = tower.encode_audio(features)
+            softmaxes[fused] = counted.count
+    finally:
+        tower.fused_encoder_attention = True
+    assert softmaxes == {True: 0, False: tower.whisper_config.encoder_layers}
+    for fused, written in zip(outputs[True], outputs[False]):
+        torch.testing.assert_close(fused, written, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(fused, written)  # (two computations, not one run twice)
+
+
 def test_short_audio_is_zero_padded(golden, tower):
     features, ids, word_ids = _inputs(golden)
     short = features[:, :217]

@@ -65,6 +65,7 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     levers = data["levers"]
     assert 0 < levers["lm_ms_per_token"]["merged"] and 0 < levers["lm_ms_per_token"]["side"]
     assert levers["tower_encoder_ms"]["eager"] > 0 and levers["tower_encoder_ms"]["graph"] > 0
+    assert levers["tower_encoder_ms"]["graph_scores_written"] > 0
     assert levers["tower_text_ms"]["eager"] > 0 and levers["tower_text_ms"]["graph"] > 0
     assert "text side one captured step per length bucket (eager)" in out.read_text()
     assert levers["prefill_ms"]["eager"] > 0 and levers["prefill_ms"]["graph"] > 0
