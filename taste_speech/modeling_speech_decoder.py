@@ -71,7 +71,8 @@ MIN_LEN_RATIO, MAX_LEN_RATIO = 2, 20  # times the prefix length P = L + 3 (spec 
 # -- token choice ---------------------------------------------------------------------------------
 class SpeechTokenSampler(Protocol):
     def __call__(self, logp: torch.Tensor, eos_id: int, allow_eos: bool) -> int:
-        """Choose the next token from log-probs (V+1,) whose last class is EOS (= eos_id)."""
+        """Choose the next token from log-probs (V+1,) whose last class is EOS (= eos_id). The
+        tensor is the sampler's own (it may keep it)."""
 
 
 class GreedySampler:
@@ -204,7 +205,9 @@ class SpeechDecodeState:
         """An independent copy (e.g. to try several continuations from one point)."""
         return SpeechDecodeState(
             cache=self.cache.clone(), prefix=self.prefix, min_len=self.min_len,
-            max_len=self.max_len, tokens=list(self.tokens), next_logp=self.next_logp,
+            max_len=self.max_len, tokens=list(self.tokens),
+            # (a copy: on a preallocated cache they may be its step's buffer, which the next step overwrites)
+            next_logp=None if self.next_logp is None else self.next_logp.clone(),
             pending_token=self.pending_token,
             step_logprobs=None if self.step_logprobs is None else list(self.step_logprobs),
             finished=self.finished, stop_reason=self.stop_reason, cache_epoch=self.cache_epoch,
@@ -573,10 +576,13 @@ class TasteSpeechDecoder(nn.Module):
         if state.step_logprobs is not None:
             state.step_logprobs.append(logp.clone())
         allow_eos = len(state.tokens) >= state.min_len
-        if (top is not None and type(sampler).__call__ is TopKSampler.__call__  # (not a subclass's own draw)
+        draw = type(sampler).__call__
+        if (top is not None and draw is TopKSampler.__call__  # (not a subclass's own draw)
                 and min(sampler.k, logp.shape[-1]) == top.shape[0] // 2):
             token = sampler.from_top(top, logp, self.eos_id, allow_eos)
         else:
+            if _preallocated(state.cache) and draw not in (GreedySampler.__call__, TopKSampler.__call__):
+                logp = logp.clone()  # a sampler of the caller's may keep it; the step's buffer is overwritten
             token = int(sampler(logp, self.eos_id, allow_eos=allow_eos))
         if token == self.eos_id:
             state.finished, state.stop_reason, state.next_logp = True, "eos", None

@@ -235,6 +235,39 @@ def test_a_cloned_state_decodes_on_its_own(decoder, golden, prefix, graph_mode):
 
 
 @pytest.mark.parametrize("graph_mode", MODES)
+def test_a_state_cloned_after_a_failed_draw_draws_from_its_own_log_probs(decoder, prefix, graph_mode):
+    """A failed draw leaves the step's log-probs pending; a clone made then keeps a copy of them,
+    not the step's buffer, which the original's next steps overwrite."""
+    state = decoder.start(prefix, min_len=10, max_len=30, cache=decoder.new_cache("static", graph_mode=graph_mode))
+    decoder.step(state), decoder.step(state)
+
+    def failing(logp, eos_id, allow_eos):
+        raise RuntimeError("no draw")
+
+    with pytest.raises(RuntimeError, match="no draw"):
+        decoder.step(state, failing)
+    own = int(state.next_logp[:decoder.eos_id].argmax())
+    twin = state.clone()
+    for _ in range(3):
+        decoder.step(state)
+    assert decoder.step(twin) == own
+
+
+@pytest.mark.parametrize("graph_mode", MODES)
+def test_a_sampler_of_the_caller_s_may_keep_the_log_probs_it_was_given(decoder, prefix, graph_mode):
+    kept = []
+
+    def keeping(logp, eos_id, allow_eos):
+        kept.append(logp)
+        return GreedySampler()(logp, eos_id, allow_eos)
+
+    out = decoder.generate(prefix, keeping, min_len=6, max_len=6, cache_kind="static", graph_mode=graph_mode,
+                           return_logprobs=True)
+    assert len(kept) == out.step_logprobs.shape[0] == 6
+    assert all(torch.equal(a, b) for a, b in zip(kept, out.step_logprobs))
+
+
+@pytest.mark.parametrize("graph_mode", MODES)
 def test_one_cache_serves_several_utterances(decoder, golden, prefix, other_prefix, graph_mode):
     """A call keeps one cache: each start empties it and keeps its step (on CUDA: no new capture),
     also when the first utterance ran inside inference_mode and the next one does not."""
