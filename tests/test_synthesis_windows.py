@@ -76,6 +76,31 @@ def test_windows_start_on_the_flow_grid_and_come_closer_to_offline(vg, policy, m
     assert on_grid < 0.75 * off_grid, (on_grid, off_grid)
 
 
+@pytest.mark.parametrize("policy", ["low_latency", "quality"])
+@pytest.mark.parametrize("widened", [False, True])
+def test_each_window_encodes_from_the_token_its_first_frame_copies(vg, policy, widened, monkeypatch):
+    """The stretch copies token ``token_of(frame)`` into each frame, as offline synthesis does over
+    the whole utterance; a window's first frame is usually the last frame of the token before its
+    first context token (frames(t) rounds down), so the window encodes from that token - starting
+    a token later would give the frame the next token's features (a row clamped to the window)."""
+    from taste_speech.streaming.synthesis_state import SynthesisState
+
+    encoded = []
+    window_tokens = SynthesisState.window_tokens
+
+    def recording(state, start, stop):
+        encoded.append(start)
+        return window_tokens(state, start, stop)
+
+    monkeypatch.setattr(SynthesisState, "window_tokens", recording)
+    base = EmissionPolicy.low_latency() if policy == "low_latency" else EmissionPolicy.quality()
+    tokens, speaker = utterance(vg, 160, seed=7)
+    state, chunks = stream(vg, tokens, speaker, replace(base, window_frames=FULL_FLOW_WINDOWS if widened else ()))
+    starts = [start for start, _ in state.flow_noise.windows]
+    assert len(starts) == len(encoded) == len(chunks) >= 5
+    assert encoded == [state.token_of(start) for start in starts]
+
+
 def test_a_continuation_keeps_the_utterances_grid(vg):
     """A state that continues an utterance (``tokens_before``) starts its windows on the
     utterance's even frames, not its own."""

@@ -277,8 +277,9 @@ def _flow_step(vg: VoiceGenerator, state: SynthesisState, target: int, right: in
     # the window: left context, the chunk, the lookahead
     first_token = max(state.token_offset, state.token_of(state.mel_done) - policy.context_tokens)
     first_frame = _window_start(state, state.frames(first_token), frames_right)
-    if first_frame < state.frames(first_token):  # reached further back: encode from its first frame's token
-        first_token = state.token_of(first_frame)
+    # encode from the token the first frame copies: a token's first frame on the grid usually copies
+    # the token before it (frames(t) = t * 441 // 256 rounds down), and widening reaches further back
+    first_token = max(state.token_offset, min(first_token, state.token_of(first_frame)))
     tokens = state.window_tokens(first_token, right)
     h = flow.encode_tokens(tokens) if state.graphs is None else state.graphs.encode_tokens(tokens)  # (1, n, 80)
     # nearest-neighbour stretch on the utterance's grid (441/256 frames per token)
