@@ -460,6 +460,21 @@ def test_an_utterance_given_up_before_its_first_window_is_not_waited_for(vg):
     assert given_up.chunks_emitted == 0
 
 
+def test_an_utterance_ended_without_a_token_is_not_waited_for(vg):
+    """A reply whose speech decoder gave no token ends its synthesis with ``final=True`` and nothing
+    fed: its first window never comes, so its announcement is withdrawn then."""
+    graphs = SynthesisGraphs(vg, "rehearse", rows=4)
+    graphs._first_step.measured(5.0)
+    (_, _, empty), (tokens, _, state) = announced(vg, graphs, 2, seed=27)
+    assert speak(vg, empty, final=True) == [] and empty.finished
+
+    def no_waiting(timeout=None):
+        raise AssertionError(f"the step waited (up to {timeout} s) for an utterance that ended without a token")
+
+    graphs._lock.wait = no_waiting
+    assert speak(vg, state, tokens[:, :20]) and graphs.first_batches == {1: 1} and graphs._starting.waits == 0
+
+
 def test_first_gather_is_checked_and_one_row_announces_nothing(vg):
     for bad in (-1, True, float("nan"), "1"):
         with pytest.raises(ValueError, match="first_gather must be a number"):

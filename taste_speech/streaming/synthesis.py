@@ -213,6 +213,7 @@ def speak(vg: VoiceGenerator, state: SynthesisState, speech_tokens=None, final: 
         chunks.append(_step(vg, state, target, last=final and target == state.n_tokens))
     if final and not state.finished:  # nothing was ever fed
         state.finished = True
+        stop_speaking(state)  # (its first window will never come: no other utterance's waits for it)
     return chunks
 
 
