@@ -82,6 +82,20 @@ async def test_failing_synthesis_gives_an_error_and_the_call_goes_on(u):
     assert result.report["checks"]["released_equals_synthesized"]
 
 
+async def test_the_audio_a_failing_vocode_call_made_before_its_failure_is_played(u):
+    """A synthesis step failing part-way hands back the chunks made before it (VocodingFailed): they
+    are played (then the reply fades out and ends), not dropped with the error."""
+    engine = FakeEngine(fail_vocode_call=3)
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8)]
+    result = await run(engine, script)
+    assert len(result.errors) == 1 and "injected vocoder failure" in result.errors[0], result.errors
+    (record,) = [r for r in result.log.turns.values() if r.decision == "reply"]
+    session = engine.sessions[0]
+    assert session.vocode_calls == 3 and record.synthesized_samples == session.vocoded_samples > 0
+    assert len(frames_of(result, TTSStartedFrame)) == len(frames_of(result, TTSStoppedFrame)) == 1
+    assert result.report["checks"]["released_equals_synthesized"]
+
+
 async def test_a_reply_that_cannot_start_speaking_gives_an_error_and_the_next_one_is_heard(u):
     engine = FakeEngine(fail_start_speech=1)
     script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=3, end_silence_s=0.8),

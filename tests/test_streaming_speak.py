@@ -11,7 +11,7 @@ import torch
 
 from taste_speech.streaming.detokenize import finish_speaking, taste_detokenize, taste_detokenize_stream
 from taste_speech.streaming.seams import measure_seams
-from taste_speech.streaming.synthesis import offline_reference, speak, start_speaking
+from taste_speech.streaming.synthesis import SynthesisFailed, offline_reference, speak, start_speaking
 from taste_speech.streaming.synthesis_state import EmissionPolicy, NoiseTape, frames_for_tokens
 from taste_speech.voice_generator import SourceDraws, VoiceGenerator
 from taste_speech.voice_generator.tiny import make_tiny_voice_generator
@@ -39,6 +39,34 @@ def stream(vg, tokens, speaker, policy, sizes=None, rate=22050, seed=0):
         position += size
     chunks += speak(vg, state, final=True)
     return state, chunks
+
+
+def test_a_step_failing_part_way_hands_back_the_chunks_made_before_it_and_ends_the_utterance(vg, utterance,
+                                                                                            monkeypatch):
+    """Several chunks due in one call, the vocoder failing on the second: the first chunk (good
+    audio, the same as without the failure) comes with the error, and the half-advanced state
+    refuses another step with a clear error instead of failing on mismatched sizes."""
+    tokens, speaker = utterance
+    _, reference = stream(vg, tokens, speaker, "low_latency", sizes=[90])
+    state = start_speaking(vg, speaker, "low_latency", out_sampling_rate=22050,
+                           generator=torch.Generator().manual_seed(0))
+    decode, calls = vg.hift.decode, []
+
+    def fails_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(vg.hift, "decode", fails_second)
+    with pytest.raises(SynthesisFailed, match="after 1 new chunk.*out of memory") as failed:
+        speak(vg, state, tokens)
+    assert isinstance(failed.value.__cause__, RuntimeError) and len(failed.value.chunks) == 1
+    assert torch.equal(failed.value.chunks[0].audio, reference[0].audio)
+    monkeypatch.setattr(vg.hift, "decode", decode)
+    for more in (dict(speech_tokens=tokens[:, :5]), dict(final=True)):
+        with pytest.raises(ValueError, match="failed earlier .*out of memory.*start_speaking"):
+            speak(vg, state, **more)
 
 
 # -- policy and state pieces ---------------------------------------------------------------------

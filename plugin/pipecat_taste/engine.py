@@ -957,19 +957,36 @@ class TasteSession:
             stop_speaking(state.synthesis)
 
     def vocode(self, state: SpeechState, tokens: list[int], final: bool = False) -> list[np.ndarray]:
+        """The audio chunks (out sample rate, float32) that ``tokens`` completed; raises
+        ``VocodingFailed`` with the chunks completed before a step that failed."""
         import torch
 
-        from taste_speech.streaming.synthesis import speak
+        from taste_speech.streaming.synthesis import SynthesisFailed, speak
+
+        def as_audio(chunks) -> list[np.ndarray]:  # (waits for the stream's work)
+            return [c.audio.reshape(-1).float().cpu().numpy() for c in chunks]
 
         piece = torch.tensor([tokens], dtype=torch.long) if tokens else None
         with torch.inference_mode(), self.engine.on_synthesis_stream():
-            chunks = speak(self.engine.voice_generator, state.synthesis, piece, final=final)
-            audio = [c.audio.reshape(-1).float().cpu().numpy() for c in chunks]  # (waits for the stream's work)
+            try:
+                chunks = speak(self.engine.voice_generator, state.synthesis, piece, final=final)
+            except SynthesisFailed as failed:
+                raise VocodingFailed(str(failed), as_audio(failed.chunks)) from failed
+            audio = as_audio(chunks)
         state.tokens_vocoded += len(tokens)
         return audio
 
     def speech_samples(self, n_tokens: int, out_sample_rate: int) -> int:
         return speech_samples(n_tokens, out_sample_rate)
+
+
+class VocodingFailed(RuntimeError):
+    """``TasteSession.vocode`` failed part-way: ``audio``, the chunks it completed before the failure
+    (play them, then end the reply: its synthesis cannot go on)."""
+
+    def __init__(self, message: str, audio: list[np.ndarray]):
+        super().__init__(message)
+        self.audio = audio
 
 
 def speech_samples(n_tokens: int, out_sample_rate: int) -> int:

@@ -53,6 +53,7 @@ from pipecat.utils.errors import ErrorCategory
 
 from pipecat_taste.audio import fade_in, fade_out, float_to_pcm16, samples_for_ms
 from pipecat_taste.call import TasteCall
+from pipecat_taste.engine import VocodingFailed
 from pipecat_taste.frames import (
     TasteAudioStartedFrame,
     TasteAudioStoppedFrame,
@@ -295,6 +296,7 @@ class TasteSynthesizer(FrameProcessor):
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
+                    chunks = e.audio if isinstance(e, VocodingFailed) else []
                     await self._fail(turn_id, f"vocoding failed: {e}", e)
                 reply.failed = True
             elif not reply.failed:
@@ -304,6 +306,7 @@ class TasteSynthesizer(FrameProcessor):
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
+                    chunks = e.audio if isinstance(e, VocodingFailed) else []  # (made before the failure: played)
                     reply.failed = True
                     await self._fail(turn_id, f"vocoding failed: {e}", e)
             audio = np.concatenate([hold, *[np.asarray(c, np.float32).reshape(-1) for c in chunks]])

@@ -16,7 +16,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pipecat_taste.engine import INPUT_SAMPLE_RATE, GenerationSettings, ReplyEvent, SpeechState, UserTurn
+from pipecat_taste.engine import (INPUT_SAMPLE_RATE, GenerationSettings, ReplyEvent, SpeechState, UserTurn,
+                                  VocodingFailed)
 from pipecat_taste.start_hold import StartNeeds
 
 TOKEN_SECONDS = 0.02
@@ -44,6 +45,7 @@ class FakeEngine:
     fail_on: tuple[str, ...] = ("explode",)  # a transcript containing one of these fails in user_turn
     fail_vocode_on: tuple[str, ...] = ()  # reply words whose synthesis fails
     fail_start_speech: int = 0  # the first this many replies cannot start speaking (e.g. out of GPU memory)
+    fail_vocode_call: int = 0  # the session's vocode call (1-based) that fails part-way, its audio made (VocodingFailed)
     asr_text: str | None = None  # what transcribe() returns (None: no built-in ASR)
     max_turn_seconds: float = 30.0
     amplitude: float = 0.3
@@ -85,6 +87,8 @@ class FakeSession:
         self.threads: set[str] = set()
         self.closed = False
         self.turns_ended = 0
+        self.vocode_calls = 0
+        self.vocoded_samples = 0  # audio handed back by vocode, a failed call's included
 
     def warm_up(self) -> None:
         self.threads.add(threading.current_thread().name)  # nothing to capture: the fake has no caches
@@ -203,5 +207,10 @@ class FakeSession:
         phase = state.synthesis["phase"] + np.cumsum(2 * np.pi * freqs / rate)
         state.synthesis["phase"] = float(phase[-1] % (2 * np.pi))
         state.synthesis["tokens"] += len(tokens)
+        audio = [(self.engine.amplitude * np.sin(phase)).astype(np.float32)]
+        self.vocoded_samples += n
+        self.vocode_calls += 1
+        if self.vocode_calls == self.engine.fail_vocode_call:  # a later step of the call failed
+            raise VocodingFailed(f"injected vocoder failure after {n} samples", audio)
         state.tokens_vocoded += len(tokens)
-        return [(self.engine.amplitude * np.sin(phase)).astype(np.float32)]
+        return audio

@@ -179,6 +179,16 @@ def start_speaking(
     return state
 
 
+class SynthesisFailed(RuntimeError):
+    """A step of ``speak`` failed (a GPU error, memory, a shared step that failed). ``chunks``: the
+    chunks this call completed before it - good audio, in order, to be played before the
+    utterance ends; the state cannot take another step (it may be half-way through one)."""
+
+    def __init__(self, message: str, chunks: list[SpeechChunk]):
+        super().__init__(message)
+        self.chunks = chunks
+
+
 def stop_speaking(state: SynthesisState) -> None:
     """An utterance given up before its end (a reply dropped, the caller talking over it): if its
     first window has not come, the shared synthesis steps no longer wait for it (without this, the
@@ -204,13 +214,21 @@ def speak(vg: VoiceGenerator, state: SynthesisState, speech_tokens=None, final: 
     """
     if state.finished:
         raise ValueError("this utterance's synthesis already ended (final=True); start a new state with start_speaking")
+    if state.failure is not None:
+        raise ValueError(f"this utterance's synthesis failed earlier ({state.failure}); its state cannot go on: "
+                         "start a new state with start_speaking")
     new = to_device(_check_new_tokens(vg, speech_tokens), state.tokens.device)
     if new.shape[1]:
         state.tokens = torch.cat([state.tokens, new], dim=1)
         state.n_tokens += new.shape[1]
     chunks = []
-    while (target := _next_boundary(state, final)) is not None:
-        chunks.append(_step(vg, state, target, last=final and target == state.n_tokens))
+    try:
+        while (target := _next_boundary(state, final)) is not None:
+            chunks.append(_step(vg, state, target, last=final and target == state.n_tokens))
+    except Exception as exc:  # a step stopped half-way: keep the chunks made before it, end the utterance
+        state.failure = f"{type(exc).__name__}: {exc}"
+        stop_speaking(state)
+        raise SynthesisFailed(f"synthesis failed after {len(chunks)} new chunk(s): {state.failure}", chunks) from exc
     if final and not state.finished:  # nothing was ever fed
         state.finished = True
         stop_speaking(state)  # (its first window will never come: no other utterance's waits for it)

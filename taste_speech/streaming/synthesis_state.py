@@ -265,6 +265,7 @@ class SynthesisState:
     out_samples_emitted: int = 0  # at out_sampling_rate
     chunks_emitted: int = 0
     finished: bool = False  # the final chunk (with fade-out) was emitted
+    failure: Optional[str] = None  # a step failed part-way (its state half-advanced): no step may follow
     # detokenize: speech tokens of the last segment spoken with this state (the speech decoder
     # continues only those: its text prefix holds the previous segment's words, not the utterance's)
     segment_tokens: int = 0
