@@ -283,3 +283,30 @@ async def test_an_interruption_before_the_reply_s_first_segment_drops_the_segmen
                              pipeline_params=PipelineParams(audio_out_sample_rate=24000))
     assert not [f for f in down if isinstance(f, Audio)]
     assert all(session.replies_started == 0 for session in engine.sessions)
+
+
+async def test_a_barge_in_held_for_the_transport_passes_before_the_next_reply_starts():
+    """The caller cuts into reply 1 while the transport plays it: the interruption is held until the
+    transport stops (up to ``interruption_hold_secs``). Reply 2 arriving inside that hold first lets
+    it pass, with reply 1's closing frame: each reply's frames stay between its Start and End, as an
+    assistant aggregator downstream needs them."""
+    from pipecat.frames.frames import (BotStartedSpeakingFrame, LLMFullResponseEndFrame, LLMFullResponseStartFrame,
+                                       TTSStoppedFrame)
+
+    call = TasteCall(FakeEngine())
+    call.active_reply_turn = 1
+    tone = (0.3 * np.sin(2 * np.pi * 437 * np.arange(RATE * 3 // 10) / RATE)).astype(np.float32)
+    first, second = context_id_for(1), context_id_for(2)
+    frames = [TTSStartedFrame(context_id=first), TTSAudioRawFrame(float_to_pcm16(tone), RATE, 1, context_id=first),
+              SleepFrame(0.1), BotStartedSpeakingFrame(), SleepFrame(0.02), InterruptionFrame(), SleepFrame(0.1),
+              TTSStartedFrame(context_id=second), TTSAudioRawFrame(float_to_pcm16(tone), RATE, 1, context_id=second),
+              TTSStoppedFrame(context_id=second), SleepFrame(0.9)]
+    down, _ = await run_test(TastePlayout(call), frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    marks = [("start" if isinstance(f, LLMFullResponseStartFrame) else "end" if isinstance(f, LLMFullResponseEndFrame)
+              else "interruption" if isinstance(f, InterruptionFrame) else f.context_id)
+             for f in down if isinstance(f, (LLMFullResponseStartFrame, LLMFullResponseEndFrame, InterruptionFrame,
+                                             TTSAudioRawFrame))]
+    marks = [m for i, m in enumerate(marks) if i == 0 or m != marks[i - 1]]
+    assert marks == ["start", first, "interruption", "end", "start", second, "end"], marks
+    assert sum(isinstance(f, TTSStoppedFrame) for f in down) == 2

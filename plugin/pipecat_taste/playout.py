@@ -316,6 +316,9 @@ class TastePlayout(FrameProcessor):
                     await self._wake.wait()
                     continue
                 self._queue.popleft()
+                # a barge-in still held for the last reply's fade goes first: the next reply must not
+                # start before the last one has ended (an aggregator would close the wrong reply)
+                await self._pass_held_interruption()
                 self._playing = reply
                 reply.started = True
                 await self.push_frame(_kept(LLMFullResponseStartFrame()))
