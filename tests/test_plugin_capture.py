@@ -816,3 +816,45 @@ async def test_frames_at_another_rate_than_the_pipeline_s_are_resampled_as_one_s
     error = got - reference[offset:offset + got.size]
     snr_db = 10 * np.log10(np.sum(got ** 2) / np.sum(error ** 2))
     assert snr_db > 60, snr_db
+
+
+async def test_a_turn_s_pre_roll_does_not_repeat_the_end_of_the_turn_before(monkeypatch):
+    """Pipecat's own VAD defaults stop after 0.2 s, less than the pre-roll (0.3 s): a caller who
+    pauses 0.24 s gets two turns, and the second one's pre-roll must start where the first turn's
+    audio ended, not 0.5 s back in the ring (it began with the first turn's last syllable, which
+    was transcribed and tokenized twice)."""
+    from pipecat_taste.testing import FakeSession
+
+    turns = []
+    user_turn = FakeSession.user_turn
+
+    def recording(self, audio, *args, **kwargs):
+        turns.append(np.asarray(audio, np.float32).copy())
+        return user_turn(self, audio, *args, **kwargs)
+
+    monkeypatch.setattr(FakeSession, "user_turn", recording)
+
+    def tone(hz, seconds):
+        return (0.5 * np.sin(2 * np.pi * hz * np.arange(int(SR * seconds)) / SR)).astype(np.float32)
+
+    def with_vad_event(frames, event):  # the upstream VAD's frame 0.2 s (ten 20 ms frames) into the audio
+        return frames[:10] + [event] + frames[10:]
+
+    frames = (audio_frames(silence(0.6))
+              + with_vad_event(audio_frames(tone(300, 1.0)), VADUserStartedSpeakingFrame(start_secs=0.2))
+              + with_vad_event(audio_frames(silence(0.24)), VADUserStoppedSpeakingFrame(stop_secs=0.2))
+              + with_vad_event(audio_frames(tone(700, 1.0)), VADUserStartedSpeakingFrame(start_secs=0.2))
+              + with_vad_event(audio_frames(silence(0.5)), VADUserStoppedSpeakingFrame(stop_secs=0.2)))
+    params = TurnCaptureParams(transcripts="asr", incremental_asr=False, early_reply_secs=None)
+    await run_capture(frames, engine=FakeEngine(asr_text="hello there"), params=params, vad=False, tail_secs=1.0)
+
+    def level(audio, hz):
+        t = np.arange(audio.size) / SR
+        return abs(np.dot(audio, np.exp(-2j * np.pi * hz * t))) / max(1, audio.size)
+
+    assert len(turns) == 2
+    first, second = turns
+    assert level(first, 300) > 0.1 and level(first, 700) < 0.01
+    assert level(second, 700) > 0.1 and level(second, 300) < 0.01, level(second, 300)
+    onset = np.flatnonzero(np.abs(second) > 1e-3)[0] / SR  # its pre-roll: the pause after the first turn
+    assert 0.0 < onset <= 0.05, onset

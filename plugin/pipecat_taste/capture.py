@@ -242,6 +242,7 @@ class TasteTurnCapture(FrameProcessor):
         # Sample clock of the input: turn lengths are measured in audio, not in wall-clock time.
         self._samples_seen = 0
         self._start_sample = 0
+        self._kept_until = 0  # input sample after the last closed turn's audio: the next pre-roll starts there at most
         # Incremental ASR: the current turn's state, the partial in flight, turns being finished.
         self._turn_asr: _TurnASR | None = None
         self._partial_task: asyncio.Task | None = None
@@ -488,6 +489,10 @@ class TasteTurnCapture(FrameProcessor):
             self._turn_chunks, self._turn_samples = [], 0
         else:
             self._turn_chunks = list(self._ring)
+            # (not the last turn's audio: with a stop shorter than the pre-roll the ring still holds its end)
+            overlap = self._kept_until - (self._samples_seen - self._ring_samples)
+            if overlap > 0:
+                self._turn_chunks = [np.concatenate(self._turn_chunks)[overlap:]]
             self._turn_samples = sum(c.size for c in self._turn_chunks)
         record = self._call.log.turn(self._turn_id)
         record.vad_start_at = now
@@ -564,6 +569,9 @@ class TasteTurnCapture(FrameProcessor):
         trim = int(max(0.0, silence_secs - self._params.post_roll_secs) * self._sample_rate)
         if trim and audio.size > trim:
             audio = audio[: audio.size - trim]
+        else:
+            trim = 0
+        self._kept_until = self._samples_seen - trim
         record = self._call.log.turn(self._turn_id)
         record.vad_stop_at = now
         record.speech_end = now - silence_secs
