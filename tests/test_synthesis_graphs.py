@@ -583,6 +583,34 @@ def test_kind_selection(vg, utterance):
         SynthesisGraphs(vg, "graph")
 
 
+def test_calls_starting_at_once_share_one_set_of_graphs(vg, monkeypatch):
+    """Two threads asking for the voice generator's shared graphs at the same moment get one object
+    (each making its own would leave one call stepping alone, its buckets captured twice)."""
+    import threading
+
+    twin = copy.deepcopy(vg)
+    made = []
+    init = SynthesisGraphs.__init__
+
+    def slow_init(self, *args, **kwargs):
+        made.append(self)
+        time.sleep(0.2)  # (another thread looks in meanwhile)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(SynthesisGraphs, "__init__", slow_init)
+    got = [None, None]
+
+    def ask(i):
+        got[i] = shared_graphs(twin)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 1 and got[0] is got[1] is made[0]
+
+
 def test_graphs_are_rebuilt_when_the_weights_move(vg, utterance):
     twin = copy.deepcopy(vg)
     _, speaker = utterance

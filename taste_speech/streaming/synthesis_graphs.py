@@ -757,11 +757,16 @@ class SynthesisGraphs:
             self._reset()
 
 
+# (only the creation: two calls starting their first utterance at once would each make their own)
+_SHARED_GRAPHS_MADE = threading.Lock()
+
+
 def shared_graphs(vg) -> SynthesisGraphs:
     """The voice generator's own :class:`SynthesisGraphs` (graph mode 'auto'), created on first use and
     kept on the voice generator, so that every utterance and call reuses its captured buckets."""
-    graphs = vg.__dict__.get("_synthesis_graphs")
-    if graphs is None or graphs.vg is not vg:  # absent, or inherited by a copy of the voice generator
-        graphs = SynthesisGraphs(vg)
-        vg.__dict__["_synthesis_graphs"] = graphs
-    return graphs
+    with _SHARED_GRAPHS_MADE:
+        graphs = vg.__dict__.get("_synthesis_graphs")
+        if graphs is None or graphs.vg is not vg:  # absent, or inherited by a copy of the voice generator
+            graphs = SynthesisGraphs(vg)
+            vg.__dict__["_synthesis_graphs"] = graphs
+        return graphs
