@@ -174,6 +174,18 @@ def test_tower_text_benchmark_counts_what_one_replay_takes_over(model, processor
     assert eager["cpu_ms"] > 0 and pooler["cpu_ms"] > 0
 
 
+def test_encoder_attention_benchmark_times_both_ways_and_leaves_the_tower_fused(model):
+    """bench_encoder_attention on the tiny tower, two rows: both computations timed, their outputs
+    near each other but not one computation run twice, and the tower fused again after."""
+    from benchmarks import bench_encoder_attention
+
+    tower = model.audio_tower
+    r = bench_encoder_attention.measure(tower, rows=2, repeats=1)
+    assert r["rows"] == 2 and r["layers"] == len(tower.encoder.layers)
+    assert r["scores_written_ms"] > 0 and r["fused_ms"] > 0 and 0 < r["max_diff"] < 1e-4
+    assert tower.fused_encoder_attention
+
+
 def test_step_reads_benchmark_counts_one_read_per_decode_step(taste_lm_tiny_a, capsys):
     """bench_step_reads on this checkout: the chosen token is the only value a step reads back."""
     from benchmarks import bench_step_reads
