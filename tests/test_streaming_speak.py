@@ -308,6 +308,33 @@ def test_detokenize_single_segment(speech_setup):
     assert float(out["audio_waveform"].pow(2).mean().sqrt()) > 0.01  # audible
 
 
+def test_detokenizing_hands_on_the_chunks_made_before_a_failed_step_then_the_error(speech_setup, monkeypatch):
+    """A synthesis step failing in the final flush: the stream yields the chunks that call completed
+    before the failure, then raises (a caller plays what was made)."""
+    import taste_speech.streaming.detokenize as detokenize
+
+    model, processor, vg, speaker, ids, taste, _ = speech_setup
+    speak_for_real = detokenize.speak
+
+    def failing_flush(vg_, state, tokens=None, final=False):
+        chunks = speak_for_real(vg_, state, tokens, final=final)
+        if final:  # (the real chunks of the flush, as if a later step of it had failed)
+            raise SynthesisFailed("synthesis failed after 1 new chunk(s): out of memory", chunks) from None
+        return chunks
+
+    monkeypatch.setattr(detokenize, "speak", failing_flush)
+    items = []
+    with pytest.raises(SynthesisFailed, match="out of memory"):
+        for item in taste_detokenize_stream(model, processor, speaker, None, None, None, 0, ids, taste, 16000,
+                                            voice_generator=vg, generator=torch.Generator().manual_seed(0)):
+            items.append(item)
+    monkeypatch.setattr(detokenize, "speak", speak_for_real)
+    whole = taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 16000, voice_generator=vg,
+                             generator=torch.Generator().manual_seed(0))
+    assert not any(item["is_final"] for item in items)
+    assert torch.equal(torch.cat([item["audio_waveform"] for item in items], -1), whole["audio_waveform"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: ids that live on a GPU")
 def test_ids_on_a_gpu_are_read_as_host_ids(speech_setup):
     """Codes from extract_vq on a GPU stay there; detokenize takes them as it takes host ids."""

@@ -39,7 +39,7 @@ from taste_speech.device_copies import to_device
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS
 from taste_speech.processing_taste import as_speaker_embedding
 from taste_speech.sampler import check_generator
-from taste_speech.streaming.synthesis import SpeechChunk, speak, start_speaking
+from taste_speech.streaming.synthesis import SpeechChunk, SynthesisFailed, speak, start_speaking
 from taste_speech.streaming.synthesis_state import (
     SAMPLES_PER_FRAME,
     SOURCE_RATE,
@@ -302,17 +302,19 @@ def taste_detokenize_stream(
 
     for chunk in primed:  # the previous tokens' audio after prev_audio_ms
         yield item(chunk, False)
-    while (token := decoder.step(dec_state, sampler)) is not None:
-        new_tokens.append(token)
-        for chunk in speak(vg, state, torch.tensor([[token]])):
+    try:
+        while (token := decoder.step(dec_state, sampler)) is not None:
+            new_tokens.append(token)
+            for chunk in speak(vg, state, torch.tensor([[token]])):
+                yield item(chunk, False)
+        if not new_tokens:
+            raise ValueError("the speech decoder produced no speech tokens for this segment")
+        state.segment_tokens = len(new_tokens)
+        chunks = speak(vg, state, final=True) if final else []
+    except SynthesisFailed as failed:
+        for chunk in failed.chunks:  # made before the failed step: good audio, handed on before the error
             yield item(chunk, False)
-    if not new_tokens:
-        raise ValueError("the speech decoder produced no speech tokens for this segment")
-    state.segment_tokens = len(new_tokens)
-    if final:
-        chunks = speak(vg, state, final=True)
-    else:
-        chunks = []
+        raise
     if chunks:
         for chunk in chunks[:-1]:
             yield item(chunk, False)
