@@ -858,3 +858,28 @@ async def test_a_turn_s_pre_roll_does_not_repeat_the_end_of_the_turn_before(monk
     assert level(second, 700) > 0.1 and level(second, 300) < 0.01, level(second, 300)
     onset = np.flatnonzero(np.abs(second) > 1e-3)[0] / SR  # its pre-roll: the pause after the first turn
     assert 0.0 < onset <= 0.05, onset
+
+
+def test_a_retracted_turn_that_was_absorbing_its_late_words_gives_the_stt_s_words_to_the_turn_that_goes_on():
+    """Early in a call the built-in ASR finished an early turn first (its STT words from then on are
+    late ones, dropped); the caller went on speaking, so the turn was taken back: the STT's words
+    for the speech before the pause belong to the turn that goes on, not to the bin."""
+    from pipecat_taste.upstream_transcripts import UpstreamTranscripts
+
+    class Log:
+        dropped = []
+
+        def event(self, kind, *args, **kwargs):
+            if kind == "transcript_dropped":
+                self.dropped.append(args)
+
+    transcripts = UpstreamTranscripts(0.4, Log())
+    now = time.monotonic()
+    early = transcripts.new_turn(now, 0.2)
+    early.close(now, now - 0.3, 16000, True)
+    transcripts.expect(early)
+    transcripts.absorb(early, 1.5)  # the built-in ASR's transcript came first
+    transcripts.withdraw(early)  # retracted: the caller speaks again
+    goes_on = early.continuation()
+    transcripts.add("what I said before the pause", True, None, 20000, current=goes_on)
+    assert [text for _, text in goes_on.parts] == ["what I said before the pause"] and not Log.dropped

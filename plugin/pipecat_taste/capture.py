@@ -627,7 +627,7 @@ class TasteTurnCapture(FrameProcessor):
         early, self._early = self._early, None
         self._resumed_sample = self._samples_seen
         early.retracted.set()
-        self._transcripts.stop(early.words)
+        self._transcripts.withdraw(early.words)
         old = self._call.log.retract(early.turn_id)
         self._call.log.event("user_turn_retracted", early.turn_id)
         self._turn_id = self._call.new_turn_id()

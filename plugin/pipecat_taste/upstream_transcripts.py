@@ -175,6 +175,13 @@ class UpstreamTranscripts:
         if words.absorb_until is None:
             self.collecting = collections.deque(w for w in self.collecting if w is not words)
 
+    def withdraw(self, words: TurnWords) -> None:
+        """The turn was taken back (retracted: its speech goes on in a new turn, ``continuation``):
+        it takes no more words, not even as late ones to drop - the STT's words for it are the next
+        turn's now."""
+        words.absorb_until = None
+        self.stop(words)
+
     def absorb(self, words: TurnWords, seconds: float) -> None:
         """The turn goes on without its STT's words (the built-in ASR transcribes it): words that
         still come in the next ``seconds`` are its own, late, and are dropped."""
