@@ -115,6 +115,21 @@ def test_loop_matches_generate_with_language_task_and_suppression(tiny_asr, audi
     assert len(outputs) > 2  # the output depends on the audio: equal ids mean something
 
 
+def test_an_english_only_whisper_transcribes_with_the_default_language(tiny_asr, audios):
+    """A ``*.en`` Whisper (not multilingual, no language tokens) with the transcriber's default
+    ``language='en'``: generate refuses a language for it, so the transcriber asks for none - every
+    turn failed before - and its loop gives what generate gives without one."""
+    import copy
+
+    model = copy.deepcopy(tiny_asr.model)
+    model.generation_config.is_multilingual = False
+    asr = WhisperTranscriber(model, tiny_asr.feature_extractor, tiny_asr.tokenizer, max_new_tokens=16)
+    assert asr.language is None and asr.plan is not None, asr.generate_reason
+    for audio in audios[:2]:
+        expected = generate(model, features(tiny_asr, audio), max_new_tokens=16)
+        assert asr.transcribe(audio).text == tiny_asr._text(expected)
+
+
 def test_end_of_text_stops_like_generate(tiny_asr, audios):
     model = varied_model(tiny_asr)
     feats = features(tiny_asr, audios[0])

@@ -87,6 +87,8 @@ class WhisperTranscriber:
                                      or batch_rows < 1):
             raise ValueError(f"batch_rows must be an integer >= 1 or 'auto', got {batch_rows!r}")
         self.model, self.feature_extractor, self.tokenizer = model.eval(), feature_extractor, tokenizer
+        if getattr(model.generation_config, "is_multilingual", None) is False:
+            language = None  # an English-only Whisper (*.en) has no language or task tokens: generate refuses them
         self.device, self.language, self.max_new_tokens = device, language, max_new_tokens
         self.graph_mode = graph_mode
         plan = "decode='dynamic' asks for generate" if decode == "dynamic" else \
