@@ -43,6 +43,8 @@ def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tm
     junk.write_bytes(b"RIFF" + b"\x00" * 40)
     blip = tmp_path / "blip.wav"
     soundfile.write(str(blip), 0.1 * np.ones(4800, np.float32), 48000)  # 0.1 s
+    silent = tmp_path / "silent.wav"
+    soundfile.write(str(silent), np.zeros(3 * 16000, np.float32), 16000)
     cases = [
         (["call", "--simulate", "--transcripts", "asr", "--asr-model", "none"], "--transcripts asr needs the built-in ASR"),
         (["call", "--simulate", "--early-reply-ms", "500"], "would never come before the VAD's end of the turn"),
@@ -50,6 +52,8 @@ def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tm
         (["serve", "--voice", str(junk)], "--voice: "),
         (["serve", "--voice", str(blip)], "0.10 s of audio; give a few seconds of the voice"),
         (["serve", "--allowed-origin", "app.example.com"], "expected scheme://host[:port]"),
+        (["serve", "--voice", str(silent)], "the recording is silent"),
+        (["call", "--simulate", "--seed", str(2 ** 64)], "outside [-2**63, 2**64 - 3]"),
     ]
     for argv, words in cases:
         with pytest.raises(SystemExit) as exit_:

@@ -383,6 +383,24 @@ def test_service_is_a_pipeline_of_the_four_processors():
     assert service.call.call_id != TasteSpeechToSpeech(FakeEngine()).call.call_id
 
 
+def test_options_the_service_would_ignore_are_refused():
+    """With a call made already, the service's own settings, voice, log and segment limit would be
+    dropped silently; so would an analyzer when the capture follows an upstream VAD."""
+    from pipecat_taste import GenerationSettings, TasteCall, WebRTCVADAnalyzer
+
+    engine = FakeEngine()
+    call = TasteCall(engine)
+    assert TasteSpeechToSpeech(engine, call=call).call is call and TasteSpeechToSpeech(None, call=call).call is call
+    for kwargs, words in ((dict(settings=GenerationSettings()), "settings"), (dict(max_pending_segments=1),
+                          "max_pending_segments"), (dict(voice=[0.0] * 192), "voice")):
+        with pytest.raises(ValueError, match=f"{words} given with call=.*TasteCall"):
+            TasteSpeechToSpeech(engine, call=TasteCall(engine), **kwargs)
+    with pytest.raises(ValueError, match="another engine given with call="):
+        TasteSpeechToSpeech(FakeEngine(), call=TasteCall(engine))
+    with pytest.raises(ValueError, match="use_own_vad=False.*VADProcessor"):
+        TasteSpeechToSpeech(engine, vad_analyzer=WebRTCVADAnalyzer(), use_own_vad=False)
+
+
 async def test_a_service_whose_call_has_ended_refuses_to_run_again():
     """Its call (session, threads, log) ended with the first pipeline: a second run is an error
     that says what to do, not an agent that silently ignores the caller."""

@@ -82,7 +82,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="start answering after this much silence, before the VAD confirms the end of the "
                              "turn (its stop_secs, 500 ms); the reply is heard only once it does, and taken back "
                              "unheard if the caller goes on; 'none' waits for the VAD (default: 200)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_value, default=0)
+
+
+def seed_value(text: str) -> int:
+    """--seed: an integer that seeds torch's generators (GenerationSettings checks the same range)."""
+    seed = int(text)
+    if not -2 ** 63 <= seed <= 2 ** 64 - 3:
+        raise argparse.ArgumentTypeError(f"{seed} is outside [-2**63, 2**64 - 3] (torch seeds are 64-bit)")
+    return seed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -364,6 +372,14 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--voice: {e}; give a recording of the voice (WAV, FLAC, OGG or MP3)")
         if audio.size / rate < 0.5:  # checked before the model loads; the speaker encoder refuses it too
             parser.error(f"--voice {args.voice!r}: {audio.size / rate:.2f} s of audio; give a few seconds of the voice")
+        from taste_speech.processing_taste import SILENCE_PEAK
+
+        peak = float(abs(audio).max())
+        if not peak < float("inf"):  # (NaN too)
+            parser.error(f"--voice {args.voice!r}: the recording has NaN or infinite samples")
+        if peak < SILENCE_PEAK:
+            parser.error(f"--voice {args.voice!r}: the recording is silent (peak {peak:.1e}); "
+                         "give a few seconds of the voice speaking")
     if args.transcripts == "asr" and args.asr_model == "none":
         parser.error("--transcripts asr needs the built-in ASR: drop --asr-model none")
     from taste_agents.phone_agent import PhoneAgentConfig

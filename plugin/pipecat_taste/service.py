@@ -33,7 +33,20 @@ class TasteSpeechToSpeech(Pipeline):
                  call: TasteCall | None = None):
         """``engine``: a :class:`~pipecat_taste.engine.TasteEngine` (shared by all calls) or any
         object with its interface. ``vad_analyzer``: defaults to :class:`WebRTCVADAnalyzer`; with
-        ``use_own_vad=False`` the capture follows an upstream ``VADProcessor`` instead."""
+        ``use_own_vad=False`` the capture follows an upstream ``VADProcessor`` instead. ``call``: a
+        :class:`TasteCall` made already (it holds the engine, settings, voice, log and segment limit:
+        give those to it, not here)."""
+        if call is not None:
+            given = [name for name, value in (("settings", settings), ("voice", voice), ("log", log))
+                     if value is not None]
+            given += ["max_pending_segments"] if max_pending_segments != MAX_PENDING_SEGMENTS else []
+            given += ["another engine"] if engine is not None and engine is not call.engine else []
+            if given:
+                raise ValueError(f"{', '.join(given)} given with call=: the call holds its own; pass them to "
+                                 "TasteCall(...) instead")
+        if vad_analyzer is not None and not use_own_vad:
+            raise ValueError("vad_analyzer given with use_own_vad=False: the capture then follows the upstream "
+                             "VADProcessor's frames; put the analyzer in that VADProcessor")
         self.call = call or TasteCall(engine, settings, voice=voice, max_pending_segments=max_pending_segments,
                                       log=log)
         vad = None
