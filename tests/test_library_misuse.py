@@ -131,6 +131,21 @@ def test_a_dropped_batched_conversation_gives_its_slot_back(model, processor, us
     assert batch.slots_in_use == 0
 
 
+def test_a_batched_conversation_left_on_an_error_mid_reply_gives_its_slot_back_with_the_reply(model, processor,
+                                                                                               user_turn):
+    """Leaving the ``with`` block on the caller's error while a reply's iterator is open closes the
+    conversation but cannot drop its cache under the reply; the slot goes back when the reply ends."""
+    batch = LMStepBatch(model.spoken_lm, slots=1, capacity=256, graph_mode="eager")
+    with pytest.raises(OSError, match="the transport failed"):
+        with Conversation(model, processor, lm_batch=batch) as conv:
+            items = generate(model, processor, [user_turn], conversation=conv)
+            next(items)
+            raise OSError("the transport failed")
+    assert conv.closed and batch.slots_in_use == 1  # (the reply still runs on it)
+    items.close()
+    assert batch.slots_in_use == 0 and conv.state.decode is None
+
+
 # -- 4. streaming_generate checks and claims at the call -----------------------------------------------------
 def test_streaming_generate_checks_and_claims_at_the_call(model, processor, user_turn):
     with pytest.raises(ValueError, match="max_length"):

@@ -124,6 +124,9 @@ class Conversation:
         with self._lock:
             if self._holder is not None and self._holder[0] is token:  # never someone else's claim
                 self._holder = None
+            ended = self.closed and self._holder is None
+        if ended:  # closed while a reply ran (left its ``with`` block on an error): its slot goes back now
+            self._drop_cache()
 
     @contextlib.contextmanager
     def _exclusive(self, what: str):
