@@ -85,6 +85,8 @@ def test_a_barge_in_stopped_in_time_passes():
     assert out["summary"]["barge_in_stop_ms"] == [50.0] and out["checks"]["barge_in_within_100ms"]
     assert out["checks"]["barge_in_detected_within_700ms"]
     assert out["turns"][1]["first_audio_latency_ms"] == 600.0
+    # the cut reply played from 1.2 s until it stopped at 2.05 s, over the caller's first words
+    assert out["turns"][0]["reply_duration_ms"] == 850.0 and out["turns"][1]["reply_duration_ms"] == 800.0
 
 
 def test_a_barge_in_the_agent_noticed_late_fails_the_check():

@@ -182,7 +182,14 @@ def build_report(result, meta: dict) -> dict:
         handed = None if reply is None or reply.first_audio_at is None else line.sample_of(reply.first_audio_at)
         first = None if handed is None else first_active(agent, max(stop, handed), next_start)  # never handed: none
         if reply is not None and first is not None:
-            last = last_active(agent, first, next_start)
+            # to the caller's next words; a reply they cut into plays on over them until it stops -
+            # up to the next reply's first sample (the barge-in figures below measure that stop)
+            until = next_start
+            if reply.interrupted:
+                later = [line.sample_of(r.first_audio_at) for r in records if r.decision == "reply"
+                         and r.first_audio_at is not None and r.first_audio_at > reply.first_audio_at]
+                until = min(later, default=end_sample)
+            last = last_active(agent, first, until)
             entry.update({
                 "first_audio_latency_ms": round(1000 * (first - stop) / sr, 1),
                 "agent_reported_latency_ms": None if reply.user_to_bot_s is None else round(1000 * reply.user_to_bot_s, 1),
