@@ -334,6 +334,21 @@ async def test_an_early_reply_is_made_while_the_vad_makes_sure_and_heard_after(u
     assert record.played_samples == record.synthesized_samples and record.underruns == 0
 
 
+@pytest.mark.serial  # start-hold figures: real-time playout, measured
+async def test_a_start_hold_that_runs_out_while_an_early_reply_waits_for_the_vad_delays_nothing(u):
+    """The engine has learned to hold replies' starts (their second chunk comes late); an early
+    reply waits for the VAD to confirm its turn's end for longer than that: its first audio is not
+    held after the confirmation, and its record says the hold added nothing (it said the hold)."""
+    engine = FakeEngine(first_gap=0.3)
+    engine.start_needs.record(0.15)
+    assert 0.1 < engine.start_needs.largest()
+    script = [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8)]
+    result = await run(engine, script)
+    record = result.log.turns[1]
+    assert record.first_segment_at < record.vad_stop_at <= record.first_audio_at  # an early reply, heard when confirmed
+    assert record.start_hold_s < 0.05 and record.first_audio_at - record.vad_stop_at < 0.1
+
+
 async def test_a_pause_shorter_than_the_vads_end_takes_the_early_reply_back(u):
     """The caller pauses (longer than early_reply_secs, shorter than stop_secs) and goes on: the
     reply begun to the first part is never heard, the conversation forgets it, and the whole

@@ -69,7 +69,7 @@ class TurnRecord:
     underruns: int = 0
     # (reply samples released before it, samples of the faded bridge the playout sent into it) per gap
     audio_gaps: list[tuple[int, int]] = field(default_factory=list)
-    start_hold_s: float = 0.0  # the playout's learned start hold when this reply began (part of its latency)
+    start_hold_s: float = 0.0  # how long the playout's learned start hold delayed this reply's first audio
     early_end_at: float | None = None  # handed on early, after a short silence (the VAD confirmed later)
     early_retracted: int = 0  # earlier early hand-overs of this speech that the caller's speech took back
     errors: list[str] = field(default_factory=list)

@@ -22,8 +22,9 @@ when it was heard, and holds the first audio of the next replies for as long as 
 replies needed (at most ``start_hold_max_ms``; less again when chunks arrive with time to spare).
 The needs are remembered by the engine (``StartNeeds``), so a new call's first reply is held as
 the engine's recent replies needed. On a GPU fast enough for the first chunks the hold stays at
-0. The hold is part of the reported first-audio latency, and each turn's record says how long it
-was (``start_hold_s``).
+0. The hold is part of the reported first-audio latency, and each turn's record says how much it
+delayed the first audio (``start_hold_s``: none when it ran out while the reply waited for the VAD
+to confirm its turn's end).
 
 The reply to a tentative turn (handed on before the VAD confirmed the end of the caller's turn)
 is synthesized while the VAD makes sure, and held here: it starts when the turn is confirmed
@@ -138,6 +139,7 @@ class _Reply:
     first_release: float | None = None  # when its first audio was released (the origin before any underrun)
     last_released: np.ndarray | None = None  # the last frame handed over (a barge-in fade continues it)
     bridged: bool = False  # its audio ran out: a faded bridge went out in its place, the next audio fades in
+    held_from: float | None = None  # when only the start hold kept its first audio back
 
 
 class TastePlayout(FrameProcessor):
@@ -332,10 +334,12 @@ class TastePlayout(FrameProcessor):
                     hold = self.start_hold_s
                     held_until = reply.arrivals[0][1] + hold if reply.arrivals else now
                     if held_until > now and not reply.ended:
+                        reply.held_from = reply.held_from or now
                         await self._sleep_or_wake(held_until - now)
                         continue
                     reply.origin = reply.first_release = now
-                    self._call.log.turn(reply.turn_id).start_hold_s = hold
+                    # what the hold added: none when it ran out while the reply waited for its turn's end
+                    self._call.log.turn(reply.turn_id).start_hold_s = now - reply.held_from if reply.held_from else 0.0
                     self._first_audio(reply, now)
                 heard_at = reply.origin + reply.released / self._rate
                 if heard_at - lead > now:
