@@ -130,6 +130,25 @@ def test_an_english_only_whisper_transcribes_with_the_default_language(tiny_asr,
         assert asr.transcribe(audio).text == tiny_asr._text(expected)
 
 
+def test_a_transcript_cut_at_max_new_tokens_is_reported_once(tiny_asr, audios, caplog):
+    """A turn longer than the transcript's token budget loses its last words; the transcriber says
+    so (once), naming the setting to raise. (The random tiny Whisper never ends a transcript by
+    itself: every one here uses its whole budget.)"""
+    import logging
+
+    def transcriber(budget):
+        return WhisperTranscriber(tiny_asr.model, tiny_asr.feature_extractor, tiny_asr.tokenizer, language=None,
+                                  max_new_tokens=budget)
+
+    asr = transcriber(3)
+    with caplog.at_level(logging.WARNING, logger="pipecat_taste.asr"):
+        transcriber(16)._check_length([7, 8])  # ended within its budget: nothing to say
+        cut = [asr.transcribe(audio) for audio in audios[:2]]
+    assert all(len(t.ids) == 3 for t in cut)
+    warnings = [r.getMessage() for r in caplog.records if "max_new_tokens" in r.getMessage()]
+    assert len(warnings) == 1 and "max_new_tokens=3" in warnings[0] and "missing" in warnings[0]
+
+
 def test_end_of_text_stops_like_generate(tiny_asr, audios):
     model = varied_model(tiny_asr)
     feats = features(tiny_asr, audios[0])

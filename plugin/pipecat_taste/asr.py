@@ -91,6 +91,7 @@ class WhisperTranscriber:
             language = None  # an English-only Whisper (*.en) has no language or task tokens: generate refuses them
         self.device, self.language, self.max_new_tokens = device, language, max_new_tokens
         self.graph_mode = graph_mode
+        self._warned_length = False  # (a transcript cut at max_new_tokens: said once)
         plan = "decode='dynamic' asks for generate" if decode == "dynamic" else \
             greedy_plan(model, language, "transcribe" if language is not None else None, max_new_tokens)
         if isinstance(plan, str) and decode == "static":
@@ -211,9 +212,19 @@ class WhisperTranscriber:
             else:
                 self._static_failures = 0
                 if not plan.splits_into_segments(ids):
+                    self._check_length(ids)
                     return Transcription(self._text(ids), ids, kept)
         ids = self._generate(features)
         return Transcription(self._text(ids), ids, 0)
+
+    def _check_length(self, ids: list[int]) -> None:
+        """Say once when a transcript used every one of ``max_new_tokens`` without reaching its end
+        of text: the rest of the turn's words are missing from it (a long, fast turn)."""
+        if self.max_new_tokens is not None and len(ids) >= self.max_new_tokens and not self._warned_length:
+            self._warned_length = True
+            logger.warning("a transcript reached max_new_tokens=%d before its end: the turn's last words are "
+                           "missing from it (give the transcriber a larger max_new_tokens for turns this long)",
+                           self.max_new_tokens)
 
     def warm_up(self, workspaces: int = 1) -> None:
         """Prepare the decoding of ``workspaces`` utterances at once (one per call that may
