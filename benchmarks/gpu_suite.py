@@ -960,6 +960,15 @@ def chunk_limits(engine, repeats: int, seconds: float = 24.0) -> dict:
     return {"seconds": seconds, "replies": replies, "steps": steps, "mode": graphs.mode}
 
 
+def ode_inputs(channels: int, frames: int, device) -> tuple:
+    """(mu, spks, cond, noise) of one unpadded flow ODE over ``frames`` (random, seeded by the size;
+    no prompt), for timing the ODE alone."""
+    gen = torch.Generator().manual_seed(frames)
+    mu, noise = (torch.randn(1, channels, frames, generator=gen).to(device) for _ in range(2))
+    spks, cond = torch.randn(1, channels, generator=gen).to(device), torch.zeros(1, channels, frames, device=device)
+    return mu, spks, cond, noise
+
+
 @contextlib.contextmanager
 def compiled_estimator(cfm, backend: str = "inductor"):
     """The flow's estimator through ``torch.compile`` (inductor: elementwise and normalisation
@@ -990,9 +999,7 @@ def compiled_flow(engine, repeats: int, frames=(17, 256), left_s: Callable[[], f
     for n in frames:
         if left_s() < 60:
             break
-        gen = torch.Generator().manual_seed(n)
-        mu, noise = (torch.randn(1, c, n, generator=gen).to(device) for _ in range(2))
-        spks, cond = torch.randn(1, c, generator=gen).to(device), torch.zeros(1, c, n, device=device)
+        mu, spks, cond, noise = ode_inputs(c, n, device)
         row = {"frames": n}
         outputs = {}
         for name in ("plain", "compiled"):
@@ -1050,9 +1057,7 @@ def flow_precision(engine, repeats: int, frames=(17, 256), left_s: Callable[[], 
     for n in frames:
         if left_s() < 30:
             break
-        gen = torch.Generator().manual_seed(n)
-        mu, noise = (torch.randn(1, c, n, generator=gen).to(device) for _ in range(2))
-        spks, cond = torch.randn(1, c, generator=gen).to(device), torch.zeros(1, c, n, device=device)
+        mu, spks, cond, noise = ode_inputs(c, n, device)
         row, mels = {"frames": n}, {}
         for name in precisions:
             ode, dtype = copies.get(name, cfm), getattr(torch, name) if name in copies else None
