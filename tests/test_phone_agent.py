@@ -82,6 +82,16 @@ def test_what_keeps_the_agent_from_starting_is_one_line_not_a_traceback(tmp_path
     finally:
         held.close()
     _listening_socket("127.0.0.1", port).close()  # free again: bound
+    from pipecat_taste.engine import TasteEngine
+
+    def out_of_memory(self, calls=1):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 270.00 MiB")
+
+    with monkeypatch.context() as patched:  # the warm-up's workspaces for --max-calls do not fit
+        patched.setattr(TasteEngine, "warm_up", out_of_memory)
+        with pytest.raises(cli.StartupError, match=r"cannot warm up .* for 4 call\(s\) at once on cpu: CUDA out of "
+                                                   r"memory.*; give fewer --max-calls"):
+            cli.load_engine(cli.build_parser().parse_args(["serve", "--max-calls", "4"]), lambda line: None)
     monkeypatch.setattr(cli, "AGENT_MODULES", cli.AGENT_MODULES + ("no_such_agent_module",))
     with pytest.raises(SystemExit) as exit_:
         cli.main(["call", "--simulate"])

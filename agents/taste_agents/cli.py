@@ -231,7 +231,14 @@ def load_engine(args, say):
     # the fast path captures its shared synthesis graphs here, not in the first call, and an ASR
     # workspace for each call a server may hold at once; then one rehearsal turn runs every stage
     # once, so that the first caller does not pay for the first runs of their kernels
-    rehearsal = engine.warm_up(calls=getattr(args, "max_calls", 1))
+    calls = getattr(args, "max_calls", 1)
+    try:
+        rehearsal = engine.warm_up(calls=calls)
+    except RuntimeError as e:  # (torch's OutOfMemoryError is one) the workspaces set aside for the calls
+        if "out of memory" not in str(e).lower():
+            raise
+        raise StartupError(f"cannot warm up {label} for {calls} call(s) at once on {args.device}: {e}"
+                           + ("; give fewer --max-calls" if calls > 1 else "")) from e
     freeze_startup_objects()  # a full garbage collection would otherwise stall every call (gc_pauses)
     rehearsed = "" if rehearsal is None or rehearsal.first_audio_s is None else \
         f" (a rehearsal turn: first audio {1000 * rehearsal.first_audio_s:.0f} ms)"
