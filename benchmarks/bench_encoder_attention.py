@@ -17,9 +17,7 @@ takes about half a minute per row.)
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_first_chunk_flow import median_ms  # noqa: E402
 from benchmarks.engines import FULL_CONFIG  # noqa: E402
 from taste_speech.configuration_taste import TasteConfig  # noqa: E402
 from taste_speech.modeling_audio_tower import TasteAudioTower  # noqa: E402
@@ -44,11 +43,6 @@ def build_tower(device: str, dtype: torch.dtype, layers: int | None, seed: int =
     return tower.to(device=device, dtype=dtype)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def measure(tower: TasteAudioTower, rows: int, repeats: int) -> dict:
     """Both ways on one random padded window per row: ms per pass, outputs' largest difference,
@@ -64,14 +58,7 @@ def measure(tower: TasteAudioTower, rows: int, repeats: int) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            tower.encoder_stack(window)
-            _sync(device)
-            times.append(1000 * (time.perf_counter() - t0))
-        result[name + "_ms"] = statistics.median(times)
+        result[name + "_ms"] = median_ms(lambda: tower.encoder_stack(window), device, repeats)
         if device.type == "cuda":
             result[name + "_peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     tower.fused_encoder_attention = True
