@@ -60,7 +60,9 @@ class BatchedSteps:
         self._lengths = [0] * slots  # positions each slot holds
         self._busy = [0] * slots  # steps and prefills of the slot in flight
         self._waiting: dict[int, object] = {}
+        self._running: dict[int, object] = {}  # the inputs of the step running now
         self._finished: dict[int, object] = {}
+        self._abandoned: set[int] = set()  # slots whose thread left while their input was in the running step
         self._stepping = False
         self._served: list[float | None] = [None] * slots  # when each slot's last step handed its result back
         self._last_work = [0.0] * slots  # each slot's latest time from its result to its next input
@@ -206,6 +208,7 @@ class BatchedSteps:
                         self._lock.notify_all()
                         raise
                     batch, self._waiting = self._waiting, {}
+                    self._running = batch
                     self._lock.release()
                     try:
                         results = self._run(batch)
@@ -214,7 +217,7 @@ class BatchedSteps:
                         results, failed = {s: error for s in batch}, error
                     finally:
                         self._lock.acquire()
-                        self._stepping = False
+                        self._stepping, self._running = False, {}
                     served = time.perf_counter()
                     for s in batch:
                         self._served[s] = served
@@ -223,12 +226,23 @@ class BatchedSteps:
                         self.rows_stepped += len(batch)
                         for s in batch:
                             self._lengths[s] += 1
+                    for s in self._abandoned & batch.keys():  # nobody waits for these results
+                        self._abandoned.discard(s)
+                        results.pop(s)
+                        self._leave(s)
                     self._finished.update(results)
                     self._lock.notify_all()
                 result = self._finished.pop(slot)
             finally:
                 self._waiting.pop(slot, None)
-                self._leave(slot)
+                if slot in self._running:
+                    # Left early (an interrupt in the wait) while another thread runs a step with this
+                    # input: that step still writes the slot, so the slot stays in use until it ends,
+                    # and its result must not reach the slot's next step (or next owner).
+                    self._abandoned.add(slot)
+                else:
+                    self._finished.pop(slot, None)  # (a result that came as the interrupt did)
+                    self._leave(slot)
         if isinstance(result, BaseException):
             raise result
         return result

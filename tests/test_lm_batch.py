@@ -311,6 +311,85 @@ def test_a_decode_that_stopped_or_paused_is_not_waited_for_long():
     assert steps.stats()["gather_waits"] - before <= 1
 
 
+class InterruptibleCondition(threading.Condition):
+    """The batch's lock, whose waits raise KeyboardInterrupt in the thread named by ``interrupt``
+    (as Ctrl-C does in a main thread waiting for its step). Waits poll, so the interrupt reaches a
+    thread already waiting; the batch treats an early return as a spurious wake-up."""
+
+    interrupt = None
+
+    def wait(self, timeout=None):
+        if threading.get_ident() == self.interrupt:
+            self.interrupt = None
+            raise KeyboardInterrupt
+        return super().wait(0.01 if timeout is None else min(timeout, 0.01))
+
+
+class HeldSteps(LaunchOnly):
+    """Steps that run until released, noting which thread ran each."""
+
+    def __init__(self, slots):
+        super().__init__(slots, gather=0.0)
+        self._lock = InterruptibleCondition()
+        self.started, self.release, self.runners = threading.Semaphore(0), threading.Semaphore(0), []
+
+    def _run(self, batch):
+        self.runners.append((threading.get_ident(), sorted(batch)))
+        self.started.release()
+        assert self.release.acquire(timeout=10)
+        return dict(batch)
+
+
+def test_a_decode_interrupted_while_another_thread_runs_its_step_gets_no_stale_result():
+    """Two decodes' inputs are in one step that one of their threads runs; the other thread is
+    interrupted while it waits. The slot stays in use until that step ends (it still writes the
+    slot), and the step's result does not become the answer to the slot's next step."""
+    steps = HeldSteps(slots=3)
+    owners = [Decode() for _ in range(3)]
+    slots = [steps._acquire(owner) for owner in owners]
+    answers, idents = {}, {}
+
+    def step(i, payload):
+        idents[i] = threading.get_ident()
+        try:
+            answers[i] = steps._step(slots[i], owners[i], payload)
+        except KeyboardInterrupt as interrupt:
+            answers[i] = interrupt
+
+    first = threading.Thread(target=step, args=(2, "first"))  # a step that holds the lock's turn...
+    first.start()
+    assert steps.started.acquire(timeout=10)
+    others = [threading.Thread(target=step, args=(i, f"stale {i}")) for i in (0, 1)]
+    for thread in others:  # ... while both inputs come in: the next step takes both
+        thread.start()
+    deadline = time.monotonic() + 10
+    while len(steps._waiting) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    steps.release.release()
+    assert steps.started.acquire(timeout=10)
+    runner, batch = steps.runners[-1]
+    assert batch == [0, 1]
+    interrupted = next(i for i in (0, 1) if idents[i] != runner)
+    steps._lock.interrupt = idents[interrupted]
+    while steps._lock.interrupt is not None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    assert isinstance(answers.get(interrupted), KeyboardInterrupt)
+    steps._release(slots[interrupted])  # its decode ends, but the running step still writes the slot
+    assert steps.slots_in_use == 3
+    steps.release.release()
+    for thread in [first] + others:
+        thread.join(10)
+    runner_slot = 1 - interrupted
+    assert answers[runner_slot] == f"stale {runner_slot}" and answers[2] == "first"
+    assert steps.slots_in_use == 2  # freed once the step ended
+    newcomer = Decode()
+    slot = steps._acquire(newcomer)
+    assert slot == slots[interrupted]
+    steps.release.release()
+    assert steps._step(slot, newcomer, "fresh") == "fresh"  # not the old owner's result
+
+
 def test_without_gather_a_step_never_waits():
     steps = LaunchOnly(slots=2, gather=0.0)
     owners = [Decode(), Decode()]
