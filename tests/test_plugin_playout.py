@@ -43,6 +43,56 @@ async def test_barge_in_fades_without_a_step(chunk_ms, barge_in_after_s):
 
 
 
+def _line_output(chunks_10ms: int):
+    from pipecat.transports.base_transport import TransportParams
+
+    from taste_agents.simulate import SimulatedLine, _LineOutput
+
+    return _LineOutput(SimulatedLine(RATE, 2.0, frame_ms=10 * chunks_10ms),
+                       TransportParams(audio_out_enabled=True, audio_out_sample_rate=RATE,
+                                       audio_out_10ms_chunks=chunks_10ms, audio_out_end_silence_secs=0))
+
+
+async def _frame_ms_after_start(processors, call) -> float:
+    from pipecat.pipeline.pipeline import Pipeline
+
+    await run_test(Pipeline(processors), frames_to_send=[SleepFrame(0.05)],
+                   pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    return 1000.0 * call.log.frame_samples / RATE
+
+
+@pytest.mark.parametrize("chunks_10ms", [1, 3, 4])
+async def test_the_frames_are_the_output_transport_s_chunks(chunks_10ms):
+    """Unset, the frame size is the chunk of the transport the playout's frames reach, also from
+    inside the speech-to-speech service (a pipeline: its frames leave through its end), so no
+    partial chunk waits in the transport; without a transport in reach, Pipecat's default 40 ms."""
+    from pipecat_taste import TasteSpeechToSpeech
+
+    call = TasteCall(FakeEngine())
+    assert await _frame_ms_after_start([TastePlayout(call), _line_output(chunks_10ms)], call) == 10 * chunks_10ms
+    service = TasteSpeechToSpeech(FakeEngine())
+    assert await _frame_ms_after_start([service, _line_output(chunks_10ms)], service.call) == 10 * chunks_10ms
+    call = TasteCall(FakeEngine())
+    assert await _frame_ms_after_start([TastePlayout(call)], call) == 40
+
+
+@pytest.mark.parametrize("frame_ms, warned", [(30, True), (10, True), (40, False)])
+async def test_a_frame_size_that_does_not_fill_the_transport_s_chunks_is_warned_about(frame_ms, warned):
+    from loguru import logger
+
+    from pipecat_taste.playout import PlayoutParams
+
+    messages = []
+    sink = logger.add(lambda m: messages.append(str(m)), level="WARNING")
+    try:
+        call = TasteCall(FakeEngine())
+        playout = TastePlayout(call, params=PlayoutParams(frame_ms=frame_ms))
+        assert await _frame_ms_after_start([playout, _line_output(2)], call) == frame_ms  # as set
+    finally:
+        logger.remove(sink)
+    assert any("not a whole number of the output transport's 20 ms chunks" in m for m in messages) == warned
+
+
 @pytest.mark.serial  # what a transport plays in real time around a gap
 @pytest.mark.parametrize("rate", [8000, 24000, 48000])
 async def test_a_gap_in_the_synthesis_fades_out_and_back_in(rate):
@@ -95,7 +145,8 @@ async def test_a_gap_in_the_synthesis_fades_out_and_back_in(rate):
     record = call.log.turn(1)
     assert record.underruns == 1 and len(record.audio_gaps) == 1
     released = np.frombuffer(b"".join(call.log.released_audio[1]), "<i2")  # the bridge, and all the tone
-    assert reply_audio_intact(np.frombuffer(float_to_pcm16(tone), "<i2"), released, record, rate // 100, rate // 50)[0]
+    assert reply_audio_intact(np.frombuffer(float_to_pcm16(tone), "<i2"), released, record, call.log.frame_samples,
+                              call.log.fade_samples)[0]
 
 
 async def test_a_segment_gives_its_slot_back_to_the_semaphore_it_took_it_from():

@@ -1,7 +1,7 @@
 """TastePlayout: hands reply audio to the output transport in real time, and cuts it off cleanly.
 
-Put it right before ``transport.output()``. It cuts the synthesizer's chunks into frames of
-``frame_ms`` and releases each one only when it is due (at most ``lead_ms`` ahead of the audio
+Put it right before ``transport.output()``. It cuts the synthesizer's chunks into frames of the
+transport's output chunk (``PlayoutParams.frame_ms``) and releases each one only when it is due (at most ``lead_ms`` ahead of the audio
 being heard), so the transport never holds more than a few tens of milliseconds of the reply.
 What it has released is exactly what the caller hears; that makes three things possible:
 
@@ -66,6 +66,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from loguru import logger
 from pipecat.frames.frames import (
     BotStartedSpeakingFrame,
     BotStoppedSpeakingFrame,
@@ -85,6 +86,7 @@ from pipecat.frames.frames import (
 )
 from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
+from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.utils.text.base_text_aggregator import TextType
 
 from pipecat_taste.audio import FrameSlicer, fade_in, fade_out, float_to_pcm16, pcm16_to_float, samples_for_ms
@@ -100,12 +102,18 @@ from pipecat_taste.frames import (
 from pipecat_taste.synthesis import context_id_for, turn_of_context
 
 
+FALLBACK_FRAME_MS = 40.0  # Pipecat's default output chunk (audio_out_10ms_chunks=4)
+
+
 @dataclass
 class PlayoutParams:
-    # Size of the frames handed to the transport: a whole number of the transport's output chunks
-    # (audio_out_10ms_chunks x 10 ms). A partial chunk would wait inside the transport, and the
-    # transport drops it if the reply stalls long enough for it to decide the bot stopped speaking.
-    frame_ms: float = 20.0
+    # Size of the frames handed to the transport. None: the output transport's own chunk
+    # (audio_out_10ms_chunks x 10 ms) when the playout sits right before ``transport.output()``,
+    # else 40 ms (Pipecat's default chunk; a whole number of 10 and 20 ms chunks too). Set it, keep
+    # it a whole number of the transport's chunks: a partial chunk waits inside the transport (the
+    # audio the playout counts as heard is not yet playing, eating its lead), and the transport
+    # drops it if the reply stalls long enough for it to decide the bot stopped speaking.
+    frame_ms: float | None = None
     lead_ms: float = 30.0  # how far ahead of the heard audio frames are released
     fade_out_ms: float = 10.0  # fade on barge-in
     prebuffer_ms: float = 0.0  # audio to collect before a reply starts (0: play the first chunk at once)
@@ -115,7 +123,7 @@ class PlayoutParams:
     interruption_hold_secs: float = 0.5  # longest wait for the transport's BotStopped on barge-in
 
     def __post_init__(self):
-        if self.frame_ms <= 0 or min(self.lead_ms, self.fade_out_ms, self.prebuffer_ms, self.interruption_hold_secs,
+        if (self.frame_ms is not None and self.frame_ms <= 0) or min(self.lead_ms, self.fade_out_ms, self.prebuffer_ms, self.interruption_hold_secs,
                                      self.start_hold_max_ms, self.start_window_ms) < 0:
             raise ValueError("PlayoutParams: frame_ms must be > 0 and lead_ms, fade_out_ms, prebuffer_ms, "
                              "interruption_hold_secs, start_hold_max_ms, start_window_ms >= 0")
@@ -143,12 +151,17 @@ class _Reply:
 
 
 class TastePlayout(FrameProcessor):
-    def __init__(self, call: TasteCall, *, params: PlayoutParams | None = None, **kwargs):
+    def __init__(self, call: TasteCall, *, params: PlayoutParams | None = None, output=None, **kwargs):
+        """``output``: returns the processor the playout's frames reach, where that is not its next
+        (inside a pipeline: the pipeline's next); the frame size follows it when it is the output
+        transport."""
         super().__init__(**kwargs)
         self._call = call
+        self._output = output or (lambda: self.next)
         call.join(self)
         self._params = params or PlayoutParams()
         self._rate = 24000
+        self._frame_ms = self._params.frame_ms or FALLBACK_FRAME_MS  # (the transport's chunk, once started)
         self._queue: collections.deque = collections.deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -181,8 +194,7 @@ class TastePlayout(FrameProcessor):
         await super().setup(setup)
         self._rate = setup.audio_out_sample_rate
         log = self._call.log
-        log.audio_rate, log.frame_samples = self._rate, self._frame_samples
-        log.fade_samples = samples_for_ms(self._params.fade_out_ms, self._rate)
+        log.audio_rate, log.fade_samples = self._rate, samples_for_ms(self._params.fade_out_ms, self._rate)
 
     async def cleanup(self):
         await super().cleanup()
@@ -192,7 +204,25 @@ class TastePlayout(FrameProcessor):
 
     @property
     def _frame_samples(self) -> int:
-        return samples_for_ms(self._params.frame_ms, self._rate)
+        return samples_for_ms(self._frame_ms, self._rate)
+
+    def _choose_frame_ms(self) -> float:
+        """``frame_ms``, or unset the output transport's chunk (at the StartFrame: every processor
+        is set up by then, the transport's chunk size with it)."""
+        transport = self._output()
+        chunk_ms = None
+        if isinstance(transport, BaseOutputTransport) and transport.sample_rate and transport.audio_chunk_size:
+            # (the playout's frames are mono 16-bit PCM, and so is the chunk they must fill)
+            chunk_ms = 1000.0 * transport.audio_chunk_size / (2 * transport.sample_rate)
+        chosen = self._params.frame_ms
+        if chosen is None:
+            return chunk_ms or FALLBACK_FRAME_MS
+        chunks = chosen / chunk_ms if chunk_ms else 1.0
+        if chunks < 1 - 1e-6 or abs(chunks - round(chunks)) > 1e-6:
+            logger.warning(f"PlayoutParams.frame_ms={chosen:g} is not a whole number of the output transport's "
+                           f"{chunk_ms:g} ms chunks (audio_out_10ms_chunks): partial chunks wait inside the "
+                           f"transport; leave frame_ms unset to follow the transport")
+        return chosen
 
     async def _stop_task(self):
         if self._task is not None:
@@ -208,6 +238,8 @@ class TastePlayout(FrameProcessor):
         await super().process_frame(frame, direction)
 
         if isinstance(frame, StartFrame):
+            self._frame_ms = self._choose_frame_ms()
+            self._call.log.frame_samples = self._frame_samples
             await self.push_frame(frame, direction)
             self._start_task()
             self._started = True

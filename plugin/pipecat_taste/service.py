@@ -55,7 +55,8 @@ class TasteSpeechToSpeech(Pipeline):
         self.capture = TasteTurnCapture(self.call, vad_analyzer=vad, params=capture_params)
         self.generator = TasteGenerator(self.call)
         self.synthesizer = TasteSynthesizer(self.call)
-        self.playout = TastePlayout(self.call, params=playout_params)
+        # (its frames leave through this pipeline's end: the transport is this pipeline's next)
+        self.playout = TastePlayout(self.call, params=playout_params, output=lambda: self.next)
         super().__init__([self.capture, self.generator, self.synthesizer, self.playout])
 
     @property
