@@ -159,6 +159,11 @@ class EncoderGraph:
             with self._lock:
                 self._ending.add(owner)
 
+    def withdraw_turn(self, owner) -> None:
+        """``owner``'s announced turn will not come (it had no words to tokenize): no pass waits for it."""
+        with self._lock:
+            self._ending.withdraw(owner)
+
     def __call__(self, window: torch.Tensor, owner=None) -> tuple[torch.Tensor, ...]:
         """``window`` (1, n_mels, frames): the padded log-mel (``tower.encoder_window``) -> the
         stack's outputs, each (1, S, d), the turn's own copies (the tower's: target_hidden,

@@ -128,6 +128,22 @@ def test_an_announced_utterance_that_never_comes_is_waited_for_a_bounded_time():
     assert batcher.stats()["waits"] == 1  # (the second batch did not wait: the announcement was forgotten)
 
 
+def test_an_announced_utterance_withdrawn_is_not_waited_for():
+    """A call announced its turn, then took an STT's words for it (``TurnTranscript.given_up``):
+    the next batch starts at once."""
+    batcher = UtteranceBatcher(recording([]), rows=4)
+    batcher.timed(0.05)
+    took_stt_words, still_coming = Owner(), Owner()
+    batcher.expect(took_stt_words)
+    batcher.withdraw(took_stt_words)
+    assert batcher.transcribe(torch.tensor(3), owner=Owner()) == ([3], 0)
+    assert batcher.stats()["waits"] == 0
+    batcher.expect(still_coming)  # (withdrawing another owner leaves it announced)
+    batcher.withdraw(took_stt_words)
+    batcher.transcribe(torch.tensor(4))
+    assert batcher.stats()["waits"] == 1 and batcher.stats()["waits_ran_out"] == 1
+
+
 def test_a_failed_batch_fails_each_of_its_utterances_with_its_error():
     """Every utterance of a batch that failed gets the same exception (the transcriber counts it
     once); a decode that answers the wrong number of utterances fails them too, nobody hangs."""

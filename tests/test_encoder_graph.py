@@ -125,3 +125,8 @@ def test_an_announced_turn_that_never_comes_costs_one_bounded_wait(model, proces
     one = EncoderGraph(model.audio_tower, "rehearse")
     one.expect_turn(silent)  # one turn a pass: nothing to gather
     assert not one._ending.pending()
+    graph.expect_turn(silent)  # withdrawn when its transcript had no words: no wait at all
+    graph.withdraw_turn(silent)
+    with torch.inference_mode():
+        model.audio_tower.encode_audio(features, graph)
+    assert graph.stats()["waits"] == 1

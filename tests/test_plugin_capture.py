@@ -85,6 +85,9 @@ async def test_turn_with_upstream_transcript(utterances, rate):
     assert len(of(down, InputAudioRawFrame)) == len([f for f in frames if isinstance(f, InputAudioRawFrame)])
     record = call.log.turns[turn.turn_id]
     assert record.speech_seconds == pytest.approx(hello.seconds, abs=0.35)
+    # the STT's words are the transcript: the built-in ASR's announced pass is taken back before the
+    # tower's pass (user_turn) runs
+    assert call.session.listening == ["ended", "withdrawn transcription", "user_turn", "withdrawn transcription tower"]
 
 
 async def test_an_stt_s_transcript_goes_upstream_as_siblings_of_its_frames(utterances):
@@ -258,6 +261,9 @@ async def test_a_transcript_without_words_is_not_answered(mode, text):
     assert not of(down, TasteUserTurnFrame) and not of(up, ErrorFrame)
     decisions = of(down, TasteTurnDecisionFrame)
     assert [(d.decision, d.reason) for d in decisions] == [("ignored", f"no words in the transcript {text!r}")]
+    # what its end announced to the shared steps is taken back: the ASR's pass once the transcript is
+    # in, the tower's as the turn is given up
+    assert call.session.listening == ["ended", "withdrawn transcription", "withdrawn transcription tower"]
 
 
 async def test_early_replies_that_cannot_happen_are_named():

@@ -131,3 +131,27 @@ def test_a_workspace_made_before_the_encoder_was_shared_is_not_used_after(base):
     asr._give_back(old)
     assert old not in asr._workspaces
     assert asr._borrow(asr.plan).encoder is tower is asr.encoder
+
+
+def test_what_a_turn_announced_and_will_not_bring_is_withdrawn(base, monkeypatch):
+    """``turn_ended`` announces the turn's final ASR pass and its tower pass to the shared steps;
+    ``turn_withdrawn`` takes back what will not come (an STT's words were the transcript; no words
+    to tokenize), so no other call's batch waits for it."""
+    asr = tower_asr(base)
+    batched = WhisperTranscriber(asr.model, asr.feature_extractor, asr.tokenizer, language=None, max_new_tokens=None,
+                                 decode="static", graph_mode="rehearse", batch_rows=2)
+    batched.warm_up()
+    engine = fast_engine(base, batched, monkeypatch)
+    session = engine.new_session(GenerationSettings(seed=1))
+    try:
+        transcript = session.start_transcript()
+        session.turn_ended(transcript)  # (sharing the tower's encoder: its final pass is the tower's)
+        assert batched._batches()._ending.pending() == 1 and not engine.tower_encoder._ending.pending()
+        session.turn_withdrawn(transcript, tower=False)
+        assert batched._batches()._ending.pending() == 0
+        session.turn_ended(None)  # (no built-in transcription: the tower's pass is announced)
+        assert engine.tower_encoder._ending.pending() == 1
+        session.turn_withdrawn(None, transcription=False)
+        assert engine.tower_encoder._ending.pending() == 0
+    finally:
+        session.close()

@@ -274,6 +274,11 @@ class WhisperTranscriber:
         if self.plan is not None:
             self._batches().expect(owner)
 
+    def withdraw_turn(self, owner) -> None:
+        """``owner``'s announced utterance will not come: nothing waits for it."""
+        if self.plan is not None:
+            self._batches().withdraw(owner)
+
     @property
     def encoder(self):
         """The ``EncoderGraph`` its passes run through (the audio tower's after ``share_encoder``),
@@ -498,6 +503,10 @@ class TurnTranscript:
         """The caller stopped speaking: ``finish`` comes next. A decoding batch that another call's
         turn ending now starts waits a little for this one's (``UtteranceBatcher.expect``)."""
         self.transcriber.expect_turn(self)
+
+    def given_up(self) -> None:
+        """``finish`` will not come after all (``ended`` announced it): nothing waits for it."""
+        self.transcriber.withdraw_turn(self)
 
     def partial(self, audio16k: np.ndarray) -> str:
         """Transcribe the audio so far; its tokens become the draft of the next transcription."""

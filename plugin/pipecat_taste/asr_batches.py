@@ -66,6 +66,12 @@ class UtteranceBatcher:
             with self._lock:
                 self._ending.add(owner)
 
+    def withdraw(self, owner) -> None:
+        """``owner``'s announced utterance will not come (the turn took an STT's words, or was
+        given up): no leader waits for it."""
+        with self._lock:
+            self._ending.withdraw(owner)
+
     def transcribe(self, features, draft=(), owner=None) -> tuple[list[int], int]:
         """``(ids, kept)`` of one utterance, decoded in whichever batch takes it; raises its batch's error."""
         utterance = Utterance(features, draft, owner)

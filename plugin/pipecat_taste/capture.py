@@ -706,15 +706,25 @@ class TasteTurnCapture(FrameProcessor):
             await self._decide(turn, "ignored", f"short speech ({turn.speech_seconds:.2f} s) {where}")
             return
         # its ASR and tower passes come next: another call's turn ending now waits a little for them
-        (await self._call.ensure_session()).turn_ended(turn.asr.transcript if turn.asr else None)
+        session = await self._call.ensure_session()
+        asr_turn = turn.asr.transcript if turn.asr else None
+        session.turn_ended(asr_turn)
+        try:
+            await self._tokenize(turn, record, session, asr_turn)
+        finally:  # what it announced and did not bring (no words, a failure) is not waited for any more
+            session.turn_withdrawn(asr_turn)
+
+    async def _tokenize(self, turn: _CapturedTurn, record, session, asr_turn) -> None:
+        """The turn's transcript, then its TASTE tokens, handed on as a ``TasteUserTurnFrame``."""
         transcript = await self._transcript(turn)
+        # the built-in ASR's final pass ran, or will not (an STT's words are the transcript)
+        session.turn_withdrawn(asr_turn, tower=False)
         if transcript is None or turn.retracted.is_set():
             return
         if not any(ch.isalnum() for ch in transcript):  # e.g. an ASR's "." for a noise: nothing to answer
             await self._decide(turn, "ignored", f"no words in the transcript {transcript!r}")
             return
         record.transcript = transcript
-        session = await self._call.ensure_session()
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
         await self.start_processing_metrics()
         try:

@@ -5,6 +5,7 @@ The processors never import the model library; they call a per-call :class:`Tast
 threads, one stage per thread:
 
     listening   turn_ended(transcript)                     (the caller stopped speaking: its turn comes soon)
+                turn_withdrawn(transcript, ...)            (what turn_ended announced will not come)
                 transcribe(audio) -> str                  (built-in ASR, when the engine has one)
                 start_transcript() -> TurnTranscript | None   (incremental built-in ASR of one turn)
                 user_turn(audio, transcript, heard) -> UserTurn  (taste_tokenize)
@@ -727,6 +728,17 @@ class TasteSession:
         shared = getattr(transcriber, "shares_tower_encoder", False) and transcriber.plan is not None
         if self.engine.tower_encoder is not None and not shared:
             self.engine.tower_encoder.expect_turn(self)
+
+    def turn_withdrawn(self, transcript=None, *, transcription: bool = True, tower: bool = True) -> None:
+        """What ``turn_ended`` announced will not come - the built-in ASR's final pass
+        (``transcription``: the turn took an upstream STT's words) and the tower's pass (``tower``:
+        the turn had no words, or was taken back) - so no batch of another call's waits for it.
+        Work that came already is not affected."""
+        given_up = getattr(transcript, "given_up", None)
+        if transcription and given_up is not None:
+            given_up()
+        if tower and self.engine.tower_encoder is not None:
+            self.engine.tower_encoder.withdraw_turn(self)
 
     def user_turn(self, audio: np.ndarray, transcript: str, heard=None) -> UserTurn:
         """The turn's TASTE segment (``taste_tokenize``). ``heard``: the turn's

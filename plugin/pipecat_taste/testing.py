@@ -86,7 +86,7 @@ class FakeSession:
         self.replies_started = 0
         self.threads: set[str] = set()
         self.closed = False
-        self.turns_ended = 0
+        self.listening: list[str] = []  # the listening calls in order: ended, withdrawn ..., user_turn
         self.vocode_calls = 0
         self.vocoded_samples = 0  # audio handed back by vocode, a failed call's included
 
@@ -97,7 +97,10 @@ class FakeSession:
         self.closed = True
 
     def turn_ended(self, transcript=None) -> None:
-        self.turns_ended += 1  # (the fake has no shared tower pass to announce the turn to)
+        self.listening.append("ended")  # (the fake has no shared steps to announce the turn to)
+
+    def turn_withdrawn(self, transcript=None, *, transcription: bool = True, tower: bool = True) -> None:
+        self.listening.append("withdrawn" + " transcription" * transcription + " tower" * tower)
 
     def transcribe(self, audio: np.ndarray) -> str:
         if self.engine.asr_text is None:
@@ -105,6 +108,7 @@ class FakeSession:
         return self.engine.asr_text
 
     def user_turn(self, audio: np.ndarray, transcript: str, heard=None) -> UserTurn:
+        self.listening.append("user_turn")
         self.threads.add(threading.current_thread().name)
         time.sleep(self.engine.turn_delay)
         if any(bad in transcript for bad in self.engine.fail_on):
