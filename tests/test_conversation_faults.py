@@ -108,6 +108,45 @@ def test_a_failed_window_prefill_leaves_other_calls_slots_alone(model, processor
     assert reply_ids(model, processor, a, None) == reply_ids(model, processor, alone_a, None)
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static", "batched"])
+@pytest.mark.parametrize("where", ["making the rows", "feeding them"])
+def test_a_window_prefill_that_fails_leaves_a_conversation_that_replies_to_its_history(
+        model, processor, turns, kind, where):
+    """The window rolls on a turn added from outside (as the plugin adds a turn after a failed
+    reply) and the prefill of the kept history fails - while its rows are made, or in the LM. The
+    conversation's next reply is the reply to the history it says it holds (the cache then held
+    the dropped turns, or none at all and every later reply failed)."""
+    conversation = new_conversation(model, processor, kind, max_turns=3)
+    for turn in turns[:3]:
+        conversation.add_turn(turn)
+    made, real = [0], conversation.format.segment_rows
+
+    def fails_on_the_second_turn(segment, carry):
+        made[0] += 1
+        if made[0] == 3:  # (the added turn's rows, then the kept history's first turn, then this)
+            raise MemoryError("CUDA out of memory (injected)")
+        return real(segment, carry)
+
+    if where == "making the rows":
+        conversation.format.segment_rows = fails_on_the_second_turn
+        fault = None
+    else:
+        fault = FailOnce(model, "many", after=1)  # (the added turn's prefill, then the window's)
+    try:
+        with pytest.raises(MemoryError):
+            conversation.add_turn(turns[3])  # past max_turns: the window drops the oldest turns
+    finally:
+        conversation.format.segment_rows = real
+        if fault is not None:
+            fault.__exit__()
+    assert fault is None or fault.fired
+    alone = new_conversation(model, processor, "dynamic", max_turns=3)
+    for turn in conversation.turns:
+        alone.add_turn(turn)
+    for segments in (None, [turns[4]]):  # and the call goes on
+        assert reply_ids(model, processor, conversation, segments) == reply_ids(model, processor, alone, segments)
+
+
 def test_a_closed_slot_cache_cannot_be_cropped(model):
     batch = LMStepBatch(model.spoken_lm, slots=1, capacity=64, graph_mode="eager")
     cache = batch.open()

@@ -191,34 +191,46 @@ class Conversation:
     @torch.no_grad()
     def _rebuild(self) -> None:
         """Prefill the whole committed history (first use, or after the window moved / a turn in
-        the middle changed)."""
+        the middle changed). A failure on the way (out of memory, an interrupt) drops the cache - the
+        history it held is no longer the conversation's (the window may have moved already) - so
+        the next use prefills the history as it then stands, instead of finding some other history
+        in the cache, or none."""
         if self.closed:
             raise RuntimeError("this conversation was closed: start a new Conversation")
+        try:
+            self._prefill_history()
+        except BaseException:
+            self._drop_cache()
+            raise
+
+    def _prefill_history(self) -> None:
         st = self.state
+        rows, input_ids = [self.format.sos_rows()], []
+        carry = None
+        if st.system is not None:
+            r, ids, carry = self.format.segment_rows(st.system, carry)
+            rows.append(r)
+            input_ids.extend(ids)
+        turn_rows, turn_ids, turn_carry = [], [], []
+        for turn in st.turns:
+            turn_carry.append(carry)
+            r, ids, carry = self.format.segment_rows(turn, carry)
+            rows.append(r)
+            input_ids.extend(ids)
+            turn_rows.append(r.shape[1])
+            turn_ids.append(len(ids))
         if st.decode is not None and isinstance(st.decode.cache, StaticLMCache) and self.lm_batch is None:
             cache = st.decode.cache  # refilled in place: its buffers and captured decode step stay
             # (a batched conversation's private copy, after restore(), goes back to the batch instead)
             cache.crop(0)
         else:
-            _close_cache(st.decode)
+            self._drop_cache()
             cache = (self.lm_batch.open() if self.lm_batch is not None
                      else self.lm.new_cache(self.cache_kind, self.max_tokens + REPLY_ROWS))
         decode = self.lm.new_decode_state(cache=cache)
-        rows = [self.format.sos_rows()]
-        carry = None
-        if st.system is not None:
-            r, ids, carry = self.format.segment_rows(st.system, carry)
-            rows.append(r)
-            decode.input_ids.extend(ids)
-        st.turn_rows, st.turn_ids, st.turn_carry = [], [], []
-        for turn in st.turns:
-            st.turn_carry.append(carry)
-            r, ids, carry = self.format.segment_rows(turn, carry)
-            rows.append(r)
-            decode.input_ids.extend(ids)
-            st.turn_rows.append(r.shape[1])
-            st.turn_ids.append(len(ids))
+        decode.input_ids.extend(input_ids)
         self._feed(decode, torch.cat(rows, dim=1))
+        st.turn_rows, st.turn_ids, st.turn_carry = turn_rows, turn_ids, turn_carry
         st.decode, st.carry = decode, carry
         self._mark_committed()
 
