@@ -361,3 +361,32 @@ async def test_a_barge_in_held_for_the_transport_passes_before_the_next_reply_st
     marks = [m for i, m in enumerate(marks) if i == 0 or m != marks[i - 1]]
     assert marks == ["start", first, "interruption", "end", "start", second, "end"], marks
     assert sum(isinstance(f, TTSStoppedFrame) for f in down) == 2
+
+
+async def test_an_interruption_while_idle_does_not_cut_the_next_turn_s_reply():
+    """An InterruptionFrame from elsewhere (an RTVI client, the app) while no reply is made or
+    played, and the next user turn right behind it: by the time the frame reaches the playout, the
+    generator may be on that turn already. The playout cuts what the generator cut (nothing), not
+    the turn active by then: the reply is played whole and kept."""
+    from pipecat.pipeline.pipeline import Pipeline
+
+    from pipecat_taste.engine import UserTurn
+    from pipecat_taste.frames import TastePlaybackFrame, TasteUserTurnFrame
+    from pipecat_taste.generation import TasteGenerator
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeSegment
+
+    def turn(turn_id, text):
+        now = time.monotonic()
+        return TasteUserTurnFrame(turn_id, text, UserTurn(text, FakeSegment(text.split(), 2), 2, 1.0), now, now)
+
+    engine = FakeEngine(reply_words=("a", "b", "c"))
+    call = TasteCall(engine)
+    frames = [turn(1, "hello there"), SleepFrame(1.5), InterruptionFrame(), turn(2, "and you"), SleepFrame(2.0)]
+    down, up = await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call), TastePlayout(call)]),
+                              frames_to_send=frames, pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    reports = [(f.turn_id, f.played_words, f.interrupted) for f in up if isinstance(f, TastePlaybackFrame)]
+    assert reports == [(1, 3, False), (2, 3, False)]
+    assert not call.log.turns[2].interrupted and call.log.turns[2].played_words == 3
+    assert engine.sessions[0].history[-1] == ("assistant", "a b c")
+    assert sum(isinstance(f, TTSAudioRawFrame) and f.context_id == context_id_for(2) for f in down) > 0

@@ -171,6 +171,7 @@ class TasteCall:
         # Who is in the call: the generator waits for the playout's report only if there is one.
         self.has_playout = False
         self.has_synthesizer = False
+        self.has_generator = False
         self._members: set = set()  # the processors of the call that have not cleaned up yet
         # Agent activity, for barge-in: the turn whose reply is being generated or played.
         self.active_reply_turn: int | None = None

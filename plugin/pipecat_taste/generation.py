@@ -77,6 +77,7 @@ class TasteGenerator(FrameProcessor):
         self._call = call
         self._report_timeout = playback_report_timeout_secs
         call.join(self)
+        call.has_generator = True
         self._turns: asyncio.Queue | None = None
         self._worker: asyncio.Task | None = None
         self._stop: threading.Event | None = None

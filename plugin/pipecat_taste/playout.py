@@ -168,6 +168,7 @@ class TastePlayout(FrameProcessor):
         self._replies: dict[int, _Reply] = {}
         self._playing: _Reply | None = None
         self._cancelled_upto = 0
+        self._reported_upto = 0  # the latest turn whose reply was reported upstream (TastePlaybackFrame)
         self._unconfirmed: set[int] = set()  # tentative turns: their replies wait
         self._retracted: set[int] = set()
         # A barge-in's InterruptionFrame, its direction and whether a reply's End follows it
@@ -470,10 +471,14 @@ class TastePlayout(FrameProcessor):
     # -- barge-in ---------------------------------------------------------------------------------------
     async def _interrupt(self, frame: InterruptionFrame, direction: FrameDirection):
         reply = self._playing
-        active = self._call.active_reply_turn
+        # The reply this interruption cut: the generator names it as it stops it (by the time the
+        # frame is here its worker may be on the next turn, which it did not cut); without a
+        # generator in the call, the one active.
+        call = self._call
+        cut_turn = call.replies_cut_upto if call.has_generator else call.active_reply_turn
         await self._stop_task()
         fade = self._fade_tail(reply) if reply is not None and reply.origin is not None else np.zeros(0, np.float32)
-        cut = max([self._cancelled_upto, active or 0] + list(self._replies))
+        cut = max([self._cancelled_upto, cut_turn or 0] + list(self._replies))
         self._cancelled_upto = cut
         self._queue.clear()
         if self._end is not None and not self._end_passed:
@@ -492,10 +497,11 @@ class TastePlayout(FrameProcessor):
             await self._pass_interruption(frame, direction, started)
         if started:
             await self._finish(reply, interrupted=True, extra_samples=0)
-        elif active is not None:
+        elif cut_turn and cut_turn > self._reported_upto:
             # Nothing of this reply was heard yet: tell the generator so it keeps none of it.
-            self._call.log.turn(active).interrupted = True
-            await self.push_frame(TastePlaybackFrame(active, 0, 0, 0, True), FrameDirection.UPSTREAM)
+            self._reported_upto = cut_turn
+            self._call.log.turn(cut_turn).interrupted = True
+            await self.push_frame(TastePlaybackFrame(cut_turn, 0, 0, 0, True), FrameDirection.UPSTREAM)
         self._replies = {k: v for k, v in self._replies.items() if k > cut}
         self._playing = None
         self._start_task()
@@ -580,6 +586,7 @@ class TastePlayout(FrameProcessor):
         self._replies.pop(reply.turn_id, None)
         if self._playing is reply:
             self._playing = None
+        self._reported_upto = max(self._reported_upto, reply.turn_id)
         await self.push_frame(TastePlaybackFrame(reply.turn_id, words, total, played, interrupted),
                               FrameDirection.UPSTREAM)
         latency = record.user_to_bot_s
