@@ -615,8 +615,14 @@ def test_bad_segments_and_conversations(model, processor, user_turn):
         conv.truncate_last_assistant(-1)
     with pytest.raises(ValueError, match="max_tokens"):
         Conversation(model, processor, max_tokens=0)
+    for bad in ("4096", None, float("nan")):
+        with pytest.raises(ValueError, match="max_turns must be an integer"):
+            Conversation(model, processor, max_turns=bad)
     wrong_k = TASTESegment("user", "audio", user_turn.text_ids, user_turn.taste_ids[..., :3])
     with pytest.raises(ValueError, match="levels"):
         run(model, processor, [wrong_k])
     with pytest.raises(ValueError, match="n >= 1"):
         every_n_words(0)
+    for factory in (every_n_words, at_punctuation):  # passed without calling it: named before generating
+        with pytest.raises(ValueError, match=rf"call it, e.g. should_emit_segment={factory.__name__}\(3\)"):
+            run(model, processor, [user_turn], should_emit_segment=factory)

@@ -80,6 +80,13 @@ def test_regimes():
         EmissionPolicy.resolve("fast")
     with pytest.raises(ValueError, match="first_chunk_tokens"):
         EmissionPolicy(first_chunk_tokens=0)
+    # counts from a JSON config: a float or a null is named here, not at the reply's first chunk
+    for bad in (dict(first_chunk_tokens=10.0), dict(context_tokens=None), dict(chunk_tokens=True)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an integer"):
+            EmissionPolicy(**bad)
+    with pytest.raises(ValueError, match="fade_in_ms must be a number"):
+        EmissionPolicy(fade_in_ms=float("nan"))  # (it switched the fade off)
+    assert EmissionPolicy(chunk_tokens=np.int64(30)).chunk_tokens == 30
     with pytest.raises(ValueError, match="vocoder_lookahead_frames"):
         EmissionPolicy(wave_crossfade_samples=1024, vocoder_lookahead_frames=2)
     with pytest.raises(ValueError, match="no audio"):

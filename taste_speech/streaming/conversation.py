@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import numbers
 import threading
 from dataclasses import dataclass, field
 
@@ -83,8 +84,9 @@ class Conversation:
         if not hasattr(model, "spoken_lm") or not hasattr(processor, "llm_tokenizer"):
             raise ValueError(f"Conversation(model, processor) takes a TasteForCausalLM and a TasteProcessor, got "
                              f"{type(model).__name__} and {type(processor).__name__}")
-        if max_tokens < 1 or max_turns < 1:
-            raise ValueError(f"max_tokens and max_turns must be >= 1, got {max_tokens} and {max_turns}")
+        for name, value in (("max_tokens", max_tokens), ("max_turns", max_turns)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.model = model
         self.processor = processor
         self.format = PromptFormat(model.spoken_lm, model.audio_tower.vq.rvq, processor.llm_tokenizer, prompt_format)

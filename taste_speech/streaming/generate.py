@@ -142,6 +142,9 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
     max_length = int(max_length)
     if should_emit_segment is not None and not callable(should_emit_segment):
         raise ValueError("should_emit_segment must be a callable taking the list of pending words")
+    if should_emit_segment in (every_n_words, at_punctuation):  # the factory, not the policy it makes
+        raise ValueError(f"should_emit_segment={should_emit_segment.__name__} makes a policy: call it, e.g. "
+                         f"should_emit_segment={should_emit_segment.__name__}(3)")
     check_generator(generator)
     if input_segments is None:
         input_segments = []  # nothing new: the reply follows the conversation's history

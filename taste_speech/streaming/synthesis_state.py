@@ -22,6 +22,7 @@ two named regimes are ``low_latency`` and ``quality``.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -110,14 +111,19 @@ class EmissionPolicy:
                 raise ValueError(f"EmissionPolicy.window_frames must be None or a sequence of mel frame counts >= 1, "
                                  f"got {self.window_frames!r}")
             object.__setattr__(self, "window_frames", tuple(sorted({int(f) for f in sizes})))
-        positive = ("first_chunk_tokens", "chunk_tokens")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"EmissionPolicy.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lookahead_tokens", "context_tokens", "mel_crossfade_frames", "vocoder_context_frames",
-                     "vocoder_lookahead_frames", "wave_crossfade_samples", "max_chunk_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"EmissionPolicy.{name} must be >= 0, got {getattr(self, name)}")
+        counts = {"first_chunk_tokens": 1, "chunk_tokens": 1}  # the least each count may be
+        counts.update(dict.fromkeys(("lookahead_tokens", "context_tokens", "mel_crossfade_frames",
+                                     "vocoder_context_frames", "vocoder_lookahead_frames", "wave_crossfade_samples",
+                                     "max_chunk_tokens"), 0))
+        for name, least in counts.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise ValueError(f"EmissionPolicy.{name} must be an integer >= {least}, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (a numpy integer from a config works as a Python one)
+        for name in ("fade_in_ms", "fade_out_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"EmissionPolicy.{name} must be a number of milliseconds >= 0, got {value!r}")
         if 0 < self.max_chunk_tokens < self.chunk_tokens:
             raise ValueError(f"EmissionPolicy.max_chunk_tokens ({self.max_chunk_tokens}) is below chunk_tokens "
                              f"({self.chunk_tokens}): raise it, or 0 for chunks that do not grow")
