@@ -87,7 +87,8 @@ async def test_calls_sharing_batched_steps(engine):
 async def test_calls_at_once_over_webrtc(engine, tmp_path):
     config = ServerConfig(agent=agent_config())
     result = await concurrent_webrtc_calls(engine, N_WEBRTC_CALLS, tmp_path, config=config, rounds=1)
-    assert result.crashes == [], result.crashes  # includes: every server call ended, its audio intact
+    assert result.crashes == [], result.crashes  # includes: every server call ended
+    assert result.audio_problems == [] and result.audio_intact  # checked on the server's call logs
     assert len(result.calls) == N_WEBRTC_CALLS
     for report in result.calls:
         assert not report["timed_out"] and not report["connection_lost"]
@@ -162,3 +163,15 @@ def test_loop_lag_monitor_sees_a_blocked_event_loop():
     assert idle["loop_lag_ms_max"] < 250
     assert 250 <= blocked["loop_lag_ms_max"] < 1000
     assert blocked["loop_lag_over_500ms"] == 0 and set(idle) == set(blocked)
+
+
+def test_audio_lost_on_the_server_is_not_reported_intact():
+    """A WebRTC run's caller reports cannot see the server's audio path: what the server's call
+    log shows lost is what decides ``audio_intact``."""
+    from taste_agents.load import LoadResult
+
+    caller_report = {"checks": {"server_call_ended": True}, "turns": []}
+    result = LoadResult(1, "webrtc", calls=[caller_report])
+    assert result.audio_intact
+    result.audio_problems.append("round 0: call c1 lost or duplicated audio: turn 2: ...")
+    assert not result.audio_intact and result.summary()["audio_intact"] is False

@@ -91,6 +91,9 @@ async def test_signalling_rejects_bad_requests_with_a_message():
             (json.dumps({"sdp": "v=0\r\nm=audio x y z\r\n", "type": "offer"}).encode(), 400, "offer"),
             (json.dumps({"sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\n", "type": "offer", "pc_id": "nope"}).encode(),
              404, "pc_id"),
+            # video before the microphone: Pipecat reads the caller's audio from the first transceiver
+            (json.dumps({"sdp": "v=0\r\nm=video 9 UDP/TLS/RTP/SAVPF 96\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\n",
+                         "type": "offer"}).encode(), 400, "first media section is 'm=video'"),
             (json.dumps({"sdp": "v=0" + "x" * 5000, "type": "offer"}).encode(), 413, "larger than"),
         ]
         for body, status, words in cases:
@@ -252,6 +255,13 @@ async def test_offer_and_candidate_checks_status_privacy_and_shutdown():
             status, body, _ = await post(url + "/api/offer", json.dumps(
                 {"pc_id": answer["pc_id"], "candidates": [{"candidate": candidate, "sdpMid": "0"}]}), method="PATCH")
             assert status == 400 and "candidate" in body["error"], (candidate, status, body)
+        good = "candidate:1 1 udp 2122260223 192.0.2.1 40000 typ host"
+        for placement, words in (({"sdpMid": 0}, "sdpMid must be a string"),
+                                 ({"sdpMLineIndex": "x"}, "sdpMLineIndex must be an integer"),
+                                 ({"sdpMLineIndex": -1}, "sdpMLineIndex must be an integer")):
+            status, body, _ = await post(url + "/api/offer", json.dumps(
+                {"pc_id": answer["pc_id"], "candidates": [{"candidate": good, **placement}]}), method="PATCH")
+            assert status == 400 and words in body["error"], (placement, status, body)
 
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             async with http.get(url + "/api/ice-servers") as res:

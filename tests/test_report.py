@@ -112,3 +112,13 @@ def test_a_reply_synthesized_but_never_released_fails_the_audio_check():
     out = report(line, [("u1", 0, 1)], [TurnRecord(1, speech_start=0.0, decision="reply")], log=log)
     assert out["checks"]["released_equals_synthesized"] is False
     assert out["checks"]["per_reply"][0]["released_samples"] == 0
+
+
+def test_the_timeline_of_a_call_that_recorded_nothing_is_drawn(tmp_path):
+    """A WebRTC caller that never connected leaves an empty recording: its report still gets a
+    timeline (it was a traceback instead of the 'connection lost' report)."""
+    from taste_agents.report import plot_timeline
+
+    path = tmp_path / "timeline.png"
+    plot_timeline({"turns": [], "agent_turns": [], "summary": {"replies": 0}}, np.zeros((0, 2), np.int16), SR, path)
+    assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"

@@ -290,11 +290,7 @@ def run_simulated_call(args) -> int:
     _quiet_logs()
     if args.webrtc:
         return run_webrtc_comparison(args)
-    report = simulated_call(args).report
-    checks = report["checks"]
-    ok = (checks["every_turn_decided"] and checks["released_equals_synthesized"] and checks["written_equals_released"]
-          and not report["timed_out"])
-    return 0 if ok else 1
+    return 0 if _in_process_ok(simulated_call(args).report) else 1
 
 
 def run_webrtc_comparison(args) -> int:
@@ -316,12 +312,20 @@ def run_webrtc_comparison(args) -> int:
     comparison["webrtc_server_teardown_s"] = remote.report.get("server_teardown_s")
     with open(os.path.join(out, "comparison.json"), "w") as f:
         json.dump(comparison, f, indent=1)
-    print(_summary(remote.report, remote.paths), flush=True)
-    print(f"\nfirst-audio latency, median: in process {comparison['median_in_process_ms']} ms, over WebRTC "
-          f"{comparison['median_webrtc_ms']} ms -> WebRTC adds {comparison['webrtc_added_latency_ms']} ms "
-          f"({os.path.join(out, 'comparison.json')})", flush=True)
-    ok = remote.report["checks"]["every_turn_decided"] and not remote.timed_out and not remote.report["connection_lost"]
+    say(_summary(remote.report, remote.paths))
+    say(f"\nfirst-audio latency, median: in process {comparison['median_in_process_ms']} ms, over WebRTC "
+        f"{comparison['median_webrtc_ms']} ms -> WebRTC adds {comparison['webrtc_added_latency_ms']} ms "
+        f"({os.path.join(out, 'comparison.json')})")
+    ok = (_in_process_ok(local.report) and remote.report["checks"]["every_turn_decided"] and not remote.timed_out
+          and not remote.report["connection_lost"])
     return 0 if ok else 1
+
+
+def _in_process_ok(report: dict) -> bool:
+    """Every turn decided, the reply audio intact all the way to the line, in time."""
+    checks = report["checks"]
+    return bool(checks["every_turn_decided"] and checks["released_equals_synthesized"]
+                and checks["written_equals_released"] and not report["timed_out"])
 
 
 def _summary(report: dict, paths: dict) -> str:

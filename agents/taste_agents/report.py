@@ -336,10 +336,10 @@ def plot_timeline(report: dict, stereo: np.ndarray, sample_rate: int, path: Path
     t = np.arange(n) / 100.0
     fig, ax = plt.subplots(figsize=(max(10.0, t[-1] * 0.45 if n else 10.0), 4.2), dpi=110)
     lanes = {"caller": 1.0, "agent": 0.0}
-    ax.fill_between(t, lanes["caller"] - 0.4 * env[:, 0] / max(env[:, 0].max(), 1e-6),
-                    lanes["caller"] + 0.4 * env[:, 0] / max(env[:, 0].max(), 1e-6), color="tab:blue", lw=0)
-    ax.fill_between(t, lanes["agent"] - 0.4 * env[:, 1] / max(env[:, 1].max(), 1e-6),
-                    lanes["agent"] + 0.4 * env[:, 1] / max(env[:, 1].max(), 1e-6), color="tab:orange", lw=0)
+    # (a call that never connected recorded nothing: empty lanes)
+    caller, agent = (env[:, k] / max(env[:, k].max(initial=0.0), 1e-6) for k in (0, 1))
+    ax.fill_between(t, lanes["caller"] - 0.4 * caller, lanes["caller"] + 0.4 * caller, color="tab:blue", lw=0)
+    ax.fill_between(t, lanes["agent"] - 0.4 * agent, lanes["agent"] + 0.4 * agent, color="tab:orange", lw=0)
     for turn in report["turns"]:
         ax.text(turn["start_s"], 1.48, turn["utterance"], fontsize=8, color="tab:blue")
         label = turn.get("decision") or "no decision"

@@ -402,9 +402,14 @@ class TasteServer:
             raise SignallingError(400, "'sdp' must be an SDP offer (a string starting with 'v=0')")
         if kind != "offer":
             raise SignallingError(400, f"'type' must be 'offer', got {kind!r}")
-        if "m=audio " not in sdp:
+        media = [line.split()[0] for line in sdp.splitlines() if line.startswith("m=")]
+        if "m=audio" not in media:
             # aiortc answers even an offer without media; such a call could never carry audio.
             raise SignallingError(400, "the SDP offer has no audio section ('m=audio'): offer a microphone track")
+        if media[0] != "m=audio":
+            # Pipecat reads the caller's audio from the first transceiver only: the call would hear nothing
+            raise SignallingError(400, f"the SDP offer's first media section is {media[0]!r}: add the microphone "
+                                       "track first (addTrack / addTransceiver('audio') before any video)")
         if pc_id is not None and not isinstance(pc_id, str):
             raise SignallingError(400, "'pc_id' must be a string")
         if pc_id is not None and pc_id not in self._handler._pcs_map:
@@ -457,9 +462,17 @@ class TasteServer:
             raise SignallingError(404, "unknown pc_id")
         if not all(isinstance(c, dict) and isinstance(c.get("candidate"), str) for c in items):
             raise SignallingError(400, "each candidate must be an object with a 'candidate' string")
+        # (aiortc drops a candidate whose media section it cannot place, silently)
+        placed = [(c["candidate"], c.get("sdp_mid", c.get("sdpMid")), c.get("sdp_mline_index", c.get("sdpMLineIndex")))
+                  for c in items]
+        for _, mid, index in placed:
+            if mid is not None and not isinstance(mid, str):
+                raise SignallingError(400, f"a candidate's sdpMid must be a string (the media section's a=mid), "
+                                           f"got {mid!r}")
+            if index is not None and (isinstance(index, bool) or not isinstance(index, int) or index < 0):
+                raise SignallingError(400, f"a candidate's sdpMLineIndex must be an integer >= 0, got {index!r}")
         try:
-            candidates = [IceCandidate(c["candidate"], c.get("sdp_mid", c.get("sdpMid")),
-                                       c.get("sdp_mline_index", c.get("sdpMLineIndex"))) for c in items]
+            candidates = [IceCandidate(candidate, mid, index) for candidate, mid, index in placed]
             await self._handler.handle_patch_request(SmallWebRTCPatchRequest(pc_id, candidates))
         except Exception as e:  # aiortc's parser asserts: a malformed candidate is the client's error
             raise SignallingError(400, f"bad ICE candidate: {type(e).__name__}: {e}") from None
