@@ -178,6 +178,8 @@ class TasteCall:
         # The latest turn whose reply an interruption cut off (set by the generator as it stops it):
         # that reply's segments still on their way are dropped, not spoken.
         self.replies_cut_upto = 0
+        # The turn whose reply the latest interruption cut in the generator (None: it was idle)
+        self.interrupted_turn: int | None = None
         # Turns whose reply has not begun when the caller speaks again get none: it would talk over
         # the caller (the turns stay in the conversation; ``pipecat_taste.reply_mutes``).
         self.mutes = ReplyMutes()

@@ -171,9 +171,11 @@ class TasteGenerator(FrameProcessor):
 
     def _interrupt(self):
         """Stop the reply being generated (the worker sees it within one model step)."""
-        if self._stop is not None and self._active_turn is not None:
+        cutting = self._stop is not None and self._active_turn is not None
+        # named now for the stages after it: by the time the frame reaches them, the next turn may be active
+        self._call.interrupted_turn = self._active_turn if cutting else None
+        if cutting:
             self._stop.set()
-            # named now: by the time the frame reaches the synthesizer, the next turn may be active
             self._call.replies_cut_upto = max(self._call.replies_cut_upto, self._active_turn)
             self._call.reset_segment_slots()
             record = self._call.log.turn(self._active_turn)

@@ -151,13 +151,9 @@ class _Reply:
 
 
 class TastePlayout(FrameProcessor):
-    def __init__(self, call: TasteCall, *, params: PlayoutParams | None = None, output=None, **kwargs):
-        """``output``: returns the processor the playout's frames reach, where that is not its next
-        (inside a pipeline: the pipeline's next); the frame size follows it when it is the output
-        transport."""
+    def __init__(self, call: TasteCall, *, params: PlayoutParams | None = None, **kwargs):
         super().__init__(**kwargs)
         self._call = call
-        self._output = output or (lambda: self.next)
         call.join(self)
         self._params = params or PlayoutParams()
         self._rate = 24000
@@ -168,7 +164,7 @@ class TastePlayout(FrameProcessor):
         self._replies: dict[int, _Reply] = {}
         self._playing: _Reply | None = None
         self._cancelled_upto = 0
-        self._reported_upto = 0  # the latest turn whose reply was reported upstream (TastePlaybackFrame)
+        self._reported: set[int] = set()  # turns whose reply was reported upstream (TastePlaybackFrame)
         self._unconfirmed: set[int] = set()  # tentative turns: their replies wait
         self._retracted: set[int] = set()
         # A barge-in's InterruptionFrame, its direction and whether a reply's End follows it
@@ -207,10 +203,27 @@ class TastePlayout(FrameProcessor):
     def _frame_samples(self) -> int:
         return samples_for_ms(self._frame_ms, self._rate)
 
+    def _output_transport(self) -> BaseOutputTransport | None:
+        """The output transport after the playout in its pipeline, nested pipelines (the speech-to-
+        speech service) walked through as Pipecat walks them (``processors``), or None."""
+        order: list[FrameProcessor] = []
+
+        def walk(processor: FrameProcessor):
+            order.append(processor)
+            for inner in processor.processors:
+                walk(inner)
+
+        try:
+            walk(self.pipeline_worker.pipeline)
+        except AttributeError:  # (not set up by a pipeline worker)
+            return None
+        after = next((i for i, p in enumerate(order) if p is self), len(order))
+        return next((p for p in order[after + 1:] if isinstance(p, BaseOutputTransport)), None)
+
     def _choose_frame_ms(self) -> float:
         """``frame_ms``, or unset the output transport's chunk (at the StartFrame: every processor
         is set up by then, the transport's chunk size with it)."""
-        transport = self._output()
+        transport = self._output_transport()
         chunk_ms = None
         if isinstance(transport, BaseOutputTransport) and transport.sample_rate and transport.audio_chunk_size:
             # (the playout's frames are mono 16-bit PCM, and so is the chunk they must fill)
@@ -475,7 +488,7 @@ class TastePlayout(FrameProcessor):
         # frame is here its worker may be on the next turn, which it did not cut); without a
         # generator in the call, the one active.
         call = self._call
-        cut_turn = call.replies_cut_upto if call.has_generator else call.active_reply_turn
+        cut_turn = call.interrupted_turn if call.has_generator else call.active_reply_turn
         await self._stop_task()
         fade = self._fade_tail(reply) if reply is not None and reply.origin is not None else np.zeros(0, np.float32)
         cut = max([self._cancelled_upto, cut_turn or 0] + list(self._replies))
@@ -497,9 +510,9 @@ class TastePlayout(FrameProcessor):
             await self._pass_interruption(frame, direction, started)
         if started:
             await self._finish(reply, interrupted=True, extra_samples=0)
-        elif cut_turn and cut_turn > self._reported_upto:
+        elif cut_turn and cut_turn not in self._reported:
             # Nothing of this reply was heard yet: tell the generator so it keeps none of it.
-            self._reported_upto = cut_turn
+            self._reported.add(cut_turn)
             self._call.log.turn(cut_turn).interrupted = True
             await self.push_frame(TastePlaybackFrame(cut_turn, 0, 0, 0, True), FrameDirection.UPSTREAM)
         self._replies = {k: v for k, v in self._replies.items() if k > cut}
@@ -586,7 +599,7 @@ class TastePlayout(FrameProcessor):
         self._replies.pop(reply.turn_id, None)
         if self._playing is reply:
             self._playing = None
-        self._reported_upto = max(self._reported_upto, reply.turn_id)
+        self._reported.add(reply.turn_id)
         await self.push_frame(TastePlaybackFrame(reply.turn_id, words, total, played, interrupted),
                               FrameDirection.UPSTREAM)
         latency = record.user_to_bot_s

@@ -55,8 +55,7 @@ class TasteSpeechToSpeech(Pipeline):
         self.capture = TasteTurnCapture(self.call, vad_analyzer=vad, params=capture_params)
         self.generator = TasteGenerator(self.call)
         self.synthesizer = TasteSynthesizer(self.call)
-        # (its frames leave through this pipeline's end: the transport is this pipeline's next)
-        self.playout = TastePlayout(self.call, params=playout_params, output=lambda: self.next)
+        self.playout = TastePlayout(self.call, params=playout_params)
         super().__init__([self.capture, self.generator, self.synthesizer, self.playout])
 
     @property
