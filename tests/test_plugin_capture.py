@@ -758,12 +758,68 @@ def test_an_stt_known_to_mark_no_part_final_is_taken_at_its_first_words():
     from pipecat_taste.upstream_transcripts import TurnWords
 
     words = TurnWords()
-    words.add("book a table", at=10.0)
+    words.add("book a table", at=10.05)
     words.end_sample, words.closed_at = 16000, 10.0
     assert not words.done(10.1, 0.4, None) and not words.done(10.1, 0.4, True)
     assert words.done(10.1, 0.4, False) and words.done(10.5, 0.4, None)
     words.add("for two", at=10.2, finalized=True, sample=17000)  # finalized after the speech ended
     assert words.done(10.2, 0.4, True)
+    # a part that came while the caller spoke: a streaming STT, whose next parts are waited for
+    streaming = TurnWords()
+    streaming.add("book a table", at=9.5)
+    streaming.end_sample, streaming.closed_at = 16000, 10.0
+    assert not streaming.done(10.1, 0.4, False) and streaming.done(10.4, 0.4, False)
+    # handed on early: not done until the VAD confirms its end (unless finalized after the speech)
+    early = TurnWords()
+    early.add("book a table", at=10.05)
+    early.end_sample, early.closed_at = 16000, 10.0
+    early.handed_on_early()
+    assert not early.done(11.0, 0.4, False) and not early.done(11.0, 0.4, None)
+    early.confirmed(11.0)  # (its part came before that: the quiet wait, from the confirmation)
+    assert not early.done(11.2, 0.4, False) and early.done(11.4, 0.4, False) and early.done(11.4, 0.4, None)
+
+
+async def test_a_streaming_stt_that_marks_no_part_final_keeps_every_turn_s_parts():
+    """An STT that never marks a part finalized and sends parts while the caller speaks (a
+    streaming one): once that is known (after the first turn), later turns still wait for the parts
+    after their speech, instead of being taken at their first words (their tails were lost)."""
+    def two_part_turn(first, second):
+        return vad_turn(0.6)[:-1] + [SleepFrame(0.1), stt(first, finalized=False), SleepFrame(0.1)] \
+            + vad_turn(0.6)[1:] + [SleepFrame(0.15), stt(second, finalized=False), SleepFrame(1.0)]
+
+    frames = two_part_turn("I would like", "a table for two.") + two_part_turn("and we will", "pay by card.") \
+        + vad_turn(0.6) + [SleepFrame(0.2), stt("Thanks.", finalized=False), SleepFrame(1.0)]
+    call = TasteCall(FakeEngine())
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="upstream"))
+    down, _ = await run_with(capture, frames)
+    assert capture._transcripts.finals_flagged is False
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [
+        "I would like a table for two.", "and we will pay by card.", "Thanks."]
+    assert [e for e in call.log.events if e["kind"] == "transcript_dropped"] == []
+
+
+async def test_a_turn_handed_on_early_waits_for_the_stt_s_words_after_the_vad_s_end(utterances):
+    """The STT's last part comes after the VAD's end (Pipecat's STTs finalize on the VAD's stop):
+    a turn handed on early gets it too - the early hand-over changes when the turn is handed on,
+    not which words it has."""
+    audio = utterances["time"].audio
+    half = audio.size // 2
+
+    def paced(frames):  # (in real time: the early hand-over and the VAD's end happen as in a call)
+        return [x for f in frames for x in ((f, SleepFrame(0.02)) if isinstance(f, InputAudioRawFrame) else (f,))]
+
+    frames = (paced(audio_frames(np.concatenate([silence(0.3), audio[:half]]))) + [stt("What time", finalized=False)]
+              + paced(audio_frames(np.concatenate([audio[half:], silence(0.7)]))) + [stt("is it?")]
+              + paced(audio_frames(silence(1.0))))
+    transcripts = {}
+    for early in (0.2, None):
+        call = TasteCall(FakeEngine())
+        capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
+                                   params=TurnCaptureParams(transcripts="upstream", early_reply_secs=early))
+        down, _ = await run_with(capture, frames, tail_secs=1.5)
+        transcripts[early] = [t.transcript for t in of(down, TasteUserTurnFrame)]
+        assert early is None or call.log.turns[1].early_end_at is not None  # (it was handed on early)
+    assert transcripts[0.2] == transcripts[None] == ["What time is it?"]
 
 
 @pytest.mark.parametrize("finalized, flagged", [(False, False), (True, True)])

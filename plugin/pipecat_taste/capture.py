@@ -615,6 +615,7 @@ class TasteTurnCapture(FrameProcessor):
             return  # the VAD's end decides what to do with it
         turn = self._close_turn(now, silence_secs)
         turn.tentative = True
+        turn.words.handed_on_early()
         self._call.log.turn(turn.turn_id).early_end_at = now
         self._call.log.event("user_turn_early", turn.turn_id, silence_ms=round(1000 * silence_secs))
         if self._turn_asr is not None:
@@ -641,6 +642,7 @@ class TasteTurnCapture(FrameProcessor):
                 await self.push_frame(TasteTurnStatusFrame(early.turn_id, "retracted"))
 
     async def _confirm(self, turn: _CapturedTurn):
+        turn.words.confirmed(time.monotonic())  # (an STT's last words come after the VAD's end)
         async with self._turn_frames_lock:
             while turn.deferred:  # in order, including any added meanwhile
                 await turn.deferred.pop(0)()

@@ -6,7 +6,9 @@ the caller's turn has ended, sometimes after the next one has begun, sometimes i
 routing rule: the oldest closed turn still collecting its words takes the next transcript, else
 the turn being captured. A closed turn collects parts until one marked ``finalized`` arrives after
 its speech ended, or ``quiet_secs`` pass without one; an STT seen to mark no part finalized (many
-of Pipecat's send one transcript per turn) has its turns taken at their first words. Words that
+of Pipecat's send one transcript per turn) has its turns taken at their first words, unless it
+sent parts while the caller spoke (a streaming STT: more may follow, and are waited for). A turn
+handed on early waits quietly from the VAD's confirmation of its end, not from its early close. Words that
 no turn takes wait for the next turn, which keeps them only if they came after its speech began:
 older ones are late words of a turn already taken, and are logged and dropped. So are words that
 come, while no closed turn waits, within the transcript timeout of a turn the built-in ASR took
@@ -46,6 +48,7 @@ class TurnWords:
     final_sample: int | None = None
     end_sample: int | None = None
     closed_at: float | None = None
+    unconfirmed: bool = False  # handed on early, its end not yet confirmed by the VAD
     frames: list = field(default_factory=list)  # the STT's own TranscriptionFrames of these parts
     # Answered without its STT's words (the built-in ASR stepped in): words still coming for it until
     # then are dropped, never given to the next turn.
@@ -73,6 +76,21 @@ class TurnWords:
         if self.previous_part is not None:
             self.previous_part.arrived.set()  # it is spent now: its wait is over
 
+    def handed_on_early(self) -> None:
+        """The turn was closed before the VAD's end (an early reply): until the VAD confirms it
+        (``confirmed``) its words are not done but for a part finalized after the speech ended."""
+        self.unconfirmed = True
+
+    def confirmed(self, now: float) -> None:
+        """The VAD confirmed the end of a turn handed on early, at ``now``. The STT's last words
+        come after that - a Pipecat STT finalizes on the VAD's stop, which goes upstream only now -
+        so the quiet wait runs from here, as for a turn closed at the VAD's end (an early hand-over
+        must not cut the turn's transcript short)."""
+        if self.unconfirmed:
+            self.unconfirmed = False
+            self.closed_at = max(self.closed_at or now, now)
+            self.arrived.set()
+
     def goes_on_in(self, next_part: TurnWords) -> None:
         """This turn was closed at the length limit and its speech goes on as ``next_part``."""
         self.next_part, next_part.previous_part = next_part, self
@@ -96,15 +114,18 @@ class TurnWords:
         """No more parts are expected: the STT finalized one after the speech ended (one finalized
         while the caller went on speaking does not cover the rest), or none has come for ``quiet``
         seconds since the last part and the turn's close. Once the STT is known to mark no part
-        finalized (``finals_flagged`` False), a turn is taken at its first words, without the wait."""
+        finalized (``finals_flagged`` False), a turn whose words all came after its close is taken
+        at its first words, without the wait."""
         if self.spent:
             return True
         if self.closed_at is None or not self.complete():
             return False
         if self.final_sample is not None and self.final_sample >= self.end_sample:
             return True
-        if finals_flagged is False:
-            return True
+        if self.unconfirmed:
+            return False
+        if finals_flagged is False and self.parts[0][0] > self.closed_at:
+            return True  # (one that sent parts while the caller spoke may send more after: it is waited for)
         return now - max(self.parts[-1][0], self.closed_at) >= quiet
 
     def text(self) -> str:
@@ -218,7 +239,7 @@ class UpstreamTranscripts:
                 remaining = None  # until the next part ends (``close`` wakes this wait)
             elif remaining <= 0:
                 return
-            elif words.complete():
+            elif words.complete() and not words.unconfirmed:
                 remaining = min(remaining, max(words.parts[-1][0], words.closed_at) + quiet - now)
             words.arrived.clear()
             await _first_of(remaining, words.arrived, retracted)
