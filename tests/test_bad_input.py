@@ -554,6 +554,7 @@ def test_a_conversation_takes_the_model_then_the_processor(model, processor):
     (dict(text_temperature=0), r"GenerationSettings: text_temperature must be > 0"),
     (dict(text_top_p=2), r"GenerationSettings: text_top_p must be in \[0, 1\]"),
     (dict(system_prompt=["be brief"]), r"system_prompt must be a string"),
+    (dict(system_prompt="  "), r"system_prompt has no words: give one, or None"),
 ])
 def test_generation_settings_are_checked_when_made(kwargs, match):
     from pipecat_taste.engine import GenerationSettings

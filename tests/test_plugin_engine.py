@@ -438,8 +438,10 @@ def test_auto_asr_is_the_checkpoints_own_whisper_and_a_missing_one_says_what_to_
     loaded, saved = asr.model.state_dict(), whisper.model.state_dict()
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
 
-    # the tiny checkpoint gets its random tiny ASR, whatever its processor names
-    assert default_asr(model(64), SimpleNamespace(asr_model=None), checkpoint).model.config.d_model == 32
+    # the tiny checkpoint gets its random tiny ASR, whatever its processor names, on the device and in
+    # the dtype asked for (it ran on the CPU in float32 whatever the engine's were)
+    tiny = default_asr(model(64), SimpleNamespace(asr_model=None), checkpoint, dtype="bfloat16")
+    assert tiny.model.config.d_model == 32 and tiny.model.dtype == torch.bfloat16 and tiny.device == "cpu"
 
     with pytest.raises(RuntimeError, match=r"whisper-missing.*--asr-model DIR.*--asr-model none"):
         default_asr(model(2048), SimpleNamespace(asr_model=str(tmp_path / "whisper-missing")), checkpoint)
@@ -558,3 +560,37 @@ def test_a_checkpoint_without_an_asr_tokenizer_takes_the_local_whisper_given_for
     assert words.asr_token_ids.shape[1] >= 2 and int(words.asr_word_ids.max()) == 1
     with pytest.raises((OSError, ValueError), match="whisper-large-v3"):  # nothing local to take it from
         TasteEngine.from_pretrained(str(published), asr=None)
+
+
+def test_an_engine_made_directly_refuses_an_asr_name_and_a_closed_call_keeps_no_speech_cache(engine, hello):
+    """A Whisper name is loaded by from_pretrained; given to the constructor it was kept as the
+    ASR and every transcription failed with "'str' object is not callable". A call's speech cache
+    goes when the call ends, as its LM cache does."""
+    with pytest.raises(ValueError, match=r"TasteEngine.from_pretrained\(\.\.\., asr='auto'\)"):
+        TasteEngine(engine.model, engine.processor, engine.voice_generator, asr="auto")
+    session = engine.new_session(GenerationSettings())
+    turn = session.user_turn(hello.audio, hello.text)
+    segments, _ = reply_segments(session, turn, n_words=1)
+    state = session.start_speech(24000)
+    list(session.speech_tokens(state, segments[0].segment))
+    assert session._speech_cache is not None
+    session.close()
+    assert session._speech_cache is None and session.conversation.state.decode is None
+
+
+def test_a_session_names_arguments_of_the_wrong_kind(engine, hello):
+    session = engine.new_session(GenerationSettings())
+    try:
+        turn = session.user_turn(hello.audio, hello.text)
+        with pytest.raises(ValueError, match="reply's stop must be a threading.Event"):
+            next(session.reply(turn, None))
+        with pytest.raises(ValueError, match="reply takes the UserTurn that user_turn"):
+            next(session.reply(turn.segment, threading.Event()))
+        segments, _ = reply_segments(session, turn, n_words=1)
+        with pytest.raises(ValueError, match=r"speech_tokens takes a reply segment \(ReplyEvent.segment\)"):
+            next(session.speech_tokens(session.start_speech(24000), segments[0]))
+        with pytest.raises(ValueError, match="played_words must be None"):
+            session.commit_reply("2")
+        assert session.commit_reply(1) == 1  # (the refused call changed nothing)
+    finally:
+        session.close()

@@ -603,3 +603,17 @@ def test_calls_transcribing_at_random_moments_get_the_transcripts_they_get_alone
     assert all(ids == expected[key] for key, ids in got), [key for key, ids in got if ids != expected[key]]
     stats = batched.batch_stats()
     assert stats["utterances"] == 4 * 3 * 3 + 1 and stats["batches"] < stats["utterances"], stats  # (+1: warm-up)
+
+
+def test_int16_audio_is_transcribed_as_its_float_samples(checkpoint, tiny_asr, audios):
+    """The tower's front end takes int16 samples (scaled by 1/32768); the transcriber took them as
+    floats peaking near 32767 and refused them, asking for the int16 array it had been given."""
+    from pipecat_taste.audio import float_to_pcm16
+
+    wide = WhisperTranscriber(varied_model(tiny_asr), tiny_asr.feature_extractor, tiny_asr.tokenizer,
+                              language=None, max_new_tokens=None, decode="dynamic")
+    pcm = np.frombuffer(float_to_pcm16(audios[0]), dtype="<i2")
+    assert wide(pcm) == wide(pcm.astype(np.float32) / 32768.0)
+    static = WhisperTranscriber.random_tiny(checkpoint, decode="static")
+    turn = static.new_turn()  # (incremental transcripts: on the static path)
+    assert turn.finish(pcm) == static(pcm.astype(np.float32) / 32768.0)

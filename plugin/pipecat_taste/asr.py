@@ -121,31 +121,28 @@ class WhisperTranscriber:
         """``dtype``: None or 'auto' runs Whisper the way the spoken LM runs its Llama, bfloat16 on
         CUDA and float32 elsewhere (left to transformers it would be the repo's stored dtype:
         float16 for openai/whisper-large-v3, even on a CPU); or 'float32', 'bfloat16', 'float16'."""
-        import torch
         from transformers import AutoProcessor, WhisperForConditionalGeneration
 
         from taste_speech.modeling_taste import resolve_device
 
         name_or_path = check_whisper_name(name_or_path)
         device = resolve_device(device)
-        if dtype in (None, "auto"):
-            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        elif isinstance(dtype, str):
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ValueError(f"unknown dtype {dtype!r} for the Whisper ASR: use 'auto', 'float32', 'bfloat16' or 'float16'")
-            dtype = getattr(torch, dtype)
+        dtype = _whisper_dtype(dtype, device)
         processor = AutoProcessor.from_pretrained(name_or_path)
         model = WhisperForConditionalGeneration.from_pretrained(name_or_path, dtype=dtype).to(device)
         return cls(model, processor.feature_extractor, processor.tokenizer, device=str(device), language=language,
                    **kwargs)
 
     @classmethod
-    def random_tiny(cls, checkpoint_dir: str, seed: int = 0, tower=None, **kwargs):
+    def random_tiny(cls, checkpoint_dir: str, seed: int = 0, tower=None, device=None, dtype=None, **kwargs):
         """A random 2-layer Whisper over ``checkpoint_dir/asr_tokenizer`` (tiny checkpoints only).
         ``tower``: the tiny model's audio tower, whose encoder (architecture, window and weights)
         it takes, as the published ASR has the published tower's (``share_encoder``); its decoder
-        stays a random 1-layer one."""
+        stays a random 1-layer one. ``device`` / ``dtype``: as ``from_pretrained`` (without a
+        tower; with one, the tower's)."""
         import torch
+
+        from taste_speech.modeling_taste import resolve_device
         from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(checkpoint_dir, "asr_tokenizer"))
@@ -175,10 +172,13 @@ class WhisperTranscriber:
             weights = tower.encoder.conv1.weight
             model.to(device=weights.device, dtype=weights.dtype)
             model.model.encoder.load_state_dict(tower.encoder.state_dict())
+        else:
+            where = resolve_device(device or "cpu")
+            model.to(device=where, dtype=_whisper_dtype(dtype, where))
         model.generation_config.forced_decoder_ids = None
         model.generation_config.suppress_tokens = config.suppress_tokens
         model.generation_config.max_length = 7
-        return cls(model, features, tokenizer, language=None, max_new_tokens=None, **kwargs)
+        return cls(model, features, tokenizer, language=None, max_new_tokens=None, device=str(model.device), **kwargs)
 
     # -- transcribing -----------------------------------------------------------------------------
     def __call__(self, audio16k: np.ndarray) -> str:
@@ -335,7 +335,9 @@ class WhisperTranscriber:
         no audio at all: the silent window) the extractor itself."""
         from taste_speech.device_copies import to_device
 
-        audio16k = np.asarray(audio16k, np.float32)
+        from taste_speech.audio import to_mono_float
+
+        audio16k = to_mono_float(audio16k)  # (int16 samples scaled, as the tower's front end takes them)
         if audio16k.size and _standard_whisper_front_end(self.feature_extractor, self.model.config.num_mel_bins):
             from taste_speech.audio import whisper_log_mel
 
@@ -448,6 +450,20 @@ class WhisperTranscriber:
                 self._workspaces.append(workspace)
 
 
+def _whisper_dtype(dtype, device):
+    """None or 'auto': the way the spoken LM runs its Llama (bfloat16 on CUDA, float32 elsewhere);
+    else a torch dtype or its name."""
+    import torch
+
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r} for the Whisper ASR: use 'auto', 'float32', 'bfloat16' or 'float16'")
+        return getattr(torch, dtype)
+    return dtype
+
+
 def _standard_whisper_front_end(extractor, n_mels: int) -> bool:
     """Whether ``extractor`` computes what ``taste_speech.audio.whisper_log_mel`` does: openai
     Whisper's log-mel (400-sample window, 160 hop, 16 kHz, ``n_mels`` Slaney filters, zero padding,
@@ -519,9 +535,10 @@ class TurnTranscript:
 
     def finish(self, audio16k: np.ndarray) -> str:
         """The transcript of the whole turn (and, sharing the tower's encoder, its ``encoded``)."""
+        from taste_speech.audio import to_mono_float
         from taste_speech.encoder_graph import EncodedTurn
 
-        audio16k = np.asarray(audio16k, np.float32)
+        audio16k = to_mono_float(audio16k)  # (int16 samples scaled, as the tower's front end takes them)
         self._encoding = self.encoded = None
         result = self.transcriber.transcribe(audio16k, self.draft, owner=self)
         self.kept = result.kept

@@ -110,6 +110,8 @@ class GenerationSettings:
             raise ValueError(f"GenerationSettings: {e}") from None
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ValueError(f"GenerationSettings.system_prompt must be a string or None, got {type(self.system_prompt).__name__}")
+        if self.system_prompt is not None and not self.system_prompt.strip():
+            raise ValueError("GenerationSettings.system_prompt has no words: give one, or None for no system prompt")
 
 
 @dataclass
@@ -170,7 +172,7 @@ def default_asr(model, processor, checkpoint_dir: str, *, device: str = "cpu", d
     from pipecat_taste.asr import WhisperTranscriber
 
     if is_tiny(model):
-        return WhisperTranscriber.random_tiny(checkpoint_dir)
+        return WhisperTranscriber.random_tiny(checkpoint_dir, device=device, dtype=dtype)
     name = processor.asr_model
     if not name:
         raise ValueError(
@@ -223,6 +225,10 @@ class TasteEngine:
         setting per process: the process's other worker threads get it too, its main thread keeps
         its own."""
         _check_options(asr, decoding, parallel_jobs, batch_slots, streams, compile_flow, threads_per_job)
+        if isinstance(asr, str):
+            raise ValueError(f"asr={asr!r}: a name is loaded by TasteEngine.from_pretrained(..., asr={asr!r}); here pass "
+                             "the transcriber itself (pipecat_taste.asr.WhisperTranscriber.from_pretrained(name)) or "
+                             "None")
         _check_device_options(streams, compile_flow, next(voice_generator.parameters()).device)
         if merge_lora:
             model.spoken_lm.merge_lora()
@@ -675,6 +681,7 @@ class TasteSession:
             close = getattr(self._speech_cache, "close", None)
             if close is not None:
                 close()
+            self._speech_cache = None  # (its buffers and captured steps go with it, as the LM cache's do)
 
     @contextlib.contextmanager
     def _job(self, when_closed: str = "raise"):
@@ -768,6 +775,10 @@ class TasteSession:
 
     # -- thinking ---------------------------------------------------------------------------------
     def reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
+        if not isinstance(turn, UserTurn):
+            raise ValueError(f"reply takes the UserTurn that user_turn() made, got {type(turn).__name__}")
+        if not callable(getattr(stop, "is_set", None)):
+            raise ValueError(f"reply's stop must be a threading.Event (set it to cut the reply), got {stop!r}")
         with self._job():
             yield from self._reply(turn, stop)
 
@@ -834,6 +845,9 @@ class TasteSession:
         """After a reply: keep all of it (None) or only its first ``played_words`` words (what the
         caller heard before a barge-in). Returns the number of words kept. Runs before the next
         ``reply``, so the history always matches what was heard."""
+        counted = isinstance(played_words, numbers.Integral) and not isinstance(played_words, bool)
+        if played_words is not None and not (counted and played_words >= 0):
+            raise ValueError(f"played_words must be None (all heard) or a number of words >= 0, got {played_words!r}")
         total, self._last_reply_words = self._last_reply_words, 0
         if total == 0 or played_words is None or played_words >= total:
             return total
@@ -913,6 +927,10 @@ class TasteSession:
     def speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:
         """Speech tokens of one reply segment, continuing the previous segment of the same reply
         (the speech-decoder half of ``taste_detokenize_stream``; tests check the two agree)."""
+        from taste_speech.streaming import TASTESegment
+
+        if not isinstance(segment, TASTESegment):
+            raise ValueError(f"speech_tokens takes a reply segment (ReplyEvent.segment), got {type(segment).__name__}")
         with self._job():
             yield from self._speech_tokens(state, segment)
 
