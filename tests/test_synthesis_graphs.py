@@ -40,7 +40,10 @@ from concurrency_helpers import run_in_threads
 from synthesis_helpers import speak_in_pieces
 
 MEL_ATOL = 2e-5
-VOCODER_ATOL = 1e-6
+# float32 rounding of the kernels picked for the padded shapes, carried along a reply by the
+# vocoder's caches: up to 2.85e-06 (audio peaking at 0.086) on an AVX-512 machine, 1e-06 elsewhere
+VOCODER_ATOL = 1e-5
+F0_RTOL = 2e-6  # F0 is in Hz (tens to hundreds): its float32 rounding is relative
 AUDIO_ATOL = 2e-4
 
 POLICIES = {
@@ -808,10 +811,14 @@ def test_f0_predictor_padding_never_reaches_valid_frames(vg, n, bucket):
     reference = predictor(mel)
     out = predictor(padded(mel, bucket, g), frame_mask(n, bucket))
     assert out.shape == (1, bucket)
-    torch.testing.assert_close(out[:, :n], reference, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[:, :n], reference, atol=1e-5, rtol=F0_RTOL)
     if n < bucket:  # unmasked, the padding reaches the last frames
         leaky = predictor(padded(mel, bucket, g))
         assert float((leaky[:, :n] - reference).abs().max()) > 1e-3
+
+
+def f0_close(got, want) -> bool:
+    return bool(((got - want).abs() <= 1e-5 + F0_RTOL * want.abs()).all())
 
 
 def test_the_f0_predictor_s_padded_steps_give_its_eager_values(vg):
@@ -826,13 +833,13 @@ def test_the_f0_predictor_s_padded_steps_give_its_eager_values(vg):
             mel = torch.randn(1, 80, n, generator=g) - 5
             got, want = graphs.predict_f0(mel), vg.hift.f0_predictor(mel)
             assert got.shape == want.shape == (1, n)
-            assert float((got - want).abs().max()) < 1e-4, n
+            assert f0_close(got, want), n
             kept.append((got, want))
-    assert all(float((a - b).abs().max()) < 1e-4 for a, b in kept)
+    assert all(f0_close(a, b) for a, b in kept)
     assert sorted(graphs._f0) == [16, 24, 128]  # the last window: eager
     graphs.warm_up(flow_frames=[17])
     assert sorted(graphs._f0) == list(VOCODER_BUCKETS)
     assert all(f0.step.mode == "rehearse" for f0 in graphs._f0.values())
     mel = torch.randn(1, 80, 50, generator=g) - 5
     with torch.no_grad():  # a step made by the warm-up (in inference mode), run outside it
-        assert float((graphs.predict_f0(mel) - vg.hift.f0_predictor(mel)).abs().max()) < 1e-4
+        assert f0_close(graphs.predict_f0(mel), vg.hift.f0_predictor(mel))

@@ -335,9 +335,7 @@ class WhisperTranscriber:
         no audio at all: the silent window) the extractor itself."""
         from taste_speech.device_copies import to_device
 
-        from taste_speech.audio import to_mono_float
-
-        audio16k = to_mono_float(audio16k)  # (int16 samples scaled, as the tower's front end takes them)
+        audio16k = _samples(audio16k)
         if audio16k.size and _standard_whisper_front_end(self.feature_extractor, self.model.config.num_mel_bins):
             from taste_speech.audio import whisper_log_mel
 
@@ -450,6 +448,14 @@ class WhisperTranscriber:
                 self._workspaces.append(workspace)
 
 
+def _samples(audio16k) -> np.ndarray:
+    """Float32 mono samples, int16 ones scaled as the tower's front end takes them (no audio: none,
+    which transcribes the silent window)."""
+    from taste_speech.audio import to_mono_float
+
+    return to_mono_float(audio16k) if np.size(audio16k) else np.zeros(0, np.float32)
+
+
 def _whisper_dtype(dtype, device):
     """None or 'auto': the way the spoken LM runs its Llama (bfloat16 on CUDA, float32 elsewhere);
     else a torch dtype or its name."""
@@ -535,10 +541,9 @@ class TurnTranscript:
 
     def finish(self, audio16k: np.ndarray) -> str:
         """The transcript of the whole turn (and, sharing the tower's encoder, its ``encoded``)."""
-        from taste_speech.audio import to_mono_float
         from taste_speech.encoder_graph import EncodedTurn
 
-        audio16k = to_mono_float(audio16k)  # (int16 samples scaled, as the tower's front end takes them)
+        audio16k = _samples(audio16k)
         self._encoding = self.encoded = None
         result = self.transcriber.transcribe(audio16k, self.draft, owner=self)
         self.kept = result.kept

@@ -775,11 +775,11 @@ class TasteSession:
 
     # -- thinking ---------------------------------------------------------------------------------
     def reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
-        if not isinstance(turn, UserTurn):
-            raise ValueError(f"reply takes the UserTurn that user_turn() made, got {type(turn).__name__}")
-        if not callable(getattr(stop, "is_set", None)):
-            raise ValueError(f"reply's stop must be a threading.Event (set it to cut the reply), got {stop!r}")
-        with self._job():
+        with self._job():  # (a closed call says so first)
+            if not isinstance(turn, UserTurn):
+                raise ValueError(f"reply takes the UserTurn that user_turn() made, got {type(turn).__name__}")
+            if not callable(getattr(stop, "is_set", None)):
+                raise ValueError(f"reply's stop must be a threading.Event (set it to cut the reply), got {stop!r}")
             yield from self._reply(turn, stop)
 
     def _reply(self, turn: UserTurn, stop: threading.Event) -> Iterator[ReplyEvent]:
@@ -929,9 +929,10 @@ class TasteSession:
         (the speech-decoder half of ``taste_detokenize_stream``; tests check the two agree)."""
         from taste_speech.streaming import TASTESegment
 
-        if not isinstance(segment, TASTESegment):
-            raise ValueError(f"speech_tokens takes a reply segment (ReplyEvent.segment), got {type(segment).__name__}")
         with self._job():
+            if not isinstance(segment, TASTESegment):
+                raise ValueError(f"speech_tokens takes a reply segment (ReplyEvent.segment), got "
+                                 f"{type(segment).__name__}")
             yield from self._speech_tokens(state, segment)
 
     def _speech_tokens(self, state: SpeechState, segment) -> Iterator[list[int]]:

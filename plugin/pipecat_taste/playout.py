@@ -1,8 +1,9 @@
 """TastePlayout: hands reply audio to the output transport in real time, and cuts it off cleanly.
 
 Put it right before ``transport.output()``. It cuts the synthesizer's chunks into frames of the
-transport's output chunk (``PlayoutParams.frame_ms``) and releases each one only when it is due (at most ``lead_ms`` ahead of the audio
-being heard), so the transport never holds more than a few tens of milliseconds of the reply.
+transport's output chunk (``PlayoutParams.frame_ms``) and releases each one only when it is due
+(at most ``lead_ms`` ahead of the audio being heard), so the transport never holds more than a
+few tens of milliseconds of the reply.
 What it has released is exactly what the caller hears; that makes three things possible:
 
 * barge-in stops the audio within ``lead_ms`` + ``fade_out_ms``: the audio not yet released is
@@ -107,9 +108,9 @@ FALLBACK_FRAME_MS = 40.0  # Pipecat's default output chunk (audio_out_10ms_chunk
 
 @dataclass
 class PlayoutParams:
-    # Size of the frames handed to the transport. None: the output transport's own chunk
-    # (audio_out_10ms_chunks x 10 ms) when the playout sits right before ``transport.output()``,
-    # else 40 ms (Pipecat's default chunk; a whole number of 10 and 20 ms chunks too). Set it, keep
+    # Size of the frames handed to the transport. None: the chunk (audio_out_10ms_chunks x 10 ms) of
+    # the output transport after the playout in its pipeline, else 40 ms (Pipecat's default chunk;
+    # a whole number of 10 and 20 ms chunks too). Set it, keep
     # it a whole number of the transport's chunks: a partial chunk waits inside the transport (the
     # audio the playout counts as heard is not yet playing, eating its lead), and the transport
     # drops it if the reply stalls long enough for it to decide the bot stopped speaking.
@@ -123,8 +124,9 @@ class PlayoutParams:
     interruption_hold_secs: float = 0.5  # longest wait for the transport's BotStopped on barge-in
 
     def __post_init__(self):
-        if (self.frame_ms is not None and self.frame_ms <= 0) or min(self.lead_ms, self.fade_out_ms, self.prebuffer_ms, self.interruption_hold_secs,
-                                     self.start_hold_max_ms, self.start_window_ms) < 0:
+        if (self.frame_ms is not None and self.frame_ms <= 0) or min(
+                self.lead_ms, self.fade_out_ms, self.prebuffer_ms, self.interruption_hold_secs,
+                self.start_hold_max_ms, self.start_window_ms) < 0:
             raise ValueError("PlayoutParams: frame_ms must be > 0 and lead_ms, fade_out_ms, prebuffer_ms, "
                              "interruption_hold_secs, start_hold_max_ms, start_window_ms >= 0")
         if not 0.0 < self.heard_fraction <= 1.0:
@@ -225,7 +227,7 @@ class TastePlayout(FrameProcessor):
         is set up by then, the transport's chunk size with it)."""
         transport = self._output_transport()
         chunk_ms = None
-        if isinstance(transport, BaseOutputTransport) and transport.sample_rate and transport.audio_chunk_size:
+        if transport is not None and transport.sample_rate and transport.audio_chunk_size:
             # (the playout's frames are mono 16-bit PCM, and so is the chunk they must fill)
             chunk_ms = 1000.0 * transport.audio_chunk_size / (2 * transport.sample_rate)
         chosen = self._params.frame_ms

@@ -8,7 +8,7 @@ the turn being captured. A closed turn collects parts until one marked ``finaliz
 its speech ended, or ``quiet_secs`` pass without one; an STT seen to mark no part finalized (many
 of Pipecat's send one transcript per turn) has its turns taken at their first words, unless it
 sent parts while the caller spoke (a streaming STT: more may follow, and are waited for). A turn
-handed on early waits quietly from the VAD's confirmation of its end, not from its early close. Words that
+handed on early waits from the VAD's confirmation of its end, not from its early close. Words that
 no turn takes wait for the next turn, which keeps them only if they came after its speech began:
 older ones are late words of a turn already taken, and are logged and dropped. So are words that
 come, while no closed turn waits, within the transcript timeout of a turn the built-in ASR took
