@@ -430,11 +430,9 @@ async def test_replies_that_fail_mid_way_give_back_their_segment_slots():
     from pipecat.tests.utils import SleepFrame, run_test
 
     from pipecat_taste.call import TasteCall
-    from pipecat_taste.engine import UserTurn
-    from pipecat_taste.frames import TasteUserTurnFrame
     from pipecat_taste.generation import TasteGenerator
     from pipecat_taste.synthesis import TasteSynthesizer
-    from pipecat_taste.testing import FakeEngine, FakeSegment, FakeSession
+    from pipecat_taste.testing import FakeEngine, FakeSession, fake_user_turn_frame as turn
 
     class FailingMidReply(FakeSession):
         def reply(self, turn, stop):
@@ -448,10 +446,6 @@ async def test_replies_that_fail_mid_way_give_back_their_segment_slots():
             session = FailingMidReply(self, settings)
             self.sessions.append(session)
             return session
-
-    def turn(turn_id, text):
-        now = time.monotonic()
-        return TasteUserTurnFrame(turn_id, text, UserTurn(text, FakeSegment(text.split(), 2), 2, 1.0), now, now)
 
     call = TasteCall(Engine(word_delay=0.01))
     frames = []
@@ -475,16 +469,10 @@ async def test_a_reply_taken_back_gives_up_its_speech_when_the_next_reply_starts
     from pipecat.tests.utils import SleepFrame, run_test
 
     from pipecat_taste.call import TasteCall
-    from pipecat_taste.engine import UserTurn
-    from pipecat_taste.frames import TasteTurnStatusFrame, TasteUserTurnFrame
+    from pipecat_taste.frames import TasteTurnStatusFrame
     from pipecat_taste.generation import TasteGenerator
     from pipecat_taste.synthesis import TasteSynthesizer
-    from pipecat_taste.testing import FakeEngine, FakeSegment
-
-    def turn(turn_id, text, tentative=False):
-        now = time.monotonic()
-        return TasteUserTurnFrame(turn_id, text, UserTurn(text, FakeSegment(text.split(), 2), 2, 1.0), now, now,
-                                  tentative=tentative)
+    from pipecat_taste.testing import FakeEngine, fake_user_turn_frame as turn
 
     engine = FakeEngine(word_delay=0.05)
     call = TasteCall(engine)

@@ -370,15 +370,10 @@ async def test_an_interruption_while_idle_does_not_cut_the_next_turn_s_reply():
     the turn active by then: the reply is played whole and kept."""
     from pipecat.pipeline.pipeline import Pipeline
 
-    from pipecat_taste.engine import UserTurn
-    from pipecat_taste.frames import TastePlaybackFrame, TasteUserTurnFrame
+    from pipecat_taste.frames import TastePlaybackFrame
     from pipecat_taste.generation import TasteGenerator
     from pipecat_taste.synthesis import TasteSynthesizer
-    from pipecat_taste.testing import FakeSegment
-
-    def turn(turn_id, text):
-        now = time.monotonic()
-        return TasteUserTurnFrame(turn_id, text, UserTurn(text, FakeSegment(text.split(), 2), 2, 1.0), now, now)
+    from pipecat_taste.testing import fake_user_turn_frame as turn
 
     engine = FakeEngine(reply_words=("a", "b", "c"))
     call = TasteCall(engine)

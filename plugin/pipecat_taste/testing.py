@@ -29,6 +29,16 @@ class FakeSegment:
     n_tokens: int
 
 
+def fake_user_turn_frame(turn_id: int, text: str, tentative: bool = False):
+    """A ``TasteUserTurnFrame`` for ``text`` as the capture hands it on, with a FakeSegment of its
+    words (for tests that start at the generator)."""
+    from pipecat_taste.frames import TasteUserTurnFrame
+
+    now = time.monotonic()
+    return TasteUserTurnFrame(turn_id, text, UserTurn(text, FakeSegment(text.split(), 2), 2, 1.0), now, now,
+                              tentative=tentative)
+
+
 @dataclass
 class FakeEngine:
     reply_words: tuple[str, ...] = ("sure", "I", "can", "help", "with", "that")
