@@ -207,11 +207,20 @@ async def test_the_page_shows_the_status_of_an_error_that_is_not_ours(tmp_path):
 
     from taste_agents.server import STATIC
 
+    async def page(request):
+        return web.FileResponse(STATIC / "index.html")
+
+    async def ice_servers(request):
+        return web.json_response({"iceServers": []})
+
+    async def bad_gateway(request):
+        return web.Response(status=502, content_type="text/html",
+                            text="<html><head><title>502 Bad Gateway</title></head></html>")
+
     app = web.Application()
-    app.router.add_get("/", lambda request: web.FileResponse(STATIC / "index.html"))
-    app.router.add_get("/api/ice-servers", lambda request: web.json_response({"iceServers": []}))
-    app.router.add_post("/api/offer", lambda request: web.Response(
-        status=502, content_type="text/html", text="<html><head><title>502 Bad Gateway</title></head></html>"))
+    app.router.add_get("/", page)
+    app.router.add_get("/api/ice-servers", ice_servers)
+    app.router.add_post("/api/offer", bad_gateway)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

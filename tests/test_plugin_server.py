@@ -474,7 +474,7 @@ async def test_phone_stream_is_answered_in_whole_20ms_mulaw_frames_and_stop_ends
         assert finished[-1]["turns"][0]["decision"] == "reply" and "hello there" not in json.dumps(finished)
         # an ended call keeps its log only: its pipeline, agent and conversation are freed
         gc.collect()
-        assert not [o for o in gc.get_objects() if isinstance(o, TasteCall) and o.call_id == call.call_id]
+        assert not [o for o in gc.get_objects() if type(o) is TasteCall and o.call_id == call.call_id]
 
 
 @pytest.mark.serial  # the caller cuts in on a reply playing in real time
