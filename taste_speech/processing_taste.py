@@ -147,6 +147,7 @@ class TasteProcessor:
         self._speaker_session = None
         self._default_voice: torch.Tensor | None = None  # made on first use (it may run the speaker encoder)
         self._asr_pipeline = None
+        self._voice_generator = None  # loaded on first use (get_generator)
         self._llm_special_ids: set[int] | None = None
 
     @classmethod
@@ -462,6 +463,26 @@ class TasteProcessor:
                     "directly, or download the checkpoint's cosyvoice folder"
                 )
         return self._default_voice.clone()
+
+    def get_generator(self, device: torch.device | str | None = None):
+        """The checkpoint's voice generator (``cosyvoice/voice_generator.pth``), loaded on ``device``
+        on the first call and the same object after: ``taste_detokenize`` takes it from here when it
+        is given none."""
+        if self._voice_generator is None:
+            if self.voice_generator_path is None:
+                raise ValueError(
+                    f"this processor knows no voice generator ({COSYVOICE_DIR}/{VOICE_GENERATOR_FILE}): load it with "
+                    "TasteProcessor.from_pretrained(<checkpoint with that file>), or pass "
+                    "voice_generator=VoiceGenerator.from_pretrained(path)")
+            from taste_speech.voice_generator import VoiceGenerator
+
+            self._voice_generator = VoiceGenerator.from_pretrained(self.voice_generator_path, device=device)
+        elif device is not None:
+            loaded = next(self._voice_generator.parameters()).device
+            if loaded != torch.empty(0, device=device).device:
+                raise ValueError(f"the voice generator is loaded on {loaded}, not {device}: one processor keeps one "
+                                 "(pass voice_generator= for another device)")
+        return self._voice_generator
 
     # -- ASR -------------------------------------------------------------------------------------
     def transcribe(self, audio, sampling_rate: int) -> str:

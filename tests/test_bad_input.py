@@ -256,6 +256,8 @@ def _codes(n=3, k=4):
      r"shape \(1, S, K\)"),
     (dict(role="user", modality="audio", text_ids=_ids(), taste_ids=torch.zeros(1, 3, 4)), "integer tensor"),
     (dict(role="user", modality="audio", text_ids=_ids(), taste_ids=_codes() - 2), "below -1"),
+    (dict(role="user", modality="audio", text_ids=_ids(), taste_ids=_codes().to(torch.uint8)),
+     "signed integer tensor"),  # (-1 cannot be one of its values)
     (dict(role="user", modality="audio", text_ids=_ids(),
           taste_ids=torch.tensor([[[1, 2, 3, 4], [5, -1, -1, -1], [-1, -1, -1, -1]]])), "mix codes and -1"),
     (dict(role="user", modality="audio", text_ids=_ids(), taste_ids=torch.full((1, 3, 4), -1)), "first token"),

@@ -335,11 +335,17 @@ def test_detokenizing_hands_on_the_chunks_made_before_a_failed_step_then_the_err
         for item in taste_detokenize_stream(model, processor, speaker, None, None, None, 0, ids, taste, 16000,
                                             voice_generator=vg, generator=torch.Generator().manual_seed(0)):
             items.append(item)
+    # taste_detokenize hands on all of it too: the chunks of the earlier steps with the failed step's
+    with pytest.raises(SynthesisFailed, match="out of memory") as failed:
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 16000, voice_generator=vg,
+                         generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(detokenize, "speak", speak_for_real)
     whole = taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 16000, voice_generator=vg,
                              generator=torch.Generator().manual_seed(0))
     assert not any(item["is_final"] for item in items)
+    assert len(items) > len(failed.value.chunks)  # (the earlier steps made chunks of their own)
     assert torch.equal(torch.cat([item["audio_waveform"] for item in items], -1), whole["audio_waveform"])
+    assert torch.equal(failed.value.audio, whole["audio_waveform"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: ids that live on a GPU")
@@ -443,6 +449,41 @@ def test_detokenize_rejects_bad_input(speech_setup):
     with pytest.raises(ValueError, match="prev_audio_ms"):
         taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"],
                          first["chunk_duration_ms"] + 500, ids[:, cut:], taste[:, cut:], state=first["state"], **kw)
+    # the words before must be the segment the state spoke: the decoder reads them before the new ones
+    second_word = (taste[0, :, 0] != -1).nonzero().view(-1)[1]
+    for prev_text, prev_taste in ((None, None), (ids[:, cut:], taste[:, cut:]),
+                                  (ids[:, :second_word], taste[:, :second_word])):
+        with pytest.raises(ValueError, match="not the segment this state spoke last"):
+            taste_detokenize(model, processor, speaker, prev_text, prev_taste, first["speech_ids"],
+                             first["chunk_duration_ms"], ids[:, cut:], taste[:, cut:], state=first["state"], **kw)
+    with pytest.raises(ValueError, match="differs from the policy this state was started with"):
+        taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"],
+                         first["chunk_duration_ms"], ids[:, cut:], taste[:, cut:], state=first["state"],
+                         policy="quality", **kw)
+    taste_detokenize(model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"],
+                     first["chunk_duration_ms"], ids[:, cut:], taste[:, cut:], state=first["state"],
+                     policy="low_latency", **kw)  # its own policy, named: accepted
+
+
+def test_the_processor_loads_the_checkpoint_s_voice_generator_once(speech_setup, tiny_checkpoint):
+    """taste_detokenize without voice_generator= takes the processor's: the checkpoint's, loaded once."""
+    from taste_speech import TasteProcessor
+
+    model, _, vg, speaker, ids, taste, _ = speech_setup
+    processor = TasteProcessor.from_pretrained(tiny_checkpoint)
+    loaded = processor.get_generator()
+    assert processor.get_generator() is loaded and processor.get_generator("cpu") is loaded
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), vg.state_dict().values()))
+    with pytest.raises(ValueError, match="loaded on cpu, not meta"):
+        processor.get_generator("meta")
+    own = taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 16000,
+                           generator=torch.Generator().manual_seed(0))
+    given = taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 16000, voice_generator=vg,
+                             generator=torch.Generator().manual_seed(0))
+    assert torch.equal(own["audio_waveform"], given["audio_waveform"])
+    processor.voice_generator_path, processor._voice_generator = None, None
+    with pytest.raises(ValueError, match="knows no voice generator.*voice_generator=VoiceGenerator.from_pretrained"):
+        processor.get_generator()
 
 
 def test_a_continuation_past_the_decoder_s_positions_is_refused_before_any_audio(speech_setup):

@@ -5,7 +5,7 @@ per-call ``Conversation``) and speak (``taste_detokenize``).
 """
 
 from taste_speech.streaming.conversation import Conversation, ConversationState
-from taste_speech.streaming.detokenize import taste_detokenize
+from taste_speech.streaming.detokenize import finish_speaking, taste_detokenize, taste_detokenize_stream
 from taste_speech.streaming.generate import (
     PendingWord,
     ReplyIterator,
@@ -24,5 +24,6 @@ __all__ = [
     "TASTESegment", "taste_tokenize", "streaming_generate", "Conversation", "ConversationState", "PendingWord",
     "ReplyIterator",
     "every_word", "every_n_words", "at_punctuation", "vocabulary_tables",
-    "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS", "taste_detokenize", "EmissionPolicy",
+    "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS", "taste_detokenize",
+    "taste_detokenize_stream", "finish_speaking", "EmissionPolicy",
 ]

@@ -347,7 +347,9 @@ class Conversation:
     def truncate_last_assistant(self, played_words: int) -> TASTESegment | None:
         """Keep only the first ``played_words`` words of the last assistant turn (barge-in: what
         the caller actually heard); returns the kept turn (None when nothing was kept). When that
-        turn is the newest one the cache is cut in place (no re-prefill)."""
+        turn is the newest one the cache is cut in place (no re-prefill). The last assistant turn
+        is found wherever it is: after a reply cancelled before its first word (``reply`` None,
+        nothing committed) it is an earlier reply, so do not call this then."""
         with self._exclusive("truncate_last_assistant"):
             return self._truncate_last_assistant(played_words)
 

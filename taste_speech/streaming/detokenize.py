@@ -24,7 +24,7 @@ Continuity across segments. Two ways:
   than a click.
 
 The VoiceGenerator is passed in (``voice_generator=``) or taken from ``processor.get_generator()``
-when the processor offers it; it is not part of TasteForCausalLM (separate weight file, separate
+(loaded once, on the speech decoder's device); it is not part of TasteForCausalLM (separate weight file, separate
 device placement, and the LM never needs it).
 """
 
@@ -54,14 +54,14 @@ IGNORE = -1
 PREV_AUDIO_TOLERANCE_MS = 30.0  # rounding of durations summed by the caller, plus one mel frame
 
 
-def resolve_voice_generator(processor, voice_generator: Optional[VoiceGenerator]) -> VoiceGenerator:
+def resolve_voice_generator(processor, voice_generator: Optional[VoiceGenerator], device) -> VoiceGenerator:
     if voice_generator is None:
         getter = getattr(processor, "get_generator", None)
         if not callable(getter):
             raise ValueError(
                 "taste_detokenize needs the voice generator: pass voice_generator=VoiceGenerator.from_pretrained("
-                "checkpoint_dir) (loaded once and reused), or use a processor that provides get_generator()")
-        voice_generator = getter()
+                "checkpoint_dir) (loaded once and reused), or a TasteProcessor, whose get_generator() loads it")
+        voice_generator = getter(device=device)
     dtype = next(voice_generator.parameters()).dtype
     if dtype != torch.float32:  # its flow and vocoder need float32 (parity; the F0 and phase sums)
         raise ValueError(f"the voice generator's weights are {dtype}; it runs in float32 only - use "
@@ -169,7 +169,8 @@ def _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, p
     return state, [chunk for chunk in primed if chunk.audio.shape[-1]]
 
 
-def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.Tensor, prev_audio_ms: float) -> None:
+def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.Tensor, prev_audio_ms: float,
+                 prev_text_ids: torch.Tensor, prev_taste_ids: torch.Tensor, policy) -> None:
     if state.finished:
         raise ValueError("the given state already ended (its last call had final=True); pass final=False on every "
                          "segment but the last of an utterance, or start without a state")
@@ -182,6 +183,14 @@ def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.T
     kept = state.tokens[0].cpu()
     if n_prev and not torch.equal(prev_speech_ids[0, n_prev - kept.shape[0]:].cpu(), kept):
         raise ValueError("prev_speech_ids do not end with the speech tokens this state synthesised")
+    if state.segment_words is not None:  # the decoder reads these words before the new ones
+        text_ids, taste_ids = state.segment_words
+        if not (torch.equal(prev_text_ids, text_ids) and torch.equal(prev_taste_ids, taste_ids)):
+            raise ValueError("prev_text_ids / prev_taste_ids are not the segment this state spoke last: pass the "
+                             "text_ids and taste_ids of the call that returned this state")
+    if policy is not None and EmissionPolicy.resolve(policy) != state.policy:
+        raise ValueError(f"policy={policy!r} differs from the policy this state was started with: a state keeps "
+                         "its policy for the whole utterance (leave policy out, or start a new state)")
     # The output resampler holds back some of what was synthesised, so the audio returned so far
     # (what the caller can have summed) is a little shorter than the audio synthesised; accept both.
     returned_ms = state.audio_ms_before + 1000.0 * state.out_samples_emitted / state.out_sampling_rate
@@ -208,7 +217,7 @@ def taste_detokenize_stream(
     voice_generator: Optional[VoiceGenerator] = None,
     state: Optional[SynthesisState] = None,
     final: bool = True,
-    policy: EmissionPolicy | str = "low_latency",
+    policy: EmissionPolicy | str | None = None,
     sampler=None,
     generator: Optional[torch.Generator] = None,
     decoder_cache=None,
@@ -221,7 +230,7 @@ def taste_detokenize_stream(
     from taste_speech.modeling_speech_decoder import TopKSampler
 
     check_generator(generator)
-    vg = resolve_voice_generator(processor, voice_generator)
+    vg = resolve_voice_generator(processor, voice_generator, model.speech_decoder.device)
     speaker_embeds = as_speaker_embedding(speaker_embeds, model.speech_decoder.spk_embed_dim)
     text_ids = _as_ids(text_ids, "text_ids", allow_empty=False)
     taste_ids = _as_codes(taste_ids, text_ids.shape[1], "taste_ids", None)
@@ -246,7 +255,7 @@ def taste_detokenize_stream(
     if state is None:
         _check_stateless_prev_audio(prev_speech_ids, prev_audio_ms)
     else:
-        _check_state(state, speaker_embeds, prev_speech_ids, prev_audio_ms)
+        _check_state(state, speaker_embeds, prev_speech_ids, prev_audio_ms, prev_text_ids, prev_taste_ids, policy)
         if state.out_sampling_rate != out_sampling_rate:
             raise ValueError(f"the state resamples to {state.out_sampling_rate} Hz, not {out_sampling_rate}")
 
@@ -286,8 +295,8 @@ def taste_detokenize_stream(
     # 3. the voice generator, fed token by token
     primed = []
     if state is None:
-        state, primed = _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, prev_speech_ids,
-                                         prev_audio_ms)
+        state, primed = _stateless_start(vg, speaker_embeds, policy or "low_latency", out_sampling_rate, generator,
+                                         prev_speech_ids, prev_audio_ms)
     new_tokens: list[int] = []
 
     def item(chunk: SpeechChunk, is_final: bool) -> dict:
@@ -310,6 +319,7 @@ def taste_detokenize_stream(
         if not new_tokens:
             raise ValueError("the speech decoder produced no speech tokens for this segment")
         state.segment_tokens = len(new_tokens)
+        state.segment_words = (text_ids, taste_ids)
         chunks = speak(vg, state, final=True) if final else []
     except SynthesisFailed as failed:
         for chunk in failed.chunks:  # made before the failed step: good audio, handed on before the error
@@ -356,7 +366,7 @@ def taste_detokenize(
         out_sampling_rate: 8000, 16000, 22050, 24000, 32000, 44100 or 48000.
         keyword-only: voice_generator, state (continuity from the previous call), final (this segment
             ends the utterance: flush and fade out; default True), policy ('low_latency' | 'quality' |
-            EmissionPolicy), sampler (speech-token sampler; the original's top-25 by default),
+            EmissionPolicy: a new utterance's, 'low_latency' when not given; a ``state`` keeps its own), sampler (speech-token sampler; the original's top-25 by default),
             generator (torch.Generator for sampling and synthesis noise), decoder_cache (from
             ``model.speech_decoder.new_cache()``, kept by the caller and passed to every call: on CUDA
             its captured decode step is reused instead of captured per segment).
@@ -364,12 +374,19 @@ def taste_detokenize(
     Returns a dict: ``audio_waveform`` (1, T) float32, ``sampling_rate``, ``chunk_duration_ms``,
     ``speech_ids`` (1, Q + n): previous plus new speech tokens (pass as ``prev_speech_ids`` next time),
     ``new_speech_ids`` (1, n), ``state`` (pass to the next call for seamless continuation).
+    A synthesis step that fails raises ``SynthesisFailed`` with ``.audio``: what the call made before
+    it, to be played.
     """
     pieces, last = [], None
-    for last in taste_detokenize_stream(model, processor, speaker_embeds, prev_text_ids, prev_taste_ids,
-                                        prev_speech_ids, prev_audio_ms, text_ids, taste_ids, out_sampling_rate,
-                                        **kwargs):
-        pieces.append(last["audio_waveform"])
+    try:
+        for last in taste_detokenize_stream(model, processor, speaker_embeds, prev_text_ids, prev_taste_ids,
+                                            prev_speech_ids, prev_audio_ms, text_ids, taste_ids, out_sampling_rate,
+                                            **kwargs):
+            pieces.append(last["audio_waveform"])
+    except SynthesisFailed as failed:
+        # the failed step's chunks came out of the stream before the error, after the earlier ones
+        failed.audio = torch.cat(pieces, dim=-1) if pieces else torch.zeros(1, 0)
+        raise
     audio = torch.cat(pieces, dim=-1)
     prev = _as_ids(prev_speech_ids, "prev_speech_ids", allow_empty=True)
     new = last["speech_ids"]

@@ -126,7 +126,9 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
       generated tokens ('max_length', ``truncated=True``) or ``stop``
       ('cancelled', ``cancelled=True``); ``segment`` holds the words not yet emitted (or None)
       and ``reply`` the whole reply. The reply is committed to the conversation; after a
-      barge-in call ``conversation.truncate_last_assistant(played_words)``.
+      barge-in call ``conversation.truncate_last_assistant(played_words)`` - only when ``reply``
+      is not None (a reply cancelled before its first word adds nothing, and the last assistant
+      turn is then an earlier reply, which the caller heard whole).
 
     Sampling is the original TasteSampler's (``text_top_p == 0`` is greedy); ``generator`` makes
     sampling reproducible. ``stop`` (a threading.Event or a callable) is checked before every

@@ -56,8 +56,9 @@ class TASTESegment:
                              f"{type(self.taste_ids).__name__}")
         if self.taste_ids.dim() != 3 or self.taste_ids.shape[0] != 1:
             raise ValueError(f"TASTESegment.taste_ids must have shape (1, S, K), got {tuple(self.taste_ids.shape)}")
-        if not _is_integer_tensor(self.taste_ids):
-            raise ValueError(f"TASTESegment.taste_ids must be an integer tensor, got {self.taste_ids.dtype}; use .long()")
+        if not _is_integer_tensor(self.taste_ids) or not self.taste_ids.dtype.is_signed:  # -1 marks 'no code'
+            raise ValueError(f"TASTESegment.taste_ids must be a signed integer tensor (-1 marks rows without a "
+                             f"code), got {self.taste_ids.dtype}; use .long()")
         if self.taste_ids.shape[1] != self.text_ids.shape[1]:
             raise ValueError(
                 f"TASTESegment.taste_ids covers {self.taste_ids.shape[1]} tokens but text_ids has "

@@ -182,11 +182,13 @@ def start_speaking(
 class SynthesisFailed(RuntimeError):
     """A step of ``speak`` failed (a GPU error, memory, a shared step that failed). ``chunks``: the
     chunks this call completed before it - good audio, in order, to be played before the
-    utterance ends; the state cannot take another step (it may be half-way through one)."""
+    utterance ends; the state cannot take another step (it may be half-way through one).
+    ``audio``: set by ``taste_detokenize`` - all the audio its call made before the failure, (1, n)."""
 
     def __init__(self, message: str, chunks: list[SpeechChunk]):
         super().__init__(message)
         self.chunks = chunks
+        self.audio: Optional[torch.Tensor] = None
 
 
 def stop_speaking(state: SynthesisState) -> None:
