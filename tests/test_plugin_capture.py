@@ -426,6 +426,24 @@ async def test_a_split_turn_is_answered_with_the_stt_s_words(mode, sent):
         assert call.log.turns[1].decision == "ignored" and "last part" in call.log.turns[1].reason
 
 
+async def test_a_turn_is_split_at_the_window_inside_a_long_frame():
+    """A client may send long frames (a phone stream's media messages of a second and more): the
+    turn is cut at the limit inside the frame, and the rest of the frame starts the next part. The
+    whole frame used to go to the closed turn, past the audio tower's window, and every turn of
+    such a call failed in the tokenizer."""
+    call = TasteCall(FakeEngine(max_turn_seconds=2.0))  # split after 1.5 s
+    noise = 0.1 * np.random.default_rng(2).standard_normal(int(2.8 * SR)).astype(np.float32)
+    frames = [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio_frames(noise, ms=700) + \
+        [VADUserStoppedSpeakingFrame(stop_secs=0.2), SleepFrame(0.2), stt("all of it at once")]
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="upstream"))
+    down, up = await run_with(capture, frames)
+    seconds = [t.audio_seconds for t in call.log.turns.values()]
+    assert len(seconds) == 2 and seconds[0] == pytest.approx(1.5)  # cut inside the third frame
+    assert seconds[1] == pytest.approx(1.3, abs=0.21)  # the rest, less the stop's trimmed silence
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["all of it at once"]
+    assert not of(up, ErrorFrame), [e.error for e in of(up, ErrorFrame)]
+
+
 async def test_a_split_turn_s_last_part_that_muted_is_not_ignored_as_short():
     """An upstream VAD whose stop_secs (0.5) the capture has not learned yet (it assumes 0.2): the
     part after the split had enough speech to mute the first one, but its measured speech is short.

@@ -538,6 +538,8 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
         (["serve", "--ice-server", "stun:stun.example.org:3478", "--turn-username", "me"], "--turn-username without a turn"),
         (["serve", "--voice", str(tmp_path / "missing.wav")], "--voice"),
         (["call", "--simulate", "--out", str(a_file)], "is a file; give a folder"),
+        (["call", "--simulate", "--out", str(a_file / "under")], "cannot create the folder"),  # (under a file)
+        (["call", "--simulate", "--max-call-seconds", "1e9"], "--max-call-seconds: at most 3600 s"),
         (["call", "--simulate", "--max-reply-tokens", "0"], "--max-reply-tokens: must be a whole number >= 1"),
         (["call", "--simulate", "--early-reply-ms", "inf"], "--early-reply-ms: must be milliseconds > 0"),
     ]
@@ -545,6 +547,19 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+def test_a_simulated_call_cut_short_says_so_even_when_quiet(tmp_path, capsys):
+    """A call past --max-call-seconds fails (exit 1) and says why on stderr, --quiet too; without
+    --quiet its summary says it was cut short (only the exit status told before)."""
+    from taste_agents.cli import main
+
+    for quiet in (["--quiet"], []):
+        rc = main(["call", "--simulate", "--max-call-seconds", "1.5", "--out", str(tmp_path / f"out{len(quiet)}"),
+                   *quiet])
+        out, err = capsys.readouterr()
+        assert rc == 1 and "the call failed its checks: the call ran past --max-call-seconds" in err
+        assert ("cut short at --max-call-seconds" in out) == (not quiet)
 
 
 async def test_a_call_whose_session_cannot_be_made_ends_at_once_and_says_why():

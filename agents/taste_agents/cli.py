@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     call.add_argument("--simulate", action="store_true",
                       help="a scripted caller talks to the agent in this process (no network)")
     call.add_argument("--out", default=None, help="output folder (default: out/call-<id>)")
-    call.add_argument("--max-call-seconds", type=positive_seconds, default=300.0,
-                      help="the simulated call's time limit (default: 300)")
+    call.add_argument("--max-call-seconds", type=simulated_call_seconds, default=300.0,
+                      help=f"the simulated call's time limit (default: 300, at most {MAX_SIMULATED_CALL_S:.0f})")
     call.add_argument("--quiet", action="store_true", help="no progress lines")
     call.add_argument("--webrtc", action="store_true",
                       help="also run the call over real WebRTC (server here, caller in another process, loopback "
@@ -161,6 +161,17 @@ def positive_seconds(value: str) -> float:
         seconds = float("nan")
     if not (math.isfinite(seconds) and seconds > 0):
         raise argparse.ArgumentTypeError(f"must be seconds > 0, got {value!r}")
+    return seconds
+
+
+MAX_SIMULATED_CALL_S = 3600.0  # the simulated line records both ways for the whole limit, set aside at the start
+
+
+def simulated_call_seconds(value: str) -> float:
+    seconds = positive_seconds(value)
+    if seconds > MAX_SIMULATED_CALL_S:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SIMULATED_CALL_S:.0f} s (the scripted call lasts some 30 s), "
+                                         f"got {value!r}")
     return seconds
 
 
@@ -290,7 +301,14 @@ def run_simulated_call(args) -> int:
     _quiet_logs()
     if args.webrtc:
         return run_webrtc_comparison(args)
-    return 0 if _in_process_ok(simulated_call(args).report) else 1
+    return _exit_status(_in_process_problems(simulated_call(args).report))
+
+
+def _exit_status(problems: list[str]) -> int:
+    """1 with the reasons on stderr (``--quiet`` too: an exit status alone says nothing), else 0."""
+    if problems:
+        print("the call failed its checks: " + "; ".join(problems), file=sys.stderr, flush=True)
+    return 1 if problems else 0
 
 
 def run_webrtc_comparison(args) -> int:
@@ -316,22 +334,35 @@ def run_webrtc_comparison(args) -> int:
     say(f"\nfirst-audio latency, median: in process {comparison['median_in_process_ms']} ms, over WebRTC "
         f"{comparison['median_webrtc_ms']} ms -> WebRTC adds {comparison['webrtc_added_latency_ms']} ms "
         f"({os.path.join(out, 'comparison.json')})")
-    ok = (_in_process_ok(local.report) and remote.report["checks"]["every_turn_decided"] and not remote.timed_out
-          and not remote.report["connection_lost"])
-    return 0 if ok else 1
+    problems = [f"in process: {p}" for p in _in_process_problems(local.report)]
+    if not remote.report["checks"]["every_turn_decided"]:
+        problems.append("over WebRTC: a turn of the caller got no decision")
+    if remote.timed_out:
+        problems.append("over WebRTC: the call ran past --max-call-seconds and was cut short")
+    if remote.report["connection_lost"]:
+        problems.append("over WebRTC: the connection was lost")
+    return _exit_status(problems)
 
 
-def _in_process_ok(report: dict) -> bool:
-    """Every turn decided, the reply audio intact all the way to the line, in time."""
-    checks = report["checks"]
-    return bool(checks["every_turn_decided"] and checks["released_equals_synthesized"]
-                and checks["written_equals_released"] and not report["timed_out"])
+def _in_process_problems(report: dict) -> list[str]:
+    """Every turn decided, the reply audio intact all the way to the line, in time: what failed."""
+    checks, problems = report["checks"], []
+    if report["timed_out"]:
+        problems.append("the call ran past --max-call-seconds and was cut short")
+    if not checks["every_turn_decided"]:
+        problems.append("a turn of the caller got no decision")
+    if not checks["released_equals_synthesized"]:
+        problems.append("the playout released less audio than was synthesized")
+    if not checks["written_equals_released"]:
+        problems.append("the line got less audio than the playout released")
+    return problems
 
 
 def _summary(report: dict, paths: dict) -> str:
     from taste_agents.report import BARGE_IN_DETECT_BOUND_MS
 
-    lines = ["", f"call {report.get('call_id')}: {report['duration_s']} s, {report['summary']['replies']} replies"]
+    lines = ["", f"call {report.get('call_id')}: {report['duration_s']} s, {report['summary']['replies']} replies"
+             + (" - cut short at --max-call-seconds" if report.get("timed_out") else "")]
     for turn in report["turns"]:
         line = f"  {turn['utterance']:8s} decision={turn['decision']}"
         if turn.get("first_audio_latency_ms") is not None:
@@ -370,6 +401,13 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     out = getattr(args, "out", None)
     if out is not None and os.path.exists(out) and not os.path.isdir(out):
         parser.error(f"--out {out!r} is a file; give a folder (it is created if missing)")
+    if out is not None:  # made now, not after the call: a folder that cannot be would lose its outputs
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            parser.error(f"--out {out!r}: cannot create the folder ({e.strerror})")
+        if not os.access(out, os.W_OK | os.X_OK):
+            parser.error(f"--out {out!r}: the folder is not writable")
     for flag in ("voice", "ssl_certfile", "ssl_keyfile"):
         path = getattr(args, flag, None)
         if path is not None and not os.path.isfile(path):

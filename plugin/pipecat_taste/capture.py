@@ -386,22 +386,31 @@ class TasteTurnCapture(FrameProcessor):
         if frame.sample_rate != self._sample_rate or self._resampler is not None:
             samples = self._to_working_rate(samples, frame.sample_rate)
         self._remember(samples)
-        self._samples_seen += samples.size
+        rest, split = samples, False
         if self._capturing:
-            self._turn_chunks.append(samples)
-            self._turn_samples += samples.size
-            if self._turn_samples / self._sample_rate >= self._max_turn_seconds():
-                # The audio tower has a fixed window: close this turn and go on in a new one. The
-                # closed turn waits until the new one proves to be speech (then it gets no reply:
-                # the caller is still talking) or ends without (then it does: the split only cut
-                # the last syllable or the closing silence off).
+            limit = int(self._max_turn_seconds() * self._sample_rate)
+            while self._capturing and self._turn_samples + rest.size >= limit:
+                # The audio tower has a fixed window: close this turn at it and go on in a new one
+                # (with the rest of the frame: a client's frames may be long). The closed turn waits
+                # until the new one proves to be speech (then it gets no reply: the caller is still
+                # talking) or ends without (then it does: the split only cut the last syllable or
+                # the closing silence off).
+                head, rest = rest[:limit - self._turn_samples], rest[limit - self._turn_samples:]
+                self._turn_chunks.append(head)
+                self._turn_samples += head.size
+                self._samples_seen += head.size  # (the closed turn ends here, the new one starts here)
                 logger.info(f"{self}: turn {self._turn_id} reached {self._max_turn_seconds():.0f} s, splitting it")
                 if self._early is not None:  # in the pause after an early hand-over: the split decides,
                     await self._retract(now)  # not a confirmation the VAD never gave
                 await self._speech_stopped(now, forced=True)
                 await self._speech_started(now, forced=True)
-            else:
-                self._maybe_partial()
+                split = True
+        self._samples_seen += rest.size
+        if self._capturing and rest.size:
+            self._turn_chunks.append(rest)
+            self._turn_samples += rest.size
+        if self._capturing and not split:
+            self._maybe_partial()
         if self._vad is None:
             await self._speech_heard(now)
             return
