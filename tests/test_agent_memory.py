@@ -1,5 +1,7 @@
 """taste_agents.memory: the malloc settings of long-running agent processes."""
 
+import ctypes
+import os
 import platform
 
 import pytest
@@ -33,8 +35,57 @@ def test_applies_on_glibc(monkeypatch):
     assert configure_malloc() == {"arenas": True, "mmap_threshold": True}
 
 
-def test_release_free_memory_trims_on_glibc():
-    assert release_free_memory() is GLIBC
+def _libc():
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    return libc
+
+
+def _mmapped_blocks() -> int:
+    from taste_agents.memory import _MallInfo2
+
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2().hblks
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="needs glibc >= 2.33")
+def test_blocks_over_the_threshold_stay_mmapped_after_one_is_freed(monkeypatch):
+    """glibc raises its mmap threshold to the size of each mmapped block freed, so the next block of
+    that size comes from the heap (and stays there when freed); a fixed threshold keeps mmapping it."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    libc = _libc()
+    assert fix_mmap_threshold(128 * 1024)
+    for _ in range(2):
+        before = _mmapped_blocks()
+        block = libc.malloc(256 * 1024)
+        during = _mmapped_blocks()
+        libc.free(block)
+        assert during == before + 1
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not GLIBC or not os.path.exists("/proc/self/statm"), reason="glibc on Linux")
+def test_release_free_memory_gives_freed_heap_memory_back():
+    """64 MiB of small blocks freed inside the heap (a block after them keeps the heap's top from
+    shrinking by itself) stay resident until the trim hands their pages back."""
+    libc = _libc()
+    blocks = [libc.malloc(4096) for _ in range(16384)]
+    for block in blocks:
+        libc.memset(block, 1, 4096)  # (touched: resident)
+    pin = libc.malloc(4096)
+    for block in blocks:
+        libc.free(block)
+    held = _resident_mib()
+    assert release_free_memory()
+    assert held - _resident_mib() > 48
+    libc.free(pin)
 
 
 def test_heap_stats_see_a_held_block():

@@ -63,14 +63,20 @@ def test_reply_streams_words_and_commit_keeps_what_was_heard(engine, hello):
     assert segments2 and session.commit_reply(None) >= 1 and total >= 2
 
 
-def test_dialogue_format_decides_first(engine, hello):
+@pytest.mark.parametrize("winner, decision", [("user", "no_speech"), ("assistant", "reply")])
+def test_dialogue_format_decides_first(engine, hello, winner, decision):
+    """The session's conversation is in the dialogue format, whose first choice (the user's role
+    or the assistant's, forced here) is the reply's decision: no_speech ends it at once."""
     session = engine.new_session(GenerationSettings(max_reply_tokens=4, prompt_format="dialogue"))
+    assert session.conversation.format.decides_turns
+    choice = torch.tensor([50.0, -50.0] if winner == "user" else [-50.0, 50.0])
+    session.conversation.format.turn_logits = lambda text_logits: choice.to(text_logits.device)
     events = list(session.reply(session.user_turn(hello.audio, hello.text), threading.Event()))
-    assert events[0].kind == "decision" and events[0].decision in ("reply", "no_speech")
-    if events[0].decision == "no_speech":
-        assert len(events) == 1
+    assert events[0].kind == "decision" and events[0].decision == decision
+    if decision == "no_speech":
+        assert len(events) == 1 and [t.role for t in session.conversation.turns] == ["user"]
     else:
-        assert events[-1].kind == "end"
+        assert events[-1].kind == "end" and session.conversation.turns[-1].role == "assistant"
 
 
 def test_cancelled_reply_ends_within_a_step(engine, hello):

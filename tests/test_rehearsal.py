@@ -66,17 +66,25 @@ def test_the_rehearsal_runs_each_stage_on_a_worker_thread_that_ends(engine, monk
     """As a live call's stages do (TasteCall.executor): the threads' library handles go back to
     torch's pools when they end, for the first call's threads."""
     import pipecat_taste.rehearsal as rehearsal
+    from pipecat_taste.engine import TasteSession
 
-    threads, listen = {}, rehearsal._listen
+    threads = {}
 
-    def recorded(session, engine, audio, *args):
-        threads["listen"] = threading.current_thread()
-        return listen(session, engine, audio, *args)
+    def recorded(stage, fn):
+        def run(*args, **kwargs):
+            threads.setdefault(stage, set()).add(threading.current_thread())
+            return fn(*args, **kwargs)
+        return run
 
-    monkeypatch.setattr(rehearsal, "_listen", recorded)
+    monkeypatch.setattr(rehearsal, "_listen", recorded("listen", rehearsal._listen))
+    monkeypatch.setattr(rehearsal, "_reply_segments", recorded("think", rehearsal._reply_segments))
+    monkeypatch.setattr(TasteSession, "start_speech", recorded("speech_tokens", TasteSession.start_speech))
+    monkeypatch.setattr(TasteSession, "vocode", recorded("vocode", TasteSession.vocode))
     like(engine, asr=engine.asr).warm_up()
-    assert threads["listen"] is not threading.current_thread() and not threads["listen"].is_alive()
-    assert threads["listen"].name.startswith("taste-rehearsal-listen")
+    assert set(threads) == {"listen", "think", "speech_tokens", "vocode"}
+    for stage, ran_on in threads.items():
+        (thread,) = ran_on  # one thread per stage
+        assert thread.name.startswith(f"taste-rehearsal-{stage}") and not thread.is_alive(), stage
 
 
 def test_a_rehearsal_with_batch_slots_gives_its_slots_back(engine):
