@@ -107,7 +107,7 @@ class ResidualVQ(nn.Module):
         self.project_out = nn.Linear(codebook_dim, dim)
         self.layers = nn.ModuleList(QuantizerLevel(codebook_size, codebook_dim) for _ in range(num_quantizers))
         self.mlps = nn.ModuleList(UnusedImplicitCodebookMLP(codebook_dim) for _ in range(num_quantizers - 1))
-        self._joined = None  # (the codebooks' key, their joined table, its row offsets): ``_joined_codebooks``
+        self._joined = None  # (the codebooks' key, their joined table, its row offsets): ``joined_codebooks``
 
     def codebooks(self) -> list[EuclideanCodebook]:
         return [layer._codebook for layer in self.layers]
@@ -164,7 +164,7 @@ class ResidualVQ(nn.Module):
         the speech decoder: level by level it was some 35 operators, each a kernel launch on a GPU;
         joined, the rows are worked out where the indices are - on the host for a turn's codes -
         and the device runs a copy, a gather and a sum.)"""
-        table, offsets = self._joined_codebooks()
+        table, offsets = self.joined_codebooks()
         if table.is_cuda:  # read on this thread's stream: not reused before that, should the table be made again
             stream = torch.cuda.current_stream(table.device)
             table.record_stream(stream)
@@ -174,7 +174,7 @@ class ResidualVQ(nn.Module):
         rows = indices.long().remainder(self.codebook_size + 1) + offsets  # IGNORE (-1): the level's zero row
         return nn.functional.embedding(to_device(rows, table.device), table)
 
-    def _joined_codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def joined_codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every level's codes in one (K * (codebook_size + 1), codebook_dim) fp32 table, each level
         followed by a zero row (IGNORE's), and each level's first row (K,). Kept until a codebook is
         moved, cast, replaced or written in place (its version; an inference tensor keeps none),

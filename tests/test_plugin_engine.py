@@ -282,7 +282,10 @@ def test_graphed_decoding_gives_the_eager_reply_and_warm_up_changes_nothing(engi
     for name, eng, warm in (("eager", eager, False), ("graphed", graphed, False), ("warmed", graphed, True)):
         session = eng.new_session(settings)
         if warm:
-            session.warm_up()
+            rvq = eng.model.audio_tower.vq.rvq
+            rvq._joined = None  # (made again:) the session's warm-up makes the RVQ's joined code table,
+            session.warm_up()  # whose making waits for a GPU once - not inside the first turn
+            assert rvq._joined is not None
             assert session.conversation.state.decode.cache._step is not None  # the LM step ran once
             assert session.speech_cache()._step is not None  # and the speech decoder's
             assert session.speech_cache()._prefill_steps == {}  # (on a CPU multi-row feeds stay eager)

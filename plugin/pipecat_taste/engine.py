@@ -904,6 +904,8 @@ class TasteSession:
         from taste_speech.speech_decoder_cache import StaticSpeechCache
 
         with torch.no_grad():
+            # the RVQ's joined code table: made on a GPU with one wait, here rather than in a turn
+            self.model.audio_tower.vq.rvq.joined_codebooks()
             decode = self.conversation.ready()
             if isinstance(decode.cache, StaticLMCache):
                 length, hidden = decode.length, decode.last_hidden
