@@ -444,6 +444,24 @@ async def test_a_turn_is_split_at_the_window_inside_a_long_frame():
     assert not of(up, ErrorFrame), [e.error for e in of(up, ErrorFrame)]
 
 
+async def test_long_frames_place_a_turn_s_ends_as_short_ones_do(utterances):
+    """The VAD follows a long frame in short slices: a pause that begins late in a frame is not
+    measured from the frame's start (an early hand-over then trimmed up to a frame of the caller's
+    last words as silence), and the pre-roll is not a whole frame long."""
+    hello = utterances["hello"]
+    audio = np.concatenate([silence(1.5), hello.audio, silence(1.6)])
+    heard = {}
+    for size in (20, 700):
+        call, down, _ = await run_capture(audio_frames(audio, ms=size), engine=FakeEngine(asr_text="hello there"),
+                                          params=TurnCaptureParams(transcripts="asr"))
+        (turn,) = of(down, TasteUserTurnFrame)
+        heard[size] = call.log.turns[turn.turn_id]
+        assert heard[size].early_end_at is not None  # (handed on early in both)
+    short, long = heard[20], heard[700]
+    assert long.audio_seconds == pytest.approx(short.audio_seconds, abs=0.045)
+    assert long.speech_seconds == pytest.approx(short.speech_seconds, abs=0.045)
+
+
 async def test_a_split_turn_s_last_part_that_muted_is_not_ignored_as_short():
     """An upstream VAD whose stop_secs (0.5) the capture has not learned yet (it assumes 0.2): the
     part after the split had enough speech to mute the first one, but its measured speech is short.

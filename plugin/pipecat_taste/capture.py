@@ -93,7 +93,7 @@ from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 from pipecat.utils.errors import ErrorCategory
 from pipecat.utils.time import time_now_iso8601
 
-from pipecat_taste.audio import StreamResampler, pcm16_to_float, resample
+from pipecat_taste.audio import StreamResampler, float_to_pcm16, pcm16_to_float, resample
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
 from pipecat_taste.upstream_transcripts import TurnWords, UpstreamTranscripts
@@ -204,6 +204,7 @@ class _CapturedTurn:
 
 
 _NO_AUDIO = np.zeros(0, np.float32)
+FOLLOW_SECS = 0.02  # input is followed (VAD, pauses, pre-roll) in slices of at most this length
 USER_SPEAKING_PERIOD_SECS = 0.2  # UserSpeakingFrame while the caller speaks, as often as Pipecat's VADProcessor
 
 
@@ -385,16 +386,29 @@ class TasteTurnCapture(FrameProcessor):
             samples = pcm16_to_float(frame.audio)
         if frame.sample_rate != self._sample_rate or self._resampler is not None:
             samples = self._to_working_rate(samples, frame.sample_rate)
+        pcm = None
+        if self._vad is not None:
+            as_is = frame.sample_rate == self._sample_rate and frame.num_channels == 1 and len(frame.audio) == 2 * samples.size
+            pcm = frame.audio if as_is else float_to_pcm16(samples)
+        # A long frame (a phone stream's media messages last up to 1.5 s) is followed in slices:
+        # the VAD's state after a whole frame would place a pause that began at its end at its
+        # start (an early hand-over then trimmed the caller's last words as silence), and the
+        # pre-roll would keep the whole frame.
+        step = max(1, int(FOLLOW_SECS * self._sample_rate))
+        for at in range(0, max(samples.size, 1), step):
+            await self._follow_audio(samples[at:at + step], None if pcm is None else pcm[2 * at:2 * (at + step)], now)
+
+    async def _follow_audio(self, samples: np.ndarray, pcm: bytes | None, now: float):
+        """One slice of input (``pcm``: the same samples as 16-bit PCM for the VAD)."""
         self._remember(samples)
         rest, split = samples, False
         if self._capturing:
             limit = int(self._max_turn_seconds() * self._sample_rate)
             while self._capturing and self._turn_samples + rest.size >= limit:
                 # The audio tower has a fixed window: close this turn at it and go on in a new one
-                # (with the rest of the frame: a client's frames may be long). The closed turn waits
-                # until the new one proves to be speech (then it gets no reply: the caller is still
-                # talking) or ends without (then it does: the split only cut the last syllable or
-                # the closing silence off).
+                # (with the rest of the slice). The closed turn waits until the new one proves to be
+                # speech (then it gets no reply: the caller is still talking) or ends without (then
+                # it does: the split only cut the last syllable or the closing silence off).
                 head, rest = rest[:limit - self._turn_samples], rest[limit - self._turn_samples:]
                 self._turn_chunks.append(head)
                 self._turn_samples += head.size
@@ -414,11 +428,6 @@ class TasteTurnCapture(FrameProcessor):
         if self._vad is None:
             await self._speech_heard(now)
             return
-        pcm = frame.audio if frame.sample_rate == self._sample_rate and frame.num_channels == 1 else None
-        if pcm is None:
-            from pipecat_taste.audio import float_to_pcm16
-
-            pcm = float_to_pcm16(samples)
         state = await self._vad.analyze_audio(pcm)
         previous, self._vad_state = self._vad_state, state
         if state == VADState.SPEAKING and previous in (VADState.QUIET, VADState.STARTING):
