@@ -65,7 +65,10 @@ def main():
     ours.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     args, _ = ours.parse_known_args()  # the runner parses its own options (and ours again) below
     if "-h" not in sys.argv and "--help" not in sys.argv:  # the help needs no model
-        engine = TasteEngine.from_pretrained(args.model, device=args.device)
+        try:
+            engine = TasteEngine.from_pretrained(args.model, device=args.device)
+        except (ValueError, OSError, RuntimeError) as e:  # a wrong path or device: its message says what to do
+            sys.exit(f"cannot load the model: {e}")
         engine.warm_up()  # on CUDA: captures the graphs now, not during the first call
         freeze_startup_objects()  # full garbage collections then skip start-up's objects
         ours.set_defaults(engine=engine)  # reaches every bot() as runner_args.cli_args.engine

@@ -9,6 +9,7 @@ out/example-call/ (recording.wav: caller left, agent right; report.json; timelin
 
 import argparse
 import asyncio
+import sys
 
 from pipecat_taste import TasteEngine, freeze_startup_objects
 from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
@@ -16,10 +17,16 @@ from taste_agents.phone_agent import PhoneAgentConfig
 from taste_agents.simulate import simulate_call
 
 
-async def main(model: str | None, device: str) -> None:
+def load(model: str | None, device: str) -> TasteEngine:
     # None: the embedded tiny checkpoint (with its small built-in ASR). With a real checkpoint the
     # scripted caller sends its own transcripts, so no Whisper is loaded (asr=None).
-    engine = TasteEngine.from_pretrained(model, device=device, asr="auto" if model is None else None)
+    try:
+        return TasteEngine.from_pretrained(model, device=device, asr="auto" if model is None else None)
+    except (ValueError, OSError, RuntimeError) as e:  # a wrong path or device: its message says what to do
+        sys.exit(f"cannot load the model: {e}")
+
+
+async def main(engine: TasteEngine, model: str | None) -> None:
     engine.warm_up()  # every stage run once (on CUDA: the graphs captured) before the call, not in its first turn
     freeze_startup_objects()  # full garbage collections then skip start-up's objects: no long stalls mid-call
     config = PhoneAgentConfig(max_reply_tokens=6 if model is None else 48)
@@ -41,4 +48,4 @@ if __name__ == "__main__":
                         help="checkpoint folder or hub id (default: the embedded tiny checkpoint)")
     parser.add_argument("device", nargs="?", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
     args = parser.parse_args()
-    asyncio.run(main(args.model, args.device))
+    asyncio.run(main(load(args.model, args.device), args.model))
