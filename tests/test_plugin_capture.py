@@ -462,6 +462,43 @@ async def test_long_frames_place_a_turn_s_ends_as_short_ones_do(utterances):
     assert long.speech_seconds == pytest.approx(short.speech_seconds, abs=0.045)
 
 
+async def test_a_split_speech_takes_its_words_from_one_source():
+    """'auto', before any STT has spoken: the built-in ASR transcribes the first part of a speech
+    split at the length limit (it wins the race with the grace wait); a segmented STT then sends
+    one transcript for the whole speech. The last part is transcribed by the built-in ASR too: the
+    STT's words for the whole speech would have said the first part's words again."""
+    from pipecat.pipeline.pipeline import Pipeline
+
+    from pipecat_taste import TasteGenerator
+
+    engine = FakeEngine(asr_text=lambda audio: f"{audio.size / SR:.1f} seconds", asr_delay=0.8, max_turn_seconds=2.0)
+    call = TasteCall(engine)
+    noise = 0.1 * np.random.default_rng(3).standard_normal(int(2.6 * SR)).astype(np.float32)
+    frames = [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio_frames(noise) + \
+        [VADUserStoppedSpeakingFrame(stop_secs=0.2), SleepFrame(0.2), stt("the whole thing I said")]
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="auto", incremental_asr=False))
+    await run_test(Pipeline([capture, TasteGenerator(call)]), frames_to_send=frames + [SleepFrame(3.0)],
+                   pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+    heard = [text for role, text in engine.sessions[0].history if role == "user"]
+    assert heard == ["1.5 seconds", "1.1 seconds"]  # each part's own words, once
+    assert [e["text"] for e in call.log.events if e["kind"] == "transcript_dropped"] == ["the whole thing I said"]
+
+
+async def test_a_split_speech_whose_last_part_is_no_turn_is_answered_with_the_stt_s_words():
+    """The speech goes on for 50 ms after the split, then a pause the upstream VAD ends after 0.5 s
+    (the capture, not knowing its stop_secs yet, took the pause for speech and muted the first
+    part). The last part is too short to be a turn: the first part answers for the speech and takes
+    the STT's transcript (it was ignored as 'spent', the last part as short, and the words lost)."""
+    call = TasteCall(FakeEngine(max_turn_seconds=2.0))  # split after 1.5 s
+    speech = 0.1 * np.random.default_rng(0).standard_normal(int(1.55 * SR)).astype(np.float32)
+    frames = [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio_frames(speech) + audio_frames(silence(0.5)) + \
+        [VADUserStoppedSpeakingFrame(stop_secs=0.5), SleepFrame(0.3), stt("all of what I said")]
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="upstream"))
+    down, _ = await run_with(capture, frames, tail_secs=2.0)
+    assert [(t.turn_id, t.transcript) for t in of(down, TasteUserTurnFrame)] == [(1, "all of what I said")]
+    assert [d.turn_id for d in of(down, TasteTurnDecisionFrame) if d.decision == "ignored"] == [2]
+
+
 async def test_a_split_turn_s_last_part_that_muted_is_not_ignored_as_short():
     """An upstream VAD whose stop_secs (0.5) the capture has not learned yet (it assumes 0.2): the
     part after the split had enough speech to mute the first one, but its measured speech is short.

@@ -23,7 +23,7 @@ from pipecat.pipeline.worker import PipelineParams
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.tests.utils import SleepFrame, run_test
 
-from pipecat_taste import TasteSpeechToSpeech
+from pipecat_taste import TasteSpeechToSpeech, TurnCaptureParams
 from pipecat_taste.audio import float_to_pcm16, pcm16_to_float
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame, TasteTurnDecisionFrame, TasteTurnMetricsFrame
@@ -52,8 +52,8 @@ def played(frames) -> np.ndarray:
     return np.concatenate(audio) if audio else np.zeros(0, np.float32)
 
 
-async def run_call(frames, engine, **kw):
-    agent, watch = TasteSpeechToSpeech(engine), EndWatch()
+async def run_call(frames, engine, capture_params=None, **kw):
+    agent, watch = TasteSpeechToSpeech(engine, capture_params=capture_params), EndWatch()
     down, _ = await run_test(Pipeline([watch, agent]), frames_to_send=frames, pipeline_params=PARAMS, **kw)
     assert not watch.gave_up, "the EndFrame never came out of the pipeline"
     return agent.log, down
@@ -83,6 +83,22 @@ async def test_a_turn_handed_on_early_is_confirmed_by_the_end_of_the_call():
     assert record.early_end_at is not None and record.decision == "reply"
     assert record.played_words == 6 and not record.ended_by_hangup
     assert played(down).size >= record.synthesized_samples > 0
+
+
+@pytest.mark.parametrize("silence_secs, early_reply_secs", [(0.16, 0.2), (0.4, None)])
+async def test_speech_the_caller_paused_after_is_a_turn_at_the_end_of_the_call(silence_secs, early_reply_secs):
+    """The call ends while the VAD makes sure of the caller's pause (before any early hand-over):
+    no more speech can follow, so the speech before the pause is a turn and is answered (it was
+    dropped as speech still going on)."""
+    engine = FakeEngine(asr_text="what time is it")
+    log, down = await run_call(caller_audio(silence_secs=silence_secs), engine,
+                               capture_params=TurnCaptureParams(early_reply_secs=early_reply_secs))
+    [record] = log.turns.values()
+    assert record.early_end_at is None and record.decision == "reply", record.reason
+    assert record.played_words == 6 and played(down).size >= record.synthesized_samples > 0
+    assert engine.sessions[0].history[0] == ("user", "what time is it")
+    speech = load_utterances()["time"].seconds
+    assert speech - 0.3 < record.audio_seconds < speech + silence_secs  # the pause trimmed, the words kept
 
 
 async def test_speech_still_going_on_at_the_end_is_dropped_as_a_turn():

@@ -366,12 +366,17 @@ class TasteTurnCapture(FrameProcessor):
     async def _end_of_call(self, frame: EndFrame, direction: FrameDirection):
         """EndFrame: the turns the caller has ended are still transcribed and handed on (a turn
         handed on early is confirmed: no more speech can retract it); speech still going on is
-        not a turn yet and is dropped. The EndFrame follows the last turn out."""
+        not a turn yet and is dropped; speech the caller paused after (the VAD was making sure of
+        its end) is a turn: nothing can follow it now. The EndFrame follows the last turn out."""
         self._ending = True
         if self._capturing:
+            pause = None
+            if self._vad is not None and self._vad_state == VADState.STOPPING and self._silence_from is not None:
+                pause = (self._samples_seen - self._silence_from) / self._sample_rate
             if self._vad is not None and self._vad_state != VADState.QUIET:
                 await self.broadcast_frame(VADUserStoppedSpeakingFrame, stop_secs=0.0)
-            await self._speech_stopped(time.monotonic(), keep=self._early is not None)
+            await self._speech_stopped(time.monotonic(), keep=self._early is not None or pause is not None,
+                                       silence_secs=pause)
         self._transcripts.end_of_call()
         if self._finish_queue is None:
             await self.push_frame(frame, direction)
@@ -396,6 +401,8 @@ class TasteTurnCapture(FrameProcessor):
         # pre-roll would keep the whole frame.
         step = max(1, int(FOLLOW_SECS * self._sample_rate))
         for at in range(0, max(samples.size, 1), step):
+            if self._ending:  # (the EndFrame came while a slice waited on the VAD: the call's audio ends there)
+                return
             await self._follow_audio(samples[at:at + step], None if pcm is None else pcm[2 * at:2 * (at + step)], now)
 
     async def _follow_audio(self, samples: np.ndarray, pcm: bytes | None, now: float):
@@ -554,13 +561,15 @@ class TasteTurnCapture(FrameProcessor):
         logger.debug(f"{self}: barge-in on turn {active} by turn {self._turn_id}")
         await self.broadcast_interruption()
 
-    async def _speech_stopped(self, now: float, forced: bool = False, keep: bool = True):
-        """The turn being captured ends (``keep=False``: dropped, the call is ending)."""
+    async def _speech_stopped(self, now: float, forced: bool = False, keep: bool = True,
+                              silence_secs: float | None = None):
+        """The turn being captured ends (``keep=False``: dropped, the call is ending) after
+        ``silence_secs`` of silence (by default the VAD's stop_secs; none when ``forced``)."""
         if not self._capturing:
             return
         self._capturing = False
         self._silence_from = None
-        stop_secs = 0.0 if forced else self._stop_secs()
+        stop_secs = silence_secs if silence_secs is not None else 0.0 if forced else self._stop_secs()
         early, self._early = self._early, None
         if early is None:
             turn = self._close_turn(now, stop_secs)
@@ -596,6 +605,8 @@ class TasteTurnCapture(FrameProcessor):
         record.audio_seconds = audio.size / self._sample_rate
         end_sample = self._samples_seen - int(silence_secs * self._sample_rate)
         record.speech_seconds = max(0.0, (end_sample - self._start_sample) / self._sample_rate)
+        if self._after_split and record.speech_seconds < self._params.min_turn_secs:
+            self._words.stands_alone()  # (the closing silence, not speech, made it long enough to mute)
         resumed = self._resumed_sample  # a click that took an early hand-over back brings no new words
         words_follow = resumed is None or (end_sample - resumed) / self._sample_rate >= self._params.min_speech_secs
         self._words.close(now, record.speech_end, end_sample, words_follow)
@@ -792,6 +803,14 @@ class TasteTurnCapture(FrameProcessor):
 
     async def _transcript(self, turn: _CapturedTurn) -> str | None:
         mode = self._params.transcripts
+        before = turn.words.previous_part
+        if mode == "auto" and before is not None and before.by_asr:
+            # a split speech takes its words from one source: an STT's one transcript for the whole
+            # speech would say again the words the built-in ASR heard in the part before
+            mode = "asr"
+            self._transcripts.absorb(turn.words, self._params.transcript_timeout_secs)
+            for _, text in turn.words.parts:
+                self._transcripts.drop(text, "the built-in ASR transcribes the speech it is about")
         asr = turn.asr or _TurnASR(None)
         built_in = None  # the built-in ASR's transcription, when it races an STT that may not be there
         try:

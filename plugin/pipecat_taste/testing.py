@@ -56,7 +56,8 @@ class FakeEngine:
     fail_vocode_on: tuple[str, ...] = ()  # reply words whose synthesis fails
     fail_start_speech: int = 0  # the first this many replies cannot start speaking (e.g. out of GPU memory)
     fail_vocode_call: int = 0  # the session's vocode call (1-based) that fails part-way, its audio made (VocodingFailed)
-    asr_text: str | None = None  # what transcribe() returns (None: no built-in ASR)
+    asr_text: str | Callable[[np.ndarray], str] | None = None  # what transcribe() returns, or makes of the audio (None: no built-in ASR)
+    asr_delay: float = 0.0  # built-in ASR cost per transcription (s)
     max_turn_seconds: float = 30.0
     amplitude: float = 0.3
     sessions: list = field(default_factory=list)
@@ -115,7 +116,9 @@ class FakeSession:
     def transcribe(self, audio: np.ndarray) -> str:
         if self.engine.asr_text is None:
             raise NotImplementedError("no built-in ASR in this engine")
-        return self.engine.asr_text
+        time.sleep(self.engine.asr_delay)
+        text = self.engine.asr_text
+        return text(audio) if callable(text) else text
 
     def user_turn(self, audio: np.ndarray, transcript: str, heard=None) -> UserTurn:
         self.listening.append("user_turn")

@@ -18,7 +18,10 @@ it after the caller's next turn began go to that turn (by their arrival they can
 its own words, which a segmented STT may finalize while the caller still speaks; a word too many
 is the lesser evil than a phrase of the turn lost). A turn
 split at the length limit takes no words once the part that went on has ended (``spent``): they are
-the whole speech's, and go to that last part, which is answered.
+the whole speech's, and go to that last part, which is answered. A split speech takes its words
+from one source: after a part the built-in ASR transcribed, the capture has the ASR transcribe the
+next part too, and drops the STT's words for it. A part after a split too short to be a turn
+``stands_alone``: the part before it answers for the speech, with the STT's words.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class TurnWords:
     # Answered without its STT's words (the built-in ASR stepped in): words still coming for it until
     # then are dropped, never given to the next turn.
     absorb_until: float | None = None
+    by_asr: bool = False  # (the built-in ASR transcribed it)
     # A turn closed at the length limit: the words of the part that goes on. Once that part ended, an
     # STT's words (one transcript for the whole speech, as a segmented STT sends) go to it.
     next_part: TurnWords | None = field(default=None, repr=False)
@@ -94,6 +98,14 @@ class TurnWords:
     def goes_on_in(self, next_part: TurnWords) -> None:
         """This turn was closed at the length limit and its speech goes on as ``next_part``."""
         self.next_part, next_part.previous_part = next_part, self
+
+    def stands_alone(self) -> None:
+        """This part after a split is too short to be a turn (it is not answered): the part before
+        it answers for the speech again and takes the STT's words, as an unsplit turn does."""
+        previous, self.previous_part = self.previous_part, None
+        if previous is not None:
+            previous.next_part = None
+            previous.arrived.set()  # (its wait for this part to end is over)
 
     def continuation(self) -> TurnWords:
         """The words of a turn whose early hand-over was retracted: the speech goes on as a new turn,
@@ -157,7 +169,7 @@ class UpstreamTranscripts:
             if now - at <= start_secs:  # an STT cannot transcribe speech before it began
                 words.add(text, at, frame=frame)
             else:
-                self._drop(text)
+                self.drop(text)
         return words
 
     def add(self, text: str, finalized: bool, frame: TranscriptionFrame | None, sample: int,
@@ -175,7 +187,7 @@ class UpstreamTranscripts:
         taker = next((w for w in self.collecting
                       if w.absorb_until is None and not w.done(now, self.quiet_secs, self.finals_flagged)), None)
         if taker is None and any(w.absorb_until is not None and not w.spent for w in self.collecting):
-            self._drop(text)  # late words of a turn the built-in ASR took, not of the one being spoken
+            self.drop(text)  # late words of a turn the built-in ASR took, not of the one being spoken
             return
         if taker is None:
             taker = current
@@ -183,7 +195,7 @@ class UpstreamTranscripts:
             taker.add(text, now, finalized, sample, frame)
             return
         if self._unclaimed is not None:
-            self._drop(self._unclaimed[1])
+            self.drop(self._unclaimed[1])
         self._unclaimed = (now, text, frame)
 
     def expect(self, words: TurnWords) -> None:
@@ -209,6 +221,7 @@ class UpstreamTranscripts:
         now = time.monotonic()
         self._forget_absorbed(now)
         words.absorb_until = now + seconds
+        words.by_asr = True
         if not any(w is words for w in self.collecting):
             self.collecting.append(words)
 
@@ -244,8 +257,8 @@ class UpstreamTranscripts:
             words.arrived.clear()
             await _first_of(remaining, words.arrived, retracted)
 
-    def _drop(self, text: str) -> None:
-        logger.info(f"{self._owner}: dropped upstream transcript {text!r}: late words of a turn already taken")
+    def drop(self, text: str, why: str = "late words of a turn already taken") -> None:
+        logger.info(f"{self._owner}: dropped upstream transcript {text!r}: {why}")
         self._log.event("transcript_dropped", text=text)
 
 
