@@ -485,3 +485,65 @@ async def test_a_reply_taken_back_gives_up_its_speech_when_the_next_reply_starts
     (session,) = engine.sessions
     assert session.replies_started >= 2 and len(session.dropped_speech) == 1  # turn 1's; turn 2's ended
     assert call.log.turns[2].total_words > 0
+
+
+async def test_a_reply_cut_off_before_its_first_audio_gives_up_its_speech():
+    """A barge-in while a reply's speech has started but no audio has come yet (a slow vocoder):
+    its speech state is given up (``drop_speech``) at the interruption, not left for the shared
+    synthesis steps to wait on; the next reply is heard whole."""
+    from pipecat.frames.frames import InterruptionFrame
+    from pipecat.pipeline.worker import PipelineParams
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.generation import TasteGenerator
+    from pipecat_taste.synthesis import TasteSynthesizer, context_id_for
+    from pipecat_taste.testing import FakeEngine, fake_user_turn_frame as turn
+
+    engine = FakeEngine(word_delay=0.05, vocode_delay=0.4)
+    call = TasteCall(engine)
+    frames = [turn(1, "hello there"), SleepFrame(0.25), InterruptionFrame(), SleepFrame(0.3),
+              turn(2, "and you"), SleepFrame(4.0)]
+    down, _ = await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call)]), frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=24000))
+    (session,) = engine.sessions
+    audio = {t: sum(isinstance(f, TTSAudioRawFrame) and f.context_id == context_id_for(t) for f in down) for t in (1, 2)}
+    assert audio[1] == 0 and audio[2] > 0, audio  # (cut before its first audio, as meant)
+    assert session.replies_started == 2 and len(session.dropped_speech) == 1  # turn 1's, at the barge-in
+
+
+async def test_a_turn_taken_back_while_its_reply_waits_for_a_mute_gets_no_reply():
+    """A tentative turn waits to learn whether later speech mutes it; meanwhile it is taken back.
+    When the mute is then lifted (the later speech had no words), no reply is made for the turn
+    taken back (a whole reply was generated for it, and the agent was busy with it)."""
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.frames import TasteReplySegmentFrame, TasteTurnStatusFrame
+    from pipecat_taste.generation import TasteGenerator
+    from pipecat_taste.testing import FakeEngine, fake_user_turn_frame as turn
+
+    class LiftTheMuteLater(FrameProcessor):  # as the capture does once the muting speech proves wordless
+        def __init__(self, call):
+            super().__init__()
+            self.call = call
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            await self.push_frame(frame, direction)
+            if isinstance(frame, TasteTurnStatusFrame) and frame.status == "retracted":
+                self.create_task(self.lift())
+
+        async def lift(self):
+            await asyncio.sleep(0.3)
+            self.call.mutes.settle(3, keep=False)
+
+    engine = FakeEngine(word_delay=0.2)
+    call = TasteCall(engine)
+    call.mutes.mute(3)  # speech after turn 2, not yet settled, mutes the turns before it
+    frames = [turn(2, "hello there", tentative=True), SleepFrame(0.1), TasteTurnStatusFrame(2, "retracted"),
+              SleepFrame(1.5)]
+    down, _ = await run_test(Pipeline([LiftTheMuteLater(call), TasteGenerator(call)]), frames_to_send=frames)
+    assert not [f for f in down if isinstance(f, TasteReplySegmentFrame)]
+    assert engine.sessions[0].replies_started == 0
+    assert "reply_retracted" in [e["kind"] for e in call.log.events]

@@ -213,6 +213,8 @@ class TasteGenerator(FrameProcessor):
         session = await call.ensure_session()
         stop = threading.Event()
         muted = await call.mutes.muted(turn_id)  # the caller spoke again before this reply began
+        if turn_id in self._retracted:
+            return  # taken back while it waited (the retraction found no reply of it to stop)
         if muted:
             stop.set()  # the turn joins the conversation; no word of a reply is made
         self._stop, self._active_turn = stop, turn_id

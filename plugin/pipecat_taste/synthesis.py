@@ -108,6 +108,7 @@ class TasteSynthesizer(FrameProcessor):
         self._cancelled_upto = 0  # turns up to this id were interrupted
         self._retracted: set[int] = set()  # tentative turns taken back
         self._current_turn: int | None = None
+        self._speaking: _Reply | None = None  # the latest reply given a speech state
         self._end: EndFrame | None = None  # the call's EndFrame, on its way through the stages
         self._end_passed = False
         call.has_synthesizer = True
@@ -156,6 +157,7 @@ class TasteSynthesizer(FrameProcessor):
             self._segments.put_nowait(frame)
         elif isinstance(frame, (EndFrame, CancelFrame)):
             await self._stop_stages()
+            self._give_up_speaking()
             await self.push_frame(frame, direction)
         elif isinstance(frame, (TasteReplySegmentFrame, TasteReplyEndFrame)):
             if frame.turn_id > self._cancelled_upto:
@@ -184,6 +186,7 @@ class TasteSynthesizer(FrameProcessor):
         if turn is None and self._segments is not None and self._segments.empty() and self._groups.empty():
             return
         await self._stop_stages()
+        self._give_up_speaking()
         while not self._segments.empty():  # dropped: their slots go back (the generator may be idle,
             queued = self._segments.get_nowait()  # its semaphore not renewed by this interruption)
             if isinstance(queued, TasteReplySegmentFrame):
@@ -194,6 +197,18 @@ class TasteSynthesizer(FrameProcessor):
         if self._end is not None and not self._end_passed:  # it was in the queues just dropped
             self._segments.put_nowait(self._end)
         self._call.log.event("synthesis_cancelled", turn)
+
+    def _give_up_speaking(self) -> None:
+        """The reply being spoken was cut off or taken back: the calls' shared synthesis steps stop
+        waiting for its first window (``drop_speech``; its speech state is lost with the stages)."""
+        reply, self._speaking = self._speaking, None
+        session = self._call.session
+        if reply is None or reply.state is None or reply.closed or session is None:
+            return
+        try:
+            session.drop_speech(reply.state)
+        except Exception as e:  # (the call goes on: at worst other calls' first windows wait for it once)
+            logger.warning(f"{self}: turn {reply.turn_id}: could not give up its speech: {e}")
 
     # Speech-token stage ----------------------------------------------------------------------------
     async def _decode_stage(self):
@@ -210,8 +225,8 @@ class TasteSynthesizer(FrameProcessor):
             if self._dropped(frame.turn_id):
                 continue
             if reply is None or reply.turn_id != frame.turn_id:
-                if reply is not None and reply.state is not None and self._dropped(reply.turn_id):
-                    self._call.session.drop_speech(reply.state)  # (its first window: awaited by no one now)
+                if self._speaking is not None and self._dropped(self._speaking.turn_id):
+                    self._give_up_speaking()  # (a reply taken back: its first window is awaited by no one now)
                 reply = await self._start_reply(frame.turn_id)
             if isinstance(frame, TasteReplyEndFrame):
                 await self._groups.put(("end", reply, frame.reason))
@@ -243,6 +258,7 @@ class TasteSynthesizer(FrameProcessor):
         except Exception as e:
             reply = _Reply(turn_id, None, decode_failed=True, failed=True)
             await self._fail(turn_id, f"could not start speaking: {e}", e)
+        self._speaking = reply
         await self._groups.put(("start", reply, None))
         return reply
 
