@@ -484,33 +484,24 @@ async def test_a_split_speech_takes_its_words_from_one_source():
     assert [e["text"] for e in call.log.events if e["kind"] == "transcript_dropped"] == ["the whole thing I said"]
 
 
-async def test_a_split_speech_whose_last_part_is_no_turn_is_answered_with_the_stt_s_words():
-    """The speech goes on for 50 ms after the split, then a pause the upstream VAD ends after 0.5 s
-    (the capture, not knowing its stop_secs yet, took the pause for speech and muted the first
-    part). The last part is too short to be a turn: the first part answers for the speech and takes
-    the STT's transcript (it was ignored as 'spent', the last part as short, and the words lost)."""
-    call = TasteCall(FakeEngine(max_turn_seconds=2.0))  # split after 1.5 s
-    speech = 0.1 * np.random.default_rng(0).standard_normal(int(1.55 * SR)).astype(np.float32)
-    frames = [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio_frames(speech) + audio_frames(silence(0.5)) + \
-        [VADUserStoppedSpeakingFrame(stop_secs=0.5), SleepFrame(0.3), stt("all of what I said")]
-    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="upstream"))
-    down, _ = await run_with(capture, frames, tail_secs=2.0)
-    assert [(t.turn_id, t.transcript) for t in of(down, TasteUserTurnFrame)] == [(1, "all of what I said")]
-    assert [d.turn_id for d in of(down, TasteTurnDecisionFrame) if d.decision == "ignored"] == [2]
-
-
-async def test_a_split_turn_s_last_part_that_muted_is_not_ignored_as_short():
+@pytest.mark.parametrize("after_split", [0.2, 0.05])
+async def test_a_split_turn_s_last_part_that_muted_is_not_ignored_as_short(after_split):
     """An upstream VAD whose stop_secs (0.5) the capture has not learned yet (it assumes 0.2): the
     part after the split had enough speech to mute the first one, but its measured speech is short.
     It was ignored as the last syllable after the split, the first part as spent, and the STT's
-    transcript of the whole speech was never answered."""
+    transcript of the whole speech was never answered. With 0.2 s of speech after the split the
+    last part is a turn and takes the words; with 50 ms it is too short to be one, and the first
+    part answers for the speech with them."""
     call = TasteCall(FakeEngine(max_turn_seconds=2.0))  # split after 1.5 s
-    speech = 0.1 * np.random.default_rng(0).standard_normal(int(1.7 * SR)).astype(np.float32)
+    speech = 0.1 * np.random.default_rng(0).standard_normal(int((1.5 + after_split) * SR)).astype(np.float32)
     frames = [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio_frames(speech) + audio_frames(silence(0.5)) + \
         [VADUserStoppedSpeakingFrame(stop_secs=0.5), SleepFrame(0.3), stt("all of what I said")]
     capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="upstream"))
     down, _ = await run_with(capture, frames, tail_secs=2.0)
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["all of what I said"]
+    if after_split < 0.1:  # (min_turn_secs)
+        assert [t.turn_id for t in of(down, TasteUserTurnFrame)] == [1]
+        assert [d.turn_id for d in of(down, TasteTurnDecisionFrame) if d.decision == "ignored"] == [2]
 
 
 @pytest.mark.serial  # paced audio: the click must fall in the pause after the early hand-over
