@@ -547,3 +547,41 @@ async def test_a_turn_taken_back_while_its_reply_waits_for_a_mute_gets_no_reply(
     assert not [f for f in down if isinstance(f, TasteReplySegmentFrame)]
     assert engine.sessions[0].replies_started == 0
     assert "reply_retracted" in [e["kind"] for e in call.log.events]
+
+
+async def test_a_reply_whose_first_chunks_are_shorter_than_its_fade_in_fades_in_once():
+    """The vocoder's first chunks can be a few ms (shorter than the 10 ms held back for the
+    fade-out): the reply still starts with one 5 ms ramp. (The held audio got the ramp again with
+    the next chunk: a squared ramp, and a 2 ms chunk got a whole 2 ms ramp of its own.)"""
+    from pipecat.pipeline.worker import PipelineParams
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste.audio import ramp
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeEngine, FakeSession, fake_user_turn_frame as turn
+    from pipecat_taste.generation import TasteGenerator
+
+    level, first = 0.5, [int(0.002 * 24000), int(0.003 * 24000)]  # 2 ms, then 3 ms, then whole chunks
+
+    class ShortFirstChunks(FakeSession):
+        def vocode(self, state, tokens, final=False):
+            chunks = super().vocode(state, tokens, final)
+            size = first.pop(0) if first and chunks else sum(c.size for c in chunks)
+            return [np.full(size, level, np.float32)] if chunks else []
+
+    class Engine(FakeEngine):
+        def new_session(self, settings=None, voice=None):
+            session = ShortFirstChunks(self, settings)
+            self.sessions.append(session)
+            return session
+
+    call = TasteCall(Engine())
+    down, _ = await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call, fade_in_ms=5.0)]),
+                             frames_to_send=[turn(1, "hello there"), SleepFrame(1.0)],
+                             pipeline_params=PipelineParams(audio_out_sample_rate=24000))
+    audio = pcm([f.audio for f in down if isinstance(f, TTSAudioRawFrame)]) / 32768.0
+    n = int(0.005 * 24000)
+    assert audio.size > 4 * n and not first  # (the short chunks came first, as meant)
+    np.testing.assert_allclose(audio[:n], level * ramp(n), atol=2 / 32768)
+    np.testing.assert_allclose(audio[n:2 * n], level, atol=1 / 32768)

@@ -44,6 +44,18 @@ def fade_in(samples: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def continue_fade_in(samples: np.ndarray, done: int, n: int) -> tuple[np.ndarray, int]:
+    """The next ``samples`` of a stream whose first ``n`` samples fade in, ``done`` of them already
+    faded: a stream that starts in pieces shorter than the fade gets one ramp, not a ramp per piece.
+    Returns the samples and the new ``done``."""
+    k = min(max(n - done, 0), samples.size)
+    if not k:
+        return samples, done
+    out = np.array(samples, dtype=np.float32, copy=True)
+    out[:k] *= ramp(n)[done:done + k]
+    return out, done + k
+
+
 def fade_out(samples: np.ndarray, n: int) -> np.ndarray:
     """Fade the last ``n`` samples to zero (the final sample is exactly 0 when n > 0)."""
     out = np.array(samples, dtype=np.float32, copy=True)

@@ -51,7 +51,7 @@ from pipecat.frames.frames import (
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
 from pipecat.utils.errors import ErrorCategory
 
-from pipecat_taste.audio import fade_in, fade_out, float_to_pcm16, samples_for_ms
+from pipecat_taste.audio import continue_fade_in, fade_out, float_to_pcm16, samples_for_ms
 from pipecat_taste.call import TasteCall
 from pipecat_taste.engine import VocodingFailed
 from pipecat_taste.frames import (
@@ -283,6 +283,7 @@ class TasteSynthesizer(FrameProcessor):
     async def _vocode_stage(self):
         hold = np.zeros(0, dtype=np.float32)  # the last fade_out_ms of audio, until the end is known
         produced = 0
+        faded_in = 0  # samples of the reply's fade-in applied so far (its first chunks can be shorter)
         first_audio = False
         while True:
             kind, reply, payload = await self._groups.get()
@@ -295,7 +296,7 @@ class TasteSynthesizer(FrameProcessor):
             turn_id = reply.turn_id
             record = self._call.log.turn(turn_id)
             if kind == "start":
-                hold, produced, first_audio = np.zeros(0, dtype=np.float32), 0, False
+                hold, produced, faded_in, first_audio = np.zeros(0, dtype=np.float32), 0, 0, False
                 await self.start_ttfb_metrics()
                 await self.start_processing_metrics()
                 await self.push_frame(TasteAudioStartedFrame(turn_id) if self._call.has_playout
@@ -325,9 +326,9 @@ class TasteSynthesizer(FrameProcessor):
                     chunks = e.audio if isinstance(e, VocodingFailed) else []  # (made before the failure: played)
                     reply.failed = True
                     await self._fail(turn_id, f"vocoding failed: {e}", e)
-            audio = np.concatenate([hold, *[np.asarray(c, np.float32).reshape(-1) for c in chunks]])
-            if produced == 0 and audio.size:
-                audio = fade_in(audio, samples_for_ms(self._fade_in_ms, self._out_rate))
+            new = np.concatenate([np.asarray(c, np.float32).reshape(-1) for c in chunks] or [np.zeros(0, np.float32)])
+            new, faded_in = continue_fade_in(new, faded_in, samples_for_ms(self._fade_in_ms, self._out_rate))
+            audio = np.concatenate([hold, new])
             n_fade = samples_for_ms(self._fade_out_ms, self._out_rate)
             # A failed reply ends here, not when its generation does: the audio before the failure
             # plays straight through and fades out (a playout held its last partial frame until then).
