@@ -585,3 +585,92 @@ async def test_a_reply_whose_first_chunks_are_shorter_than_its_fade_in_fades_in_
     assert audio.size > 4 * n and not first  # (the short chunks came first, as meant)
     np.testing.assert_allclose(audio[:n], level * ramp(n), atol=2 / 32768)
     np.testing.assert_allclose(audio[n:2 * n], level, atol=1 / 32768)
+
+
+async def test_a_barge_in_after_a_reply_was_heard_to_its_end_does_not_mark_it_interrupted():
+    """The playout reported the reply heard to its end; the caller speaks while the generator keeps
+    its words (``commit_reply``, on the model's thread: a few ms, longer when the thread is busy).
+    Nothing is cut: the reply's record stays not interrupted, and the agent is no longer busy."""
+    from pipecat.frames.frames import InterruptionFrame
+    from pipecat.pipeline.worker import PipelineParams
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.generation import TasteGenerator
+    from pipecat_taste.playout import TastePlayout
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeEngine, FakeSession, fake_user_turn_frame as turn
+
+    committing, started = [], threading.Event()  # (start, end) of each commit; a commit began
+
+    class SlowCommit(FakeSession):
+        def commit_reply(self, played_words):
+            start = time.monotonic()
+            started.set()
+            time.sleep(0.5)
+            committing.append((start, time.monotonic()))
+            return super().commit_reply(played_words)
+
+    class Engine(FakeEngine):
+        def new_session(self, settings=None, voice=None):
+            session = SlowCommit(self, settings)
+            self.sessions.append(session)
+            return session
+
+    class BargeInWhileCommitting(FrameProcessor):
+        at: float | None = None
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            await self.push_frame(frame, direction)
+            if isinstance(frame, StartFrame):
+                self.create_task(self.barge_in())
+
+        async def barge_in(self):
+            if await asyncio.to_thread(started.wait, 10.0):
+                BargeInWhileCommitting.at = time.monotonic()
+                await self.push_frame(InterruptionFrame())
+
+    call = TasteCall(Engine(reply_words=("sure", "thing")))  # 0.4 s of audio
+    pipeline = Pipeline([BargeInWhileCommitting(), TasteGenerator(call), TasteSynthesizer(call), TastePlayout(call)])
+    await run_test(pipeline, frames_to_send=[turn(1, "hello there"), SleepFrame(2.5)],
+                   pipeline_params=PipelineParams(audio_out_sample_rate=16000))
+    ((start, end),) = committing
+    assert start < BargeInWhileCommitting.at < end  # (the barge-in came while the words were being kept, as meant)
+    record = call.log.turns[1]
+    assert record.played_samples > 0 and not record.interrupted and record.kept_words == 2
+    assert "generation_cancelled" not in [e["kind"] for e in call.log.events]
+
+
+async def test_a_reply_cut_off_while_its_speech_state_is_made_gives_it_up_once_made():
+    """A barge-in while a reply's speech state is being made (``start_speech`` on the speech
+    decoder's thread: caches, a busy compute gate): the state made after the cut is given up
+    (``drop_speech``), not left for the shared synthesis steps to wait on; the next reply is heard."""
+    from pipecat.frames.frames import InterruptionFrame
+    from pipecat.pipeline.worker import PipelineParams
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste.call import TasteCall
+    from pipecat_taste.generation import TasteGenerator
+    from pipecat_taste.synthesis import TasteSynthesizer, context_id_for
+    from pipecat_taste.testing import FakeEngine, fake_user_turn_frame as turn
+
+    made = []
+
+    class Engine(FakeEngine):
+        def new_session(self, settings=None, voice=None):
+            session = super().new_session(settings, voice)
+            start_speech = session.start_speech
+            session.start_speech = lambda rate: made.append(start_speech(rate)) or made[-1]
+            return session
+
+    engine = Engine(start_speech_delay=0.5)
+    call = TasteCall(engine)
+    frames = [turn(1, "hello there"), SleepFrame(0.2), InterruptionFrame(), SleepFrame(0.6),
+              turn(2, "and you"), SleepFrame(2.5)]
+    down, _ = await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call)]), frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=24000))
+    (session,) = engine.sessions
+    audio = {t: sum(isinstance(f, TTSAudioRawFrame) and f.context_id == context_id_for(t) for f in down) for t in (1, 2)}
+    assert audio[1] == 0 and audio[2] > 0, audio
+    assert len(made) == 2 and session.dropped_speech == made[:1]  # turn 1's, once made

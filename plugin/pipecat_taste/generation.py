@@ -328,6 +328,10 @@ class TasteGenerator(FrameProcessor):
             try:
                 report = await asyncio.wait_for(self._reports[turn_id], self._report_timeout)
                 played = None if report is None else report.played_words
+                if report is not None:  # its audio is over: speech from now on cuts nothing
+                    self._active_turn = None
+                    if call.active_reply_turn == turn_id:
+                        call.active_reply_turn = None
             except asyncio.TimeoutError:
                 logger.warning(f"{self}: no playback report for turn {turn_id}; keeping the whole reply")
             if turn_id in self._retracted:  # retracted while we waited for the report

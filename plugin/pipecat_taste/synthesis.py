@@ -202,13 +202,16 @@ class TasteSynthesizer(FrameProcessor):
         """The reply being spoken was cut off or taken back: the calls' shared synthesis steps stop
         waiting for its first window (``drop_speech``; its speech state is lost with the stages)."""
         reply, self._speaking = self._speaking, None
-        session = self._call.session
-        if reply is None or reply.state is None or reply.closed or session is None:
+        if reply is not None and reply.state is not None and not reply.closed:
+            self._drop_speech(self._call.session, reply.turn_id, reply.state)
+
+    def _drop_speech(self, session, turn_id: int, state) -> None:
+        if session is None:
             return
         try:
-            session.drop_speech(reply.state)
+            session.drop_speech(state)
         except Exception as e:  # (the call goes on: at worst other calls' first windows wait for it once)
-            logger.warning(f"{self}: turn {reply.turn_id}: could not give up its speech: {e}")
+            logger.warning(f"{self}: turn {turn_id}: could not give up its speech: {e}")
 
     # Speech-token stage ----------------------------------------------------------------------------
     async def _decode_stage(self):
@@ -252,7 +255,16 @@ class TasteSynthesizer(FrameProcessor):
         self._current_turn = turn_id
         try:
             session = await self._call.ensure_session()
-            reply = _Reply(turn_id, await self._call.run("speech_tokens", session.start_speech, self._out_rate))
+            making = asyncio.ensure_future(self._call.run("speech_tokens", session.start_speech, self._out_rate))
+            try:
+                reply = _Reply(turn_id, await asyncio.shield(making))
+            except asyncio.CancelledError:  # cut off while its state is made: give the state up once made
+                def give_up(made: asyncio.Future) -> None:
+                    if not made.cancelled() and made.exception() is None:
+                        self._drop_speech(session, turn_id, made.result())
+
+                making.add_done_callback(give_up)
+                raise
         except asyncio.CancelledError:
             raise
         except Exception as e:
