@@ -483,6 +483,9 @@ def main(argv=None) -> int:
     except StartupError as e:
         print(f"taste-agent: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the server has ended its calls (uvicorn re-raises the signal)
+        print("taste-agent: stopped", file=sys.stderr, flush=True)
+        return 130
 
 
 def _run(args) -> int:

@@ -197,7 +197,8 @@ def ice_servers_from(urls, username: str | None = None, credential: str | None =
         if scheme.startswith("turn"):
             if not (username and credential):
                 raise ValueError(f"ICE server {url!r} is a TURN server: give its username and credential "
-                                 "(taste-agent serve --turn-username U --turn-credential C)")
+                                 "(taste-agent serve --turn-username U, and the credential in $TASTE_TURN_CREDENTIAL: "
+                                 "--turn-credential C would show it in the process list)")
             servers.append(RTCIceServer(urls=url, username=username, credential=credential))
         else:
             servers.append(RTCIceServer(urls=url))
