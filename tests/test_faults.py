@@ -487,10 +487,9 @@ async def test_a_reply_taken_back_gives_up_its_speech_when_the_next_reply_starts
     assert call.log.turns[2].total_words > 0
 
 
-async def test_a_reply_cut_off_before_its_first_audio_gives_up_its_speech():
-    """A barge-in while a reply's speech has started but no audio has come yet (a slow vocoder):
-    its speech state is given up (``drop_speech``) at the interruption, not left for the shared
-    synthesis steps to wait on; the next reply is heard whole."""
+async def barge_in_then_answer_again(engine, cut_after: float, pause: float, listen: float) -> dict[int, int]:
+    """Turn 1, a barge-in ``cut_after`` s later, turn 2 ``pause`` s after that, through a generator
+    and a synthesizer: the number of audio frames each reply sent."""
     from pipecat.frames.frames import InterruptionFrame
     from pipecat.pipeline.worker import PipelineParams
     from pipecat.tests.utils import SleepFrame, run_test
@@ -498,16 +497,25 @@ async def test_a_reply_cut_off_before_its_first_audio_gives_up_its_speech():
     from pipecat_taste.call import TasteCall
     from pipecat_taste.generation import TasteGenerator
     from pipecat_taste.synthesis import TasteSynthesizer, context_id_for
-    from pipecat_taste.testing import FakeEngine, fake_user_turn_frame as turn
+    from pipecat_taste.testing import fake_user_turn_frame as turn
 
-    engine = FakeEngine(word_delay=0.05, vocode_delay=0.4)
     call = TasteCall(engine)
-    frames = [turn(1, "hello there"), SleepFrame(0.25), InterruptionFrame(), SleepFrame(0.3),
-              turn(2, "and you"), SleepFrame(4.0)]
+    frames = [turn(1, "hello there"), SleepFrame(cut_after), InterruptionFrame(), SleepFrame(pause),
+              turn(2, "and you"), SleepFrame(listen)]
     down, _ = await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call)]), frames_to_send=frames,
                              pipeline_params=PipelineParams(audio_out_sample_rate=24000))
+    return {t: sum(isinstance(f, TTSAudioRawFrame) and f.context_id == context_id_for(t) for f in down) for t in (1, 2)}
+
+
+async def test_a_reply_cut_off_before_its_first_audio_gives_up_its_speech():
+    """A barge-in while a reply's speech has started but no audio has come yet (a slow vocoder):
+    its speech state is given up (``drop_speech``) at the interruption, not left for the shared
+    synthesis steps to wait on; the next reply is heard whole."""
+    from pipecat_taste.testing import FakeEngine
+
+    engine = FakeEngine(word_delay=0.05, vocode_delay=0.4)
+    audio = await barge_in_then_answer_again(engine, cut_after=0.25, pause=0.3, listen=4.0)
     (session,) = engine.sessions
-    audio = {t: sum(isinstance(f, TTSAudioRawFrame) and f.context_id == context_id_for(t) for f in down) for t in (1, 2)}
     assert audio[1] == 0 and audio[2] > 0, audio  # (cut before its first audio, as meant)
     assert session.replies_started == 2 and len(session.dropped_speech) == 1  # turn 1's, at the barge-in
 
@@ -646,14 +654,7 @@ async def test_a_reply_cut_off_while_its_speech_state_is_made_gives_it_up_once_m
     """A barge-in while a reply's speech state is being made (``start_speech`` on the speech
     decoder's thread: caches, a busy compute gate): the state made after the cut is given up
     (``drop_speech``), not left for the shared synthesis steps to wait on; the next reply is heard."""
-    from pipecat.frames.frames import InterruptionFrame
-    from pipecat.pipeline.worker import PipelineParams
-    from pipecat.tests.utils import SleepFrame, run_test
-
-    from pipecat_taste.call import TasteCall
-    from pipecat_taste.generation import TasteGenerator
-    from pipecat_taste.synthesis import TasteSynthesizer, context_id_for
-    from pipecat_taste.testing import FakeEngine, fake_user_turn_frame as turn
+    from pipecat_taste.testing import FakeEngine
 
     made = []
 
@@ -665,12 +666,7 @@ async def test_a_reply_cut_off_while_its_speech_state_is_made_gives_it_up_once_m
             return session
 
     engine = Engine(start_speech_delay=0.5)
-    call = TasteCall(engine)
-    frames = [turn(1, "hello there"), SleepFrame(0.2), InterruptionFrame(), SleepFrame(0.6),
-              turn(2, "and you"), SleepFrame(2.5)]
-    down, _ = await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call)]), frames_to_send=frames,
-                             pipeline_params=PipelineParams(audio_out_sample_rate=24000))
+    audio = await barge_in_then_answer_again(engine, cut_after=0.2, pause=0.6, listen=2.5)
     (session,) = engine.sessions
-    audio = {t: sum(isinstance(f, TTSAudioRawFrame) and f.context_id == context_id_for(t) for f in down) for t in (1, 2)}
     assert audio[1] == 0 and audio[2] > 0, audio
     assert len(made) == 2 and session.dropped_speech == made[:1]  # turn 1's, once made
