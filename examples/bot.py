@@ -64,6 +64,12 @@ def main():
     ours.add_argument("--model", default=None, help="checkpoint folder or hub id (default: the embedded tiny one)")
     ours.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     args, _ = ours.parse_known_args()  # the runner parses its own options (and ours again) below
+    picked = argparse.ArgumentParser(add_help=False)
+    picked.add_argument("-t", "--transport", default=None)
+    transport = picked.parse_known_args()[0].transport
+    if transport is not None and transport not in TRANSPORT_PARAMS:  # (said now, not at the first call)
+        sys.exit(f"examples/bot.py has no transport parameters for -t {transport}: add them to TRANSPORT_PARAMS "
+                 f"(it has {', '.join(TRANSPORT_PARAMS)})")
     if "-h" not in sys.argv and "--help" not in sys.argv:  # the help needs no model
         try:
             engine = TasteEngine.from_pretrained(args.model, device=args.device)

@@ -11,7 +11,9 @@ transport, Daily, ... - nothing else changes.
 
 import argparse
 import asyncio
+import sys
 
+from loguru import logger
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.processors.audio.vad_processor import VADProcessor
 
@@ -44,4 +46,6 @@ async def main():
 
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no options
+    logger.remove()  # Pipecat logs every frame link at DEBUG: keep the console for the call
+    logger.add(sys.stderr, level="WARNING")
     asyncio.run(main())

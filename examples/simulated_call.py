@@ -11,6 +11,8 @@ import argparse
 import asyncio
 import sys
 
+from loguru import logger
+
 from pipecat_taste import TasteEngine, freeze_startup_objects
 from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig
@@ -48,4 +50,6 @@ if __name__ == "__main__":
                         help="checkpoint folder or hub id (default: the embedded tiny checkpoint)")
     parser.add_argument("device", nargs="?", default="cpu", help="cpu, cuda, cuda:N (default: cpu)")
     args = parser.parse_args()
+    logger.remove()  # Pipecat logs every frame link at DEBUG: keep the console for the call
+    logger.add(sys.stderr, level="WARNING")
     asyncio.run(main(load(args.model, args.device), args.model))

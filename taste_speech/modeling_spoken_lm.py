@@ -18,6 +18,7 @@ reference for tests and benchmarks. Both give the same greedy results.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -242,17 +243,19 @@ class TasteSpokenLM(nn.Module):
         llama = LlamaForCausalLM(text_config)
         if lm_cfg.use_lora:
             lora = lm_cfg.kwargs_for_lora
-            llama = get_peft_model(
-                llama,
-                LoraConfig(
-                    r=int(lora["lora_r"]),
-                    lora_alpha=int(lora["lora_alpha"]),
-                    lora_dropout=float(lora.get("lora_dropout") or 0.0),  # inactive in eval mode
-                    target_modules=LORA_TARGETS,
-                    bias="none",
-                    task_type="CAUSAL_LM",
-                ),
-            )
+            with warnings.catch_warnings():  # peft probes transformers' deprecated is_gradient_checkpointing
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+                llama = get_peft_model(
+                    llama,
+                    LoraConfig(
+                        r=int(lora["lora_r"]),
+                        lora_alpha=int(lora["lora_alpha"]),
+                        lora_dropout=float(lora.get("lora_dropout") or 0.0),  # inactive in eval mode
+                        target_modules=LORA_TARGETS,
+                        bias="none",
+                        task_type="CAUSAL_LM",
+                    ),
+                )
         self.language_model = llama
         audio_dim = int(quant["dim"])  # TASTE embedding width (1280 published; the original hard-codes it)
         self.fuse_for_bridge_in_llm = WeightedSumFusion(audio_dim, hidden)

@@ -38,7 +38,9 @@ def test_never_more_jobs_inside_than_slots():
         t.join()
     assert most == 2  # the gate filled both slots and never a third
     stats = gate.stats()
-    assert stats["jobs"] == 8 and stats["queued"] == 0 and gate.busy == 0
+    assert stats["jobs_total"] == 8 and stats["queued"] == 0 and stats["busy"] == gate.busy == 0
+    with gate.slot():  # (busy and queued are now; jobs_total counts since the start)
+        assert gate.stats()["busy"] == 1 and gate.stats()["jobs_total"] == 9
     assert stats["max_wait_ms"] > 0  # some jobs had to queue
 
 
@@ -93,7 +95,7 @@ def test_calls_run_their_jobs_through_the_engines_gate():
         return seen
 
     assert asyncio.run(main()) == [1, 1, 1, 1]  # each ran inside the gate's one slot
-    assert engine.compute_gate.stats()["jobs"] == 4
+    assert engine.compute_gate.stats()["jobs_total"] == 4
 
 
 def test_engine_gate_settings():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import threading
 import time
 import wave
@@ -206,6 +207,58 @@ async def test_peer_vanishes_mid_reply(engine, u, tmp_path):
     (turn_id,) = replies(after.log)
     assert check_reply_audio(after.log, turn_id)[0] == "complete"
     check_line(after)
+
+
+async def test_a_call_stopped_from_outside_ends_like_a_hang_up_and_writes_what_was_recorded(engine, u, tmp_path,
+                                                                                              monkeypatch):
+    """Ctrl-C on ``taste-agent call --simulate`` cancels the call's task: the call ends as a hang-up
+    does (its worker and tasks released; before, asyncio.run's clean-up waited on Pipecat's tasks
+    forever), the recording and report of what was heard are written, and the cancellation goes on."""
+    resources = Resources()
+    factory, holder = tracking_factory(engine, config(4), resources)
+    logs = []
+
+    def keep_log(log):
+        logs.append(log)
+        return factory(log)
+
+    lines = []
+
+    class KeptLine(SimulatedLine):  # (simulate_call does not return: the test keeps its line)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            lines.append(self)
+
+    monkeypatch.setattr("taste_agents.simulate.SimulatedLine", KeptLine)
+    said = []
+    script = [Pause(0.3), Say(u["hello"]), WaitForReply(20.0, end_silence_s=0.5), Pause(60.0)]
+    call = asyncio.create_task(simulate_call(engine, script, service_factory=keep_log, out_dir=tmp_path / "stopped",
+                                             max_call_s=90, progress=said.append))
+    deadline = time.monotonic() + 40
+    while not any(": done, said" in line for line in said) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert any(": done, said" in line for line in said), said
+    await asyncio.sleep(0.5)  # ("done" comes with the last write, before the line has played it)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(call, 30)
+    assert said[-1].startswith("what was recorded before the stop: ")
+
+    report = json.loads((tmp_path / "stopped" / "report.json").read_text())
+    assert report["stopped_early"] is True and report["checks"]["written_equals_released"]
+    (turn_id,) = replies(logs[0])
+    kind, released = check_reply_audio(logs[0], turn_id)
+    assert kind == "complete"
+    written = np.concatenate([w for _, w in lines[0].writes])
+    assert np.array_equal(written, released)  # the whole reply reached the line, bit-exact
+    with wave.open(str(tmp_path / "stopped" / "recording.wav"), "rb") as f:
+        stereo = np.frombuffer(f.readframes(f.getnframes()), "<i2").reshape(-1, 2)
+    for start, samples in lines[0].writes:  # and the recording has every write, where it was heard
+        assert np.array_equal(stereo[start:start + samples.size, 1], samples)
+
+    holder.clear(), logs.clear(), lines.clear()
+    leftovers = await resources.released()
+    assert leftovers == {"threads": [], "tasks": [], "alive": []}
 
 
 # -- 2. the model raises mid-turn -------------------------------------------------------------------------

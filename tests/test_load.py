@@ -63,7 +63,7 @@ async def test_eight_calls_at_once_in_process(engine):
     assert not [t for t in result.new_threads if t.startswith("taste-")], summary  # every call's worker threads ended
     assert len(result.rss_mb) >= 3 and summary["memory_per_call_mb"] < 200, summary
     # the calls' model jobs went through the engine's compute gate, and none is left waiting in it
-    assert result.compute_gate["jobs"] > 0 and result.compute_gate["queued"] == 0, result.compute_gate
+    assert result.compute_gate["jobs_total"] > 0 and result.compute_gate["queued"] == 0, result.compute_gate
 
 
 async def test_calls_sharing_batched_steps(engine):
@@ -97,7 +97,7 @@ async def test_calls_at_once_over_webrtc(engine, tmp_path):
         assert any(t["first_audio_latency_ms"] is not None for t in report["turns"]), report["turns"]
     # every call's worker threads ended (the server's HTTP/codec libraries may keep a pool)
     assert not [t for t in result.new_threads if t.startswith("taste-")], result.new_threads
-    assert result.compute_gate["jobs"] > 0 and result.compute_gate["queued"] == 0, result.compute_gate
+    assert result.compute_gate["jobs_total"] > 0 and result.compute_gate["queued"] == 0, result.compute_gate
 
 
 def test_a_hundred_turn_call_stays_flat(engine):

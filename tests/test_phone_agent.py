@@ -1,5 +1,7 @@
 """The phone agent's voice reference: any recording libsndfile reads, and a clear error otherwise."""
 
+import shutil
+
 import numpy as np
 import pytest
 import soundfile
@@ -45,6 +47,8 @@ def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tm
     soundfile.write(str(blip), 0.1 * np.ones(4800, np.float32), 48000)  # 0.1 s
     silent = tmp_path / "silent.wav"
     soundfile.write(str(silent), np.zeros(3 * 16000, np.float32), 16000)
+    low = tmp_path / "low.wav"  # (the speaker model refuses it after the model has loaded)
+    soundfile.write(str(low), 0.3 * np.ones(3 * 2000, np.float32), 2000)
     cases = [
         (["call", "--simulate", "--transcripts", "asr", "--asr-model", "none"], "--transcripts asr needs the built-in ASR"),
         (["call", "--simulate", "--early-reply-ms", "500"], "would never come before the VAD's end of the turn"),
@@ -53,6 +57,7 @@ def test_the_command_line_refuses_contradicting_flags_before_loading_anything(tm
         (["serve", "--voice", str(blip)], "0.10 s of audio; give a few seconds of the voice"),
         (["serve", "--allowed-origin", "app.example.com"], "expected scheme://host[:port]"),
         (["serve", "--voice", str(silent)], "the recording is silent"),
+        (["serve", "--voice", str(low)], "recorded at 2000 Hz, below 4000 Hz, too low for speech"),
         (["call", "--simulate", "--seed", str(2 ** 64)], "outside [-2**63, 2**64 - 3]"),
     ]
     for argv, words in cases:
@@ -82,6 +87,8 @@ def test_what_keeps_the_agent_from_starting_is_one_line_not_a_traceback(tmp_path
     finally:
         held.close()
     _listening_socket("127.0.0.1", port).close()  # free again: bound
+    with pytest.raises(cli.StartupError, match=r"cannot listen on 203\.0\.113\.7:0: .*give --host an address of this"):
+        _listening_socket("203.0.113.7", 0)  # (a documentation address: not this machine's)
     from pipecat_taste.engine import TasteEngine
 
     def out_of_memory(self, calls=1):
@@ -92,6 +99,18 @@ def test_what_keeps_the_agent_from_starting_is_one_line_not_a_traceback(tmp_path
         with pytest.raises(cli.StartupError, match=r"cannot warm up .* for 4 call\(s\) at once on cpu: CUDA out of "
                                                    r"memory.*; give fewer --max-calls"):
             cli.load_engine(cli.build_parser().parse_args(["serve", "--max-calls", "4"]), lambda line: None)
+    # a checkpoint without a speaker model and a --voice: refused before the warm-up, in one line
+    from taste_speech.tiny import default_tiny_checkpoint
+
+    without_speaker_model = tmp_path / "no-speaker-model"
+    shutil.copytree(default_tiny_checkpoint(), without_speaker_model)
+    (without_speaker_model / "cosyvoice" / "speaker_embed.onnx").unlink()
+    voice = tmp_path / "voice.wav"
+    soundfile.write(str(voice), 0.3 * np.sin(np.arange(3 * 16000) / 16000 * 2 * np.pi * 220).astype(np.float32), 16000)
+    assert cli.main(["call", "--simulate", "--quiet", "--model", str(without_speaker_model), "--voice", str(voice)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"taste-agent: error: --voice '{voice}': no cosyvoice/speaker_embed.onnx in this checkpoint")
+    assert "without --voice the agent speaks in the checkpoint's default voice" in err and "Traceback" not in err
     monkeypatch.setattr(cli, "AGENT_MODULES", cli.AGENT_MODULES + ("no_such_agent_module",))
     with pytest.raises(SystemExit) as exit_:
         cli.main(["call", "--simulate"])

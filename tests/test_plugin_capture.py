@@ -1009,3 +1009,30 @@ def test_a_retracted_turn_that_was_absorbing_its_late_words_gives_the_stt_s_word
     goes_on = early.continuation()
     transcripts.add("what I said before the pause", True, None, 20000, current=goes_on)
     assert [text for _, text in goes_on.parts] == ["what I said before the pause"] and not Log.dropped
+
+
+def test_a_turn_takes_no_more_transcript_than_two_minutes_of_speech_hold():
+    """A client or STT gone wrong (a transcript message after another, each at the server's size
+    limit) cannot grow a turn without bound: words past MAX_TURN_TRANSCRIPT_CHARS are dropped,
+    with a preview in the call log; the words before stay the turn's."""
+    from pipecat_taste.upstream_transcripts import MAX_TURN_TRANSCRIPT_CHARS, UpstreamTranscripts
+
+    class Log:
+        def __init__(self):
+            self.dropped = []
+
+        def event(self, kind, **fields):
+            if kind == "transcript_dropped":
+                self.dropped.append(fields["text"])
+
+    log = Log()
+    transcripts = UpstreamTranscripts(0.4, log)
+    turn = transcripts.new_turn(time.monotonic(), 0.2)
+    part = "word " * 399 + "last."  # 2000 characters, as the server's per-message limit
+    for _ in range(3):
+        transcripts.add(part, False, None, 16000, current=turn)
+    assert [text for _, text in turn.parts] == [part, part]
+    assert sum(len(text) for _, text in turn.parts) <= MAX_TURN_TRANSCRIPT_CHARS
+    assert log.dropped == [f"{part[:200]}... (2000 characters)"]
+    transcripts.add("and one more", True, None, 16000, current=turn)  # (4012 characters: dropped too)
+    assert len(turn.parts) == 2 and len(log.dropped) == 2

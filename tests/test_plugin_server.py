@@ -19,7 +19,7 @@ from pipecat_taste.call import TasteCall
 from pipecat_taste.testing import FakeEngine
 from taste_agents.caller import load_utterances
 from taste_agents.phone_agent import PhoneAgentConfig
-from taste_agents.server import ServerConfig, TasteServer
+from taste_agents.server import ActiveCall, ServerConfig, TasteServer
 from taste_agents.webrtc_sim import running_server
 
 pytestmark = pytest.mark.slow
@@ -628,3 +628,21 @@ async def test_closing_a_phone_websocket_whose_client_already_hung_up_raises_not
 
     await _close_quietly(Gone(), 1008, "expected Twilio 'connected'/'start' messages")
     assert closed == [(1008, "expected Twilio 'connected'/'start' messages")]
+
+
+async def test_closing_the_server_cancels_a_call_that_does_not_end_when_asked():
+    """``close()`` asks every call to end; one whose pipeline does not end within 5 s is cancelled,
+    so that no call outlives the server (before, close returned with it still running)."""
+    server = TasteServer(FakeEngine(), config())
+
+    class Deaf:  # a worker that ignores the request to end
+        async def cancel(self, reason=None):
+            self.reason = reason
+
+    stuck = ActiveCall("stuck", "webrtc", Deaf())
+    stuck.task = asyncio.create_task(asyncio.sleep(3600), name="call-stuck")
+    server.calls[stuck.call_id] = stuck
+    started = time.monotonic()
+    await server.close()
+    assert stuck.task.cancelled() and stuck.worker.reason == "the server is shutting down"
+    assert time.monotonic() - started < 7

@@ -239,6 +239,14 @@ def load_engine(args, say):
                                              compile_flow=getattr(args, "compile_flow", False))
     except (ValueError, OSError, RuntimeError) as e:  # (the messages name the problem and the fix)
         raise StartupError(f"cannot load {label}: {e}") from e
+    if getattr(args, "voice", None) is not None:  # before the warm-up: a voice this checkpoint refuses ends here
+        from taste_agents.phone_agent import load_voice
+
+        try:
+            load_voice(engine, args.voice)
+        except ValueError as e:
+            raise StartupError(f"--voice {args.voice!r}: {e} (without --voice the agent speaks in the "
+                               "checkpoint's default voice)") from e
     # the fast path captures its shared synthesis graphs here, not in the first call, and an ASR
     # workspace for each call a server may hold at once; then one rehearsal turn runs every stage
     # once, so that the first caller does not pay for the first runs of their kernels
@@ -362,7 +370,10 @@ def _summary(report: dict, paths: dict) -> str:
     from taste_agents.report import BARGE_IN_DETECT_BOUND_MS
 
     lines = ["", f"call {report.get('call_id')}: {report['duration_s']} s, {report['summary']['replies']} replies"
-             + (" - cut short at --max-call-seconds" if report.get("timed_out") else "")]
+             + (" - cut short at --max-call-seconds" if report.get("timed_out") else "")
+             + (" - stopped early" if report.get("stopped_early") else ""),
+             "  (first audio: from the end of the caller's speech to the agent's first sound on the line; the live "
+             "lines count from the agent VAD's end of the turn, which comes later)"]
     for turn in report["turns"]:
         line = f"  {turn['utterance']:8s} decision={turn['decision']}"
         if turn.get("first_audio_latency_ms") is not None:
@@ -386,7 +397,9 @@ def _summary(report: dict, paths: dict) -> str:
                  f"{c['talk_over_ms_outside_barge_in']:.0f} ms, audio synthesized==released=="
                  f"{c.get('released_equals_synthesized', 'n/a')}, released==written=={c.get('written_equals_released', 'n/a')}"
                  f", barge-in<=100ms={c['barge_in_within_100ms']}"
-                 f" (detected<={BARGE_IN_DETECT_BOUND_MS}ms={c[f'barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms']})")
+                 f" (detected<={BARGE_IN_DETECT_BOUND_MS}ms={c[f'barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms']})"
+                 + (", barge-in as the caller heard it: the transport's buffering included" if "transport" in report
+                    else ""))
     s = report["summary"]
     lines.append(f"  underruns: {s['underruns']}, errors: {s['errors']}, early replies: {s.get('early_replies', 0)}, "
                  f"early turns taken back (the caller went on): {s.get('early_turns_retracted', 0)}")
@@ -421,8 +434,11 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"--voice: {e}; give a recording of the voice (WAV, FLAC, OGG or MP3)")
         if audio.size / rate < 0.5:  # checked before the model loads; the speaker encoder refuses it too
             parser.error(f"--voice {args.voice!r}: {audio.size / rate:.2f} s of audio; give a few seconds of the voice")
-        from taste_speech.processing_taste import SILENCE_PEAK
+        from taste_speech.processing_taste import MIN_SAMPLE_RATE, SILENCE_PEAK
 
+        if rate < MIN_SAMPLE_RATE:
+            parser.error(f"--voice {args.voice!r}: recorded at {rate} Hz, below {MIN_SAMPLE_RATE} Hz, too low for "
+                         "speech; give a recording at 16000 Hz or more")
         peak = float(abs(audio).max())
         if not peak < float("inf"):  # (NaN too)
             parser.error(f"--voice {args.voice!r}: the recording has NaN or infinite samples")
@@ -476,6 +492,7 @@ def main(argv=None) -> int:
     if missing := _missing_agent_modules():
         parser.exit(2, f"taste-agent: the agent needs {', '.join(missing)}: pip install 'pipecat-taste[pipecat]' "
                        "(the model library alone, taste_speech, runs without them)\n")
+    _quiet_logs()  # (before the checks: they import Pipecat, whose import logs a banner)
     _check_args(parser, args)
     configure_malloc()  # calls allocate and free all day from many threads: keep the resident size flat
     try:

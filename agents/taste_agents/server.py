@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import json
 import socket
@@ -641,7 +642,7 @@ class TasteServer:
                                       voice=self.voice)
         except Exception as e:
             logger.exception("a phone call could not be set up")
-            await websocket.close(code=1011, reason=f"the call could not be set up: {type(e).__name__}"[:120])
+            await _close_quietly(websocket, 1011, f"the call could not be set up: {type(e).__name__}"[:120])
             return None
         pipeline = Pipeline([transport.input(), agent, transport.output()])
         worker = self._worker(pipeline, PHONE_SAMPLE_RATE, PHONE_SAMPLE_RATE)
@@ -662,7 +663,12 @@ class TasteServer:
             await self._end(active, "the server is shutting down")
         tasks = [a.task for a in self.calls.values() if a.task is not None]
         if tasks:
-            await asyncio.wait(tasks, timeout=5)
+            _, running = await asyncio.wait(tasks, timeout=5)
+            for task in running:  # a pipeline that does not end when asked: its task is cancelled
+                logger.warning(f"{task.get_name()}: still running 5 s after it was ended; cancelling it")
+                task.cancel()
+            if running:
+                await asyncio.wait(running, timeout=5)
         await self._handler.close()
 
 
@@ -738,7 +744,10 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         sock.bind((address, port))
     except OSError as e:
         sock.close()
-        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}; give another --port, or stop what "
-                           "holds it") from e
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # (no such host here)
+            hint = "give --host an address of this machine (0.0.0.0: all of them)"
+        else:
+            hint = "give another --port, or stop what holds it"
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}; {hint}") from e
     return sock
 

@@ -218,29 +218,47 @@ async def simulate_call(engine, script: list, *, config=None, sample_rate: int =
     say = progress or (lambda message: None)
     printer = _ProgressPrinter(line, caller, log, say)
     run_task = asyncio.create_task(_run(runner, worker))
-    timed_out = False
+    timed_out, stopped, connected = False, None, False
     try:
         await asyncio.wait_for(started.wait(), timeout=120)
         line.start()
-        log.t0 = line.t0
+        log.t0, connected = line.t0, True
         say("call connected")
         timed_out = not await _drive_caller(line, caller, worker, transport, stt_delay_s, tail_s, max_call_s, printer)
         # The caller hangs up (as the server does when the peer leaves): what is still playing is cut.
-        await worker.cancel(reason="the caller hung up")
-        await asyncio.wait_for(run_task, timeout=20)
+        await _hang_up(worker, run_task, "the caller hung up")
+    except asyncio.CancelledError as e:
+        # Stopped from outside (Ctrl-C): end the call the way a hang-up does, keep what was recorded, and
+        # stop once it is written. (Leaving the pipeline's tasks to asyncio.run's clean-up hangs it.)
+        stopped = e
+        if connected:
+            say("call stopped: ending it and writing what was recorded")
+        await _hang_up(worker, run_task, "the call was stopped")
     finally:
         if not run_task.done():
             run_task.cancel()
+    if stopped is not None and not connected:
+        raise stopped  # (stopped before the call connected: nothing was recorded)
     duration = (line.now_sample()) / sample_rate
     printer.flush()
     result = SimulatedCall(line, caller, log, [f.error for _, f in up_tap.frames if isinstance(f, ErrorFrame)],
                            _metrics(out_tap.frames, log), duration, timed_out,
                            frames=out_tap.frames, upstream_frames=up_tap.frames)
     call = getattr(agent, "call", None)
-    result.report = build_report(result, {"call_id": getattr(call, "call_id", None), **(meta or {})})
+    result.report = build_report(result, {"call_id": getattr(call, "call_id", None), **(meta or {}),
+                                          **({"stopped_early": True} if stopped is not None else {})})
     if out_dir is not None:
         result.paths = write_outputs(result, out_dir)
+    if stopped is not None:
+        if result.paths:
+            say("what was recorded before the stop: " + ", ".join(result.paths.values()))
+        raise stopped
     return result
+
+
+async def _hang_up(worker: PipelineWorker, run_task: asyncio.Task, reason: str):
+    await worker.cancel(reason=reason)
+    await asyncio.wait_for(asyncio.shield(run_task), timeout=20)
 
 
 async def _run(runner: WorkerRunner, worker: PipelineWorker):
@@ -254,31 +272,35 @@ async def _drive_caller(line: SimulatedLine, caller: ScriptedCaller, worker, tra
     frame = line.frame_samples
     period = frame / line.sample_rate
     k, seen_events, done_at = 0, 0, None
-    pending: list[asyncio.Task] = []
-    while True:
-        target = line.t0 + (k + 1) * period
-        delay = target - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        heard = line.heard(k * frame, frame)
-        out = caller.tick(heard)
-        line.caller[k * frame:(k + 1) * frame] = float_to_int16(out)
-        await transport.input().push_audio_frame(InputAudioRawFrame(float_to_pcm16(out), line.sample_rate, 1))
-        for event in caller.events[seen_events:]:
-            if event.kind == "utterance_end":
-                pending.append(asyncio.create_task(_transcribe_later(worker, event.text, stt_delay_s)))
-        seen_events = len(caller.events)
-        printer.poll()
-        k += 1
-        if caller.done and done_at is None:
-            done_at = k
-        if done_at is not None and (k - done_at) * period >= tail_s:
-            break
-        if k * period >= max_call_s:
-            return False
-    for task in pending:
-        await task
-    return True
+    pending: list[asyncio.Task] = []  # transcripts on their way (the simulated STT's delay)
+    try:
+        while True:
+            target = line.t0 + (k + 1) * period
+            delay = target - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            heard = line.heard(k * frame, frame)
+            out = caller.tick(heard)
+            line.caller[k * frame:(k + 1) * frame] = float_to_int16(out)
+            await transport.input().push_audio_frame(InputAudioRawFrame(float_to_pcm16(out), line.sample_rate, 1))
+            for event in caller.events[seen_events:]:
+                if event.kind == "utterance_end":
+                    pending.append(asyncio.create_task(_transcribe_later(worker, event.text, stt_delay_s)))
+            seen_events = len(caller.events)
+            printer.poll()
+            k += 1
+            if caller.done and done_at is None:
+                done_at = k
+            if done_at is not None and (k - done_at) * period >= tail_s:
+                break
+            if k * period >= max_call_s:
+                return False
+        for task in pending:
+            await task
+        return True
+    finally:  # (a call cut short leaves no transcript behind)
+        for task in pending:
+            task.cancel()
 
 
 async def _transcribe_later(worker, text: str, delay: float):
@@ -327,13 +349,17 @@ class _ProgressPrinter:
             elif kind == "bot_audio_started" and record is not None:
                 latency = record.user_to_bot_s
                 self.say(f"{self._stamp(t)} agent turn {turn}: speaking"
-                         + (f", {1000 * latency:.0f} ms after the caller stopped" if latency is not None else ""))
+                         + (f", {1000 * latency:.0f} ms after its VAD heard the caller stop" if latency is not None
+                            else ""))
             elif kind == "bot_audio_stopped" and record is not None:
                 how = "cut off by barge-in" if event.get("interrupted") else "done"
                 text = record.played_text or record.reply_text
                 self.say(f"{self._stamp(t)} agent turn {turn}: {how}, said {text!r}")
             elif kind == "barge_in":
                 self.say(f"{self._stamp(t)} barge-in detected on turn {turn}")
+            elif kind == "user_turn_retracted":
+                self.say(f"{self._stamp(t)} agent turn {turn}: taken back, the caller went on speaking (the turn "
+                         "goes on under the next number)")
         self._log_seen = len(self.log.events)
 
     def flush(self):

@@ -123,6 +123,9 @@ async def webrtc_call(engine, out_dir, *, config: ServerConfig | None = None, re
             proc.kill()
             await proc.wait()
             raise RuntimeError("the WebRTC caller did not finish in time")
+        except asyncio.CancelledError:  # stopped (Ctrl-C): the caller process goes with us
+            await _end_process(proc)
+            raise
         if proc.returncode not in (0, EXIT_TIMED_OUT, EXIT_CONNECTION_LOST):  # (those two are reported)
             raise RuntimeError(f"the WebRTC caller failed ({proc.returncode}):\n{output.decode()[-3000:]}")
         # The peer closed: the server's pipeline must end on its own within a couple of seconds.
@@ -147,6 +150,16 @@ async def webrtc_call(engine, out_dir, *, config: ServerConfig | None = None, re
     plot_timeline(result.report, result.recording, SR, paths["timeline"])
     result.paths = {k: str(v) for k, v in paths.items()}
     return result
+
+
+async def _end_process(proc, grace_s: float = 5.0):
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), grace_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 def caller_side_result(out: Path) -> WebRTCCall:

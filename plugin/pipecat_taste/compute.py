@@ -73,6 +73,8 @@ class ComputeGate:
 
     def stats(self) -> dict:
         with self._cond:
-            return {"slots": self.slots, "jobs": self.jobs, "queued": self._next_ticket - self._next_in,
+            # now: busy slots and jobs queued; since the start: jobs let in, their waits
+            return {"slots": self.slots, "busy": self.slots - self._free, "queued": self._next_ticket - self._next_in,
+                    "jobs_total": self.jobs,
                     "mean_wait_ms": round(1000 * self.waited_s / max(1, self.jobs), 2),
                     "max_wait_ms": round(1000 * self.max_wait_s, 2)}

@@ -35,6 +35,11 @@ from typing import Callable
 from loguru import logger
 from pipecat.frames.frames import TranscriptionFrame
 
+# A turn's words beyond this are dropped: two minutes of the fastest speech (a long speech split at
+# the length limit gets all its words in its last part) hold fewer. More is a client or STT gone
+# wrong, whose turn would only be refused after seconds of compute.
+MAX_TURN_TRANSCRIPT_CHARS = 4000
+
 
 @dataclass
 class TurnWords:
@@ -191,6 +196,11 @@ class UpstreamTranscripts:
             return
         if taker is None:
             taker = current
+        held = sum(len(part) for _, part in taker.parts) if taker is not None else 0
+        if held + len(text) > MAX_TURN_TRANSCRIPT_CHARS:
+            self.drop(text, f"the turn's transcript would pass {MAX_TURN_TRANSCRIPT_CHARS} characters, more than "
+                            "two minutes of speech")
+            return
         if taker is not None:
             taker.add(text, now, finalized, sample, frame)
             return
@@ -258,6 +268,8 @@ class UpstreamTranscripts:
             await _first_of(remaining, words.arrived, retracted)
 
     def drop(self, text: str, why: str = "late words of a turn already taken") -> None:
+        if len(text) > 200:  # (the log keeps a preview of what was too long)
+            text = f"{text[:200]}... ({len(text)} characters)"
         logger.info(f"{self._owner}: dropped upstream transcript {text!r}: {why}")
         self._log.event("transcript_dropped", text=text)
 
