@@ -494,13 +494,7 @@ async def test_replies_that_fail_mid_way_give_back_their_segment_slots():
                     raise RuntimeError("the model failed mid-reply")
                 yield event
 
-    class Engine(FakeEngine):
-        def new_session(self, settings=None, voice=None):
-            session = FailingMidReply(self, settings)
-            self.sessions.append(session)
-            return session
-
-    call = TasteCall(Engine(word_delay=0.01))
+    call = TasteCall(FakeEngine(session_class=FailingMidReply, word_delay=0.01))
     frames = []
     for turn_id in range(1, call.max_pending_segments + 1):
         frames += [turn(turn_id, "fail fail"), SleepFrame(0.5)]
@@ -631,13 +625,7 @@ async def test_a_reply_whose_first_chunks_are_shorter_than_its_fade_in_fades_in_
             size = first.pop(0) if first and chunks else sum(c.size for c in chunks)
             return [np.full(size, level, np.float32)] if chunks else []
 
-    class Engine(FakeEngine):
-        def new_session(self, settings=None, voice=None):
-            session = ShortFirstChunks(self, settings)
-            self.sessions.append(session)
-            return session
-
-    call = TasteCall(Engine())
+    call = TasteCall(FakeEngine(session_class=ShortFirstChunks))
     down, _ = await run_test(Pipeline([TasteGenerator(call), TasteSynthesizer(call, fade_in_ms=5.0)]),
                              frames_to_send=[turn(1, "hello there"), SleepFrame(1.0)],
                              pipeline_params=PipelineParams(audio_out_sample_rate=24000))
@@ -672,12 +660,6 @@ async def test_a_barge_in_after_a_reply_was_heard_to_its_end_does_not_mark_it_in
             committing.append((start, time.monotonic()))
             return super().commit_reply(played_words)
 
-    class Engine(FakeEngine):
-        def new_session(self, settings=None, voice=None):
-            session = SlowCommit(self, settings)
-            self.sessions.append(session)
-            return session
-
     class BargeInWhileCommitting(FrameProcessor):
         at: float | None = None
 
@@ -692,7 +674,7 @@ async def test_a_barge_in_after_a_reply_was_heard_to_its_end_does_not_mark_it_in
                 BargeInWhileCommitting.at = time.monotonic()
                 await self.push_frame(InterruptionFrame())
 
-    call = TasteCall(Engine(reply_words=("sure", "thing")))  # 0.4 s of audio
+    call = TasteCall(FakeEngine(session_class=SlowCommit, reply_words=("sure", "thing")))  # 0.4 s of audio
     pipeline = Pipeline([BargeInWhileCommitting(), TasteGenerator(call), TasteSynthesizer(call), TastePlayout(call)])
     await run_test(pipeline, frames_to_send=[turn(1, "hello there"), SleepFrame(2.5)],
                    pipeline_params=PipelineParams(audio_out_sample_rate=16000))

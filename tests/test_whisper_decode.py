@@ -617,3 +617,14 @@ def test_int16_audio_is_transcribed_as_its_float_samples(checkpoint, tiny_asr, a
     static = WhisperTranscriber.random_tiny(checkpoint, decode="static")
     turn = static.new_turn()  # (incremental transcripts: on the static path)
     assert turn.finish(pcm) == static(pcm.astype(np.float32) / 32768.0)
+
+
+def test_the_draft_check_has_no_bucket_just_below_the_transcript_length():
+    """At the agent's max_new_tokens=128 a transcript has up to 132 rows: a bucket of 128 beside the
+    one of 132 would be a capture (per row count) for four rows' padding."""
+    from pipecat_taste.whisper_decode import verify_buckets
+
+    assert verify_buckets(132) == (8, 16, 32, 64, 132)
+    assert verify_buckets(20) == (8, 16, 20)
+    assert verify_buckets(300) == (8, 16, 32, 64, 128, 256, 300)
+    assert verify_buckets(8) == (8,)

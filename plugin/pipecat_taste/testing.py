@@ -63,6 +63,7 @@ class FakeEngine:
     sessions: list = field(default_factory=list)
     input_sample_rate: int = INPUT_SAMPLE_RATE
     start_needs: StartNeeds = field(default_factory=StartNeeds)  # shared by its calls, as TasteEngine's
+    session_class: type | None = None  # a FakeSession subclass (a test's fault), made as FakeSession is
 
     @property
     def has_asr(self) -> bool:
@@ -75,7 +76,7 @@ class FakeEngine:
         return np.full((1, 192), 192 ** -0.5, np.float32)
 
     def new_session(self, settings: GenerationSettings | None = None, voice=None) -> "FakeSession":
-        session = FakeSession(self, settings or GenerationSettings())
+        session = (self.session_class or FakeSession)(self, settings or GenerationSettings())
         self.sessions.append(session)
         return session
 

@@ -66,6 +66,13 @@ from taste_speech.step_graph import StepGraph, all_captured, first_fallback_reas
 VERIFY_BUCKETS = (8, 16, 32, 64, 128, 256)
 
 
+def verify_buckets(length: int) -> tuple[int, ...]:
+    """The draft check's buckets for transcripts of at most ``length`` rows: ``VERIFY_BUCKETS`` below
+    it, but for one within an eighth of it (a capture of its own for a few rows: 128 beside 132 at
+    ``max_new_tokens=128``), and ``length``."""
+    return tuple(b for b in VERIFY_BUCKETS if b + b // 8 < length) + (length,)
+
+
 @dataclass(frozen=True)
 class GreedyPlan:
     """What ``model.generate(features, **settings)`` would do, as plain numbers."""
@@ -264,7 +271,7 @@ class StaticWhisperDecoder:
         # real run writes again (no rewind). (Eager, padding would only add work: the check runs at
         # the longest row's length.)
         self.verify_buckets = () if self.graph_mode == "eager" else \
-            tuple(b for b in VERIFY_BUCKETS if b < length) + (length,)
+            verify_buckets(length)
         self._check_tokens = {bucket: torch.full((rows, bucket), plan.eos_token_id, dtype=torch.long,
                                                  device=self.device) for bucket in self.verify_buckets}
         # Every graph of the workspace, made when first run: ('step', n), ('cross', n), ('check', n, bucket).
