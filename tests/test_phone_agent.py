@@ -131,3 +131,20 @@ def test_which_built_in_asr_is_loaded(argv, expected):
     from taste_agents.cli import asr_choice, build_parser
 
     assert asr_choice(build_parser().parse_args(argv)) == expected
+
+
+def test_the_agent_s_console_keeps_warnings_but_not_pipecat_s_video_track_lookups(capsys):
+    """Pipecat's WebRTC transport warns at every connection that an audio-only caller sends no video:
+    two lines per call of no use; other warnings stay."""
+    from loguru import logger
+
+    from taste_agents.cli import _quiet_logs
+
+    _quiet_logs()
+    logger.warning("No video transceiver is available")
+    logger.warning("No screen video transceiver is available")
+    logger.info("a frame went by")
+    logger.warning("Media stream error while reading the audio")
+    err = capsys.readouterr().err
+    assert "transceiver" not in err and "a frame went by" not in err
+    assert "Media stream error while reading the audio" in err

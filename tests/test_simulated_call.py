@@ -155,3 +155,12 @@ def test_an_utterance_knows_its_length_at_any_rate():
 
     at_16k, at_8k = load_utterances()["hello"], load_utterances(sample_rate=8000)["hello"]
     assert at_8k.sample_rate == 8000 and abs(at_8k.seconds - at_16k.seconds) < 0.001  # (8 kHz read half as long)
+
+
+def test_the_summary_says_which_reply_the_caller_cut_off(call):
+    from taste_agents.cli import _summary
+
+    rows = {line.split()[0]: line for line in _summary(call.report, call.paths).splitlines() if " decision=" in line}
+    assert set(rows) == {"hello", "time", "bargein", "goodbye"}
+    cut = {name for name, line in rows.items() if "(cut off)" in line}
+    assert cut == {turn["utterance"] for turn in call.report["turns"] if turn.get("interrupted")} == {"time"}

@@ -382,7 +382,7 @@ def _summary(report: dict, paths: dict) -> str:
                 line += f" (held {turn['start_hold_ms']:.0f} ms)"
             if turn.get("early_by_ms"):
                 line += f" (begun {turn['early_by_ms']:.0f} ms before the VAD's end)"
-            line += f"  reply {turn.get('reply_duration_ms', 0):.0f} ms"
+            line += f"  reply {turn.get('reply_duration_ms', 0):.0f} ms" + (" (cut off)" if turn.get("interrupted") else "")
         if turn.get("asr_after_end_ms") is not None:
             line += f"  ASR after end {turn['asr_after_end_ms']:.0f} ms ({turn['asr_partials']} partials)"
         if turn.get("barge_in") and turn.get("barge_in_stop_ms") is None:
@@ -483,7 +483,13 @@ def _quiet_logs():
     from loguru import logger
 
     logger.remove()
-    logger.add(sys.stderr, level=os.environ.get("TASTE_AGENT_LOG_LEVEL", "WARNING"))
+    logger.add(sys.stderr, level=os.environ.get("TASTE_AGENT_LOG_LEVEL", "WARNING"),
+               filter=lambda record: record["message"] not in AUDIO_ONLY_NOISE)
+
+
+# Pipecat's WebRTC transport looks for the caller's video at every connection and warns when an
+# audio-only caller (every caller here) has none: not worth a line per call.
+AUDIO_ONLY_NOISE = frozenset({"No video transceiver is available", "No screen video transceiver is available"})
 
 
 def main(argv=None) -> int:
