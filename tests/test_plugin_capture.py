@@ -299,6 +299,57 @@ async def test_follows_an_upstream_vad(utterances):
     assert len(of(down, VADUserStartedSpeakingFrame)) == 1  # the VADProcessor's, not duplicated
 
 
+async def test_set_up_mistakes_around_the_vad_are_said_once_and_do_not_double_the_vad_frames(utterances):
+    """A VADProcessor before a capture that runs its own VAD sent every VAD frame downstream twice;
+    a capture that follows an upstream VAD with none there heard no turn and said nothing."""
+    from loguru import logger
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.audio.vad_processor import VADProcessor
+
+    hello = utterances["hello"]
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        call = TasteCall(FakeEngine())
+        capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(),
+                                   params=TurnCaptureParams(transcript_timeout_secs=0.3))
+        pipeline = Pipeline([VADProcessor(vad_analyzer=WebRTCVADAnalyzer()), capture])
+        frames = audio_frames(np.concatenate([silence(0.5), hello.audio])) + transcript(hello.text) + \
+            audio_frames(silence(1.0))
+        down, _ = await run_test(pipeline, frames_to_send=frames + [SleepFrame(0.8)])
+        assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [hello.text]
+        assert len(of(down, VADUserStartedSpeakingFrame)) == len(of(down, VADUserStoppedSpeakingFrame)) == 1
+        assert len([w for w in warnings if "runs its own VAD" in w]) == 1, warnings
+
+        warnings.clear()  # following an upstream VAD that is not there: said after 20 s of audio, once
+        _, down, _ = await run_capture(audio_frames(silence(19.0)), vad=False, tail_secs=0.1)
+        assert not [w for w in warnings if "no VADUserStartedSpeakingFrame" in w]
+        _, down, _ = await run_capture(audio_frames(silence(45.0)), vad=False, tail_secs=0.1)
+        assert len([w for w in warnings if "no VADUserStartedSpeakingFrame in the call's first 20 s" in w]) == 1
+    finally:
+        logger.remove(sink)
+
+
+async def test_a_broken_audio_frame_is_skipped_with_a_warning_and_the_call_goes_on(utterances):
+    """Six bytes of 'stereo' audio (not whole samples) failed in a numpy reshape."""
+    from loguru import logger
+
+    hello = utterances["hello"]
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        broken = InputAudioRawFrame(b"\x00" * 6, SR, 2)
+        frames = [broken] + audio_frames(np.concatenate([silence(0.5), hello.audio])) + transcript(hello.text) + \
+            audio_frames(silence(1.0))
+        _, down, up = await run_capture(frames)
+    finally:
+        logger.remove(sink)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [hello.text]
+    assert any("InputAudioRawFrame of 6 bytes is not whole 16-bit samples of 2 channel(s), skipped" in w
+               for w in warnings), warnings
+    assert not of(up, ErrorFrame)
+
+
 async def test_quiet_telephone_speech_is_still_a_turn(utterances):
     """-26 dB below a normal level at 8 kHz is quiet but clear speech (pipecat issue #2893)."""
     hello = utterances["hello"]

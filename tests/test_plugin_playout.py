@@ -13,7 +13,7 @@ from pipecat.tests.utils import SleepFrame, run_test
 
 from pipecat_taste.audio import float_to_pcm16, pcm16_to_float
 from pipecat_taste.call import TasteCall
-from pipecat_taste.playout import TastePlayout
+from pipecat_taste.playout import PlayoutParams, TastePlayout
 from pipecat_taste.synthesis import context_id_for
 from pipecat_taste.testing import FakeEngine
 
@@ -79,8 +79,6 @@ async def test_the_frames_are_the_output_transport_s_chunks(chunks_10ms):
 @pytest.mark.parametrize("frame_ms, warned", [(30, True), (10, True), (40, False)])
 async def test_a_frame_size_that_does_not_fill_the_transport_s_chunks_is_warned_about(frame_ms, warned):
     from loguru import logger
-
-    from pipecat_taste.playout import PlayoutParams
 
     messages = []
     sink = logger.add(lambda m: messages.append(str(m)), level="WARNING")
@@ -280,7 +278,6 @@ async def test_a_reply_whose_synthesis_fails_ends_where_it_failed():
     from pipecat.processors.frame_processor import FrameProcessor
 
     from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame
-    from pipecat_taste.playout import PlayoutParams
     from pipecat_taste.synthesis import TasteSynthesizer
     from pipecat_taste.testing import FakeSegment
 
@@ -385,3 +382,19 @@ async def test_an_interruption_while_idle_does_not_cut_the_next_turn_s_reply():
     assert not call.log.turns[2].interrupted and call.log.turns[2].played_words == 3
     assert engine.sessions[0].history[-1] == ("assistant", "a b c")
     assert sum(isinstance(f, TTSAudioRawFrame) and f.context_id == context_id_for(2) for f in down) > 0
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("frame_ms", float("nan"), "PlayoutParams.frame_ms must be a finite number, got nan"),
+    ("fade_out_ms", float("inf"), "PlayoutParams.fade_out_ms must be a finite number, got inf"),
+    ("lead_ms", float("nan"), "PlayoutParams.lead_ms must be a finite number"),  # (was taken silently)
+    ("lead_ms", "30", "PlayoutParams.lead_ms must be a finite number, got '30'"),
+    ("frame_ms", 0, "PlayoutParams.frame_ms must be > 0, got 0"),
+    ("prebuffer_ms", -1.0, "PlayoutParams.prebuffer_ms must be >= 0, got -1.0"),
+    ("heard_fraction", 0.0, r"heard_fraction must be in \(0, 1\]"),
+])
+def test_playout_params_refuse_what_no_playout_can_run_with(name, value, words):
+    """NaN frame_ms failed in the playout's setup, and Pipecat stopped the pipeline 20 s later."""
+    with pytest.raises(ValueError, match=words):
+        PlayoutParams(**{name: value})
+    assert PlayoutParams(frame_ms=None, lead_ms=0, fade_out_ms=0).frame_ms is None

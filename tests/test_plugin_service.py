@@ -405,7 +405,7 @@ def test_options_the_service_would_ignore_are_refused():
 
     engine = FakeEngine()
     call = TasteCall(engine)
-    assert TasteSpeechToSpeech(engine, call=call).call is call and TasteSpeechToSpeech(None, call=call).call is call
+    assert TasteSpeechToSpeech(engine, call=call).call is call and TasteSpeechToSpeech(None, call=TasteCall(engine))
     for kwargs, words in ((dict(settings=GenerationSettings()), "settings"), (dict(max_pending_segments=1),
                           "max_pending_segments"), (dict(voice=[0.0] * 192), "voice")):
         with pytest.raises(ValueError, match=f"{words} given with call=.*TasteCall"):
@@ -428,3 +428,18 @@ async def test_a_service_whose_call_has_ended_refuses_to_run_again():
     down, up = await run_test(service, frames_to_send=[SleepFrame(0.1)])
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]
     assert errors and all("cannot run again" in e and "new TasteSpeechToSpeech" in e for e in errors)
+
+
+def test_a_call_is_one_conversation_and_needs_a_loaded_engine():
+    """Two services on one TasteCall would run two callers' turns through one conversation (the
+    first caller got no audio at all); None or a hub id for the engine failed only at the
+    pipeline's start, deep in three processors."""
+    from pipecat_taste import TasteCall
+
+    call = TasteCall(FakeEngine())
+    TasteSpeechToSpeech(None, call=call)
+    with pytest.raises(ValueError, match="has a TasteTurnCapture already .*make a new TasteSpeechToSpeech"):
+        TasteSpeechToSpeech(None, call=call)
+    for engine in (None, "MediaTek-Research/Llama-1B-TASTE-V0"):
+        with pytest.raises(ValueError, match=r"engine must be a loaded TasteEngine, got .*TasteEngine\.from_pretrained"):
+            TasteSpeechToSpeech(engine)

@@ -91,7 +91,7 @@ def test_the_conversation_is_free_once_the_reply_is_committed(model, processor, 
     items = generate(model, processor, [user_turn], conv, extra_words=4)
     last = next(item for item in items if item["is_complete"])
     assert last["reply"] is not None and not conv.reply_in_progress
-    kept = conv.truncate_last_assistant(1)
+    kept = conv.truncate_last_assistant(np.int64(1))  # (a count from numpy arithmetic: was refused)
     assert kept.num_words == 1
     assert conv.forget_from(user_turn) == 2 and conv.turns == []
     assert_consistent(model, processor, conv)
@@ -302,6 +302,8 @@ def test_text_ids_outside_the_vocabulary(model, processor, speech):
             taste_detokenize(model, processor, speaker, None, None, None, 0, bad, codes, voice_generator=vg)
         with pytest.raises(ValueError, match=r"prev_text_ids must be Llama token ids"):
             taste_detokenize(model, processor, speaker, bad, codes, None, 0, ids, taste, voice_generator=vg)
+    with pytest.raises(ValueError, match=r"taste_ids must be integer codes of shape \(1, S, K\), got torch.bool"):
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste >= 0, voice_generator=vg)
 
 
 def test_a_segment_that_goes_on_with_prev_s_last_word_is_refused_by_name(model, processor, speech):
@@ -408,6 +410,8 @@ def test_start_speaking_checks_the_voice_vector():
             start_speaking(vg, voice, "low_latency", 16000, torch.Generator().manual_seed(0))
     state = start_speaking(vg, torch.randn(192).numpy(), "low_latency", 16000, torch.Generator().manual_seed(0))
     assert not state.finished
+    with pytest.raises(ValueError, match="out_sampling_rate must be one of .*, got '24000'"):
+        start_speaking(vg, torch.randn(192).numpy(), "low_latency", "24000", torch.Generator().manual_seed(0))
 
 
 def test_a_first_chunk_over_the_growth_limit_never_reports_more_tokens_than_were_fed():

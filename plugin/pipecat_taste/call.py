@@ -149,6 +149,10 @@ class TasteCall:
                  max_pending_segments: int = MAX_PENDING_SEGMENTS, log: CallLog | None = None):
         if max_pending_segments < 1:
             raise ValueError("max_pending_segments must be >= 1")
+        if not callable(getattr(engine, "new_session", None)):  # (None or a hub id: an easy slip)
+            raise ValueError(f"engine must be a loaded TasteEngine, got {engine!r}: load it once with "
+                             "TasteEngine.from_pretrained(path_or_hub_id) (None there: the embedded tiny "
+                             "checkpoint) and pass it to every call")
         self.engine = engine
         self.settings = settings or GenerationSettings()
         self.voice = voice
@@ -267,7 +271,14 @@ class TasteCall:
         return self.active_reply_turn is not None or self.bot_speaking
 
     def join(self, processor) -> None:
-        """``processor`` works for this call (each TASTE processor joins when it is made)."""
+        """``processor`` works for this call (each TASTE processor joins when it is made). One of
+        each kind: two captures or generators of one call would feed two callers' turns into one
+        conversation."""
+        twin = next((m for m in self._members if type(m) is type(processor)), None)
+        if twin is not None:
+            raise ValueError(f"call {self.call_id} has a {type(processor).__name__} already ({twin}): a TasteCall "
+                             "is one conversation; make a new TasteSpeechToSpeech (or TasteCall and processors) "
+                             "for each call")
         self._members.add(processor)
 
     async def leave(self, processor) -> None:

@@ -205,6 +205,7 @@ class _CapturedTurn:
 
 _NO_AUDIO = np.zeros(0, np.float32)
 FOLLOW_SECS = 0.02  # input is followed (VAD, pauses, pre-roll) in slices of at most this length
+NO_UPSTREAM_VAD_WARNING_SECS = 20.0  # audio without an upstream VAD frame before a capture that follows one says so
 USER_SPEAKING_PERIOD_SECS = 0.2  # UserSpeakingFrame while the caller speaks, as often as Pipecat's VADProcessor
 
 
@@ -242,6 +243,10 @@ class TasteTurnCapture(FrameProcessor):
         self._finisher: asyncio.Task | None = None
         # Sample clock of the input: turn lengths are measured in audio, not in wall-clock time.
         self._samples_seen = 0
+        # Set-up mistakes, said once per call: an upstream VAD beside our own (its frames are
+        # dropped: they would go downstream twice), no upstream VAD to follow (no turn ever ends).
+        self._upstream_vad_seen = False
+        self._vad_warned = False
         self._start_sample = 0
         self._kept_until = 0  # input sample after the last closed turn's audio: the next pre-roll starts there at most
         # Incremental ASR: the current turn's state, the partial in flight, turns being finished.
@@ -335,7 +340,16 @@ class TasteTurnCapture(FrameProcessor):
             await self.push_frame(frame, direction)
             if not self._ending:
                 await self._handle_audio(frame)
+        elif isinstance(frame, (VADUserStartedSpeakingFrame, VADUserStoppedSpeakingFrame)) and self._vad is not None \
+                and direction == FrameDirection.DOWNSTREAM:
+            if not self._vad_warned:
+                self._vad_warned = True
+                logger.warning(f"{self}: an upstream VAD's {type(frame).__name__} reached a capture that runs its "
+                               "own VAD: its frames are dropped (they would announce every turn twice); to follow "
+                               "it instead, use TasteSpeechToSpeech(..., use_own_vad=False) or "
+                               "TasteTurnCapture(call, vad_analyzer=None)")
         elif isinstance(frame, VADUserStartedSpeakingFrame) and self._vad is None:
+            self._upstream_vad_seen = True
             self._upstream_start_secs = frame.start_secs or self._upstream_start_secs
             await self.push_frame(frame, direction)
             await self._speech_started(time.monotonic())
@@ -385,6 +399,17 @@ class TasteTurnCapture(FrameProcessor):
 
     async def _handle_audio(self, frame: InputAudioRawFrame):
         now = time.monotonic()
+        if frame.num_channels < 1 or len(frame.audio) % (2 * frame.num_channels):  # skipped, the call goes on
+            logger.warning(f"{self}: an InputAudioRawFrame of {len(frame.audio)} bytes is not whole 16-bit samples "
+                           f"of {frame.num_channels} channel(s), skipped: the transport or resampler before the "
+                           "capture sends broken audio")
+            return
+        if self._vad is None and not self._upstream_vad_seen and not self._vad_warned \
+                and self._samples_seen > NO_UPSTREAM_VAD_WARNING_SECS * self._sample_rate:
+            self._vad_warned = True
+            logger.warning(f"{self}: no VADUserStartedSpeakingFrame in the call's first "
+                           f"{NO_UPSTREAM_VAD_WARNING_SECS:.0f} s of audio: this capture follows an upstream "
+                           "VAD (use_own_vad=False); without a VADProcessor before it, no turn is ever heard")
         if frame.num_channels != 1:
             samples = pcm16_to_float(frame.audio).reshape(-1, frame.num_channels).mean(axis=1)
         else:

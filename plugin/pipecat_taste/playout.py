@@ -63,6 +63,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -124,11 +126,16 @@ class PlayoutParams:
     interruption_hold_secs: float = 0.5  # longest wait for the transport's BotStopped on barge-in
 
     def __post_init__(self):
-        if (self.frame_ms is not None and self.frame_ms <= 0) or min(
-                self.lead_ms, self.fade_out_ms, self.prebuffer_ms, self.interruption_hold_secs,
-                self.start_hold_max_ms, self.start_window_ms) < 0:
-            raise ValueError("PlayoutParams: frame_ms must be > 0 and lead_ms, fade_out_ms, prebuffer_ms, "
-                             "interruption_hold_secs, start_hold_max_ms, start_window_ms >= 0")
+        for name in ("frame_ms", "lead_ms", "fade_out_ms", "prebuffer_ms", "start_hold_max_ms", "start_window_ms",
+                     "heard_fraction", "interruption_hold_secs"):
+            value = getattr(self, name)
+            if name == "frame_ms" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"PlayoutParams.{name} must be a finite number, got {value!r}")
+            if value < 0 or (name == "frame_ms" and value == 0):
+                raise ValueError(f"PlayoutParams.{name} must be {'> 0' if name == 'frame_ms' else '>= 0'}, "
+                                 f"got {value!r}")
         if not 0.0 < self.heard_fraction <= 1.0:
             raise ValueError("PlayoutParams.heard_fraction must be in (0, 1]")
 

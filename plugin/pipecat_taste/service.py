@@ -33,9 +33,10 @@ class TasteSpeechToSpeech(Pipeline):
                  call: TasteCall | None = None):
         """``engine``: a :class:`~pipecat_taste.engine.TasteEngine` (shared by all calls) or any
         object with its interface. ``vad_analyzer``: defaults to :class:`WebRTCVADAnalyzer`; with
-        ``use_own_vad=False`` the capture follows an upstream ``VADProcessor`` instead. ``call``: a
-        :class:`TasteCall` made already (it holds the engine, settings, voice, log and segment limit:
-        give those to it, not here)."""
+        ``use_own_vad=False`` the capture follows an upstream ``VADProcessor`` instead (with its own
+        VAD, an upstream VAD's frames are dropped, with a warning: they would announce every turn
+        twice). ``call``: a :class:`TasteCall` made already (it holds the engine, settings, voice,
+        log and segment limit: give those to it, not here); one service per call."""
         if call is not None:
             given = [name for name, value in (("settings", settings), ("voice", voice), ("log", log))
                      if value is not None]

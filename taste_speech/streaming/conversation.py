@@ -355,8 +355,9 @@ class Conversation:
 
     @torch.no_grad()
     def _truncate_last_assistant(self, played_words: int) -> TASTESegment | None:
-        if isinstance(played_words, bool) or not isinstance(played_words, int) or played_words < 0:
+        if isinstance(played_words, bool) or not isinstance(played_words, numbers.Integral) or played_words < 0:
             raise ValueError(f"played_words must be an integer >= 0, got {played_words!r}")
+        played_words = int(played_words)  # (a numpy integer too)
         st = self.state
         index = next((i for i in range(len(st.turns) - 1, -1, -1) if st.turns[i].role == "assistant"), None)
         if index is None:

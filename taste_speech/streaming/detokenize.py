@@ -88,7 +88,7 @@ def _as_codes(value, n: int, name: str, k: Optional[int]) -> torch.Tensor:
             raise ValueError(f"{name} is missing but its text ids are not empty")
         return torch.zeros(1, 0, k or 1, dtype=torch.long)
     value = torch.as_tensor(value)
-    if value.dim() != 3 or value.shape[0] != 1 or value.is_floating_point():
+    if value.dim() != 3 or value.shape[0] != 1 or value.is_floating_point() or value.dtype == torch.bool:
         raise ValueError(f"{name} must be integer codes of shape (1, S, K), got {value.dtype} {tuple(value.shape)}")
     if value.shape[1] != n:
         raise ValueError(f"{name} has {value.shape[1]} rows but its text ids have {n}: they must align one row per token")

@@ -131,7 +131,7 @@ def start_speaking(
     dynamic elsewhere). Passing ``graphs`` (e.g. ``SynthesisGraphs(vg, "rehearse")``) selects static.
     """
     if out_sampling_rate not in SUPPORTED_OUTPUT_RATES:
-        raise ValueError(f"out_sampling_rate must be one of {SUPPORTED_OUTPUT_RATES}, got {out_sampling_rate}")
+        raise ValueError(f"out_sampling_rate must be one of {SUPPORTED_OUTPUT_RATES}, got {out_sampling_rate!r}")
     policy = EmissionPolicy.resolve(policy)
     device = vg.flow.input_embedding.weight.device
     if graphs is not None:
