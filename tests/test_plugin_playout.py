@@ -398,3 +398,37 @@ def test_playout_params_refuse_what_no_playout_can_run_with(name, value, words):
     with pytest.raises(ValueError, match=words):
         PlayoutParams(**{name: value})
     assert PlayoutParams(frame_ms=None, lead_ms=0, fade_out_ms=0).frame_ms is None
+
+
+@pytest.mark.parametrize("pipeline_rate, line_rate", [(24000, 8000), (24000, 48000), (16000, 16000)])
+async def test_the_reply_is_made_at_the_output_transport_s_rate_and_reaches_the_line_without_gaps(pipeline_rate,
+                                                                                                 line_rate):
+    """A transport that runs at another rate than the pipeline resamples the audio it is given, and
+    Pipecat's streaming resampler releases it in bursts: paced at the pipeline's rate, every reply
+    had a 20-40 ms hole (two clicks) about 140 ms in. The synthesizer and the playout now make and
+    pace the audio at the transport's rate."""
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.transports.base_transport import TransportParams
+
+    from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeEngine, FakeSegment
+    from taste_agents.simulate import SimulatedLine, _LineOutput
+
+    call = TasteCall(FakeEngine())
+    call.active_reply_turn = 1
+    line = SimulatedLine(line_rate, 20.0)
+    output = _LineOutput(line, TransportParams(audio_out_enabled=True, audio_out_sample_rate=line_rate,
+                                               audio_out_10ms_chunks=2, audio_out_end_silence_secs=0))
+    words = ["sure", "I", "can", "help", "with", "that"] * 2
+    frames = [TasteReplySegmentFrame(1, i, " " + w, 1, FakeSegment([w], 2), None) for i, w in enumerate(words)]
+    await run_test(Pipeline([TasteSynthesizer(call), TastePlayout(call), output]),
+                   frames_to_send=frames + [TasteReplyEndFrame(1, "finished", len(words)), SleepFrame(0.3 * len(words) + 1)],
+                   pipeline_params=PipelineParams(audio_out_sample_rate=pipeline_rate))
+    assert call.log.audio_rate == line_rate
+    writes = line.writes
+    gaps = [(start - (prev + prev_samples.size)) for (prev, prev_samples), (start, _) in zip(writes, writes[1:])
+            if start != prev + prev_samples.size]
+    assert gaps == [], gaps  # one stretch of audio on the line, as released
+    played = np.concatenate([samples for _, samples in writes])
+    assert abs(played.size / line_rate - 0.2 * len(words)) < 0.05  # 200 ms a word, at the line's rate

@@ -102,6 +102,7 @@ from pipecat_taste.frames import (
     TasteTurnMetricsFrame,
     TasteTurnStatusFrame,
 )
+from pipecat_taste.links import output_transport_after, taste_output_rate
 from pipecat_taste.synthesis import context_id_for, turn_of_context
 
 
@@ -198,7 +199,10 @@ class TastePlayout(FrameProcessor):
 
     async def setup(self, setup: FrameProcessorSetup):
         await super().setup(setup)
-        self._rate = setup.audio_out_sample_rate
+        self._use_rate(setup.audio_out_sample_rate)
+
+    def _use_rate(self, rate: int):
+        self._rate = rate
         log = self._call.log
         log.audio_rate, log.fade_samples = self._rate, samples_for_ms(self._params.fade_out_ms, self._rate)
 
@@ -213,21 +217,7 @@ class TastePlayout(FrameProcessor):
         return samples_for_ms(self._frame_ms, self._rate)
 
     def _output_transport(self) -> BaseOutputTransport | None:
-        """The output transport after the playout in its pipeline, nested pipelines (the speech-to-
-        speech service) walked through as Pipecat walks them (``processors``), or None."""
-        order: list[FrameProcessor] = []
-
-        def walk(processor: FrameProcessor):
-            order.append(processor)
-            for inner in processor.processors:
-                walk(inner)
-
-        try:
-            walk(self.pipeline_worker.pipeline)
-        except AttributeError:  # (not set up by a pipeline worker)
-            return None
-        after = next((i for i, p in enumerate(order) if p is self), len(order))
-        return next((p for p in order[after + 1:] if isinstance(p, BaseOutputTransport)), None)
+        return output_transport_after(self)
 
     def _choose_frame_ms(self) -> float:
         """``frame_ms``, or unset the output transport's chunk (at the StartFrame: every processor
@@ -261,6 +251,8 @@ class TastePlayout(FrameProcessor):
         await super().process_frame(frame, direction)
 
         if isinstance(frame, StartFrame):
+            if self._call.has_synthesizer:  # it makes the audio at the transport's rate (another TTS: its own)
+                self._use_rate(taste_output_rate(self, self._rate))
             self._frame_ms = self._choose_frame_ms()
             self._call.log.frame_samples = self._frame_samples
             await self.push_frame(frame, direction)

@@ -62,6 +62,7 @@ from pipecat_taste.frames import (
     TasteSegmentAudioFrame,
     TasteTurnStatusFrame,
 )
+from pipecat_taste.links import taste_output_rate
 
 
 def context_id_for(turn_id: int) -> str:
@@ -125,7 +126,7 @@ class TasteSynthesizer(FrameProcessor):
         if self._out_rate not in SUPPORTED_OUTPUT_RATES:  # else every reply would fail, one by one
             raise ValueError(f"{self}: the pipeline's audio_out_sample_rate is {self._out_rate} Hz, and the TASTE "
                              f"synthesis resamples to {SUPPORTED_OUTPUT_RATES} Hz only: set "
-                             "PipelineParams(audio_out_sample_rate=...) (or the transport's) to one of them")
+                             "PipelineParams(audio_out_sample_rate=...) to one of them")
         await self._call.ensure_session()
 
     async def cleanup(self):
@@ -150,6 +151,8 @@ class TasteSynthesizer(FrameProcessor):
         await super().process_frame(frame, direction)
 
         if isinstance(frame, StartFrame):
+            # at the output transport's rate: a transport that resamples releases the audio in bursts
+            self._out_rate = taste_output_rate(self, self._out_rate)
             await self.push_frame(frame, direction)
             self._start_stages()
         elif isinstance(frame, EndFrame) and self._segments is not None:
