@@ -181,8 +181,35 @@ def check_voice_generator(path: str, config: TasteConfig, report: CheckReport) -
 
 def check_layout(directory: str, report: CheckReport) -> None:
     for rel, what in LAYOUT_FILES:
-        if not os.path.exists(os.path.join(directory, rel)):
+        path = os.path.join(directory, rel)
+        if not os.path.exists(path):
             report.notes.append(f"note: {rel} is absent - {what}")
+        elif not os.path.isfile(path):
+            report.problems.append(f"{rel} is not a file - {what}")
+    check_readable(directory, report)
+
+
+def check_readable(directory: str, report: CheckReport) -> None:
+    """The files the processor reads at start-up, read as it reads them (a truncated download names
+    itself here, not at the first call)."""
+    tokenizer = os.path.join(directory, "llama_tokenizer", "tokenizer.json")
+    if os.path.isfile(tokenizer):
+        try:
+            with open(tokenizer, encoding="utf-8") as f:
+                json.load(f)
+        except (ValueError, OSError) as exc:
+            report.unreadable.append(f"cannot read {tokenizer} as JSON ({exc}); download it again")
+    speaker = os.path.join(directory, "cosyvoice", "speaker_embed.onnx")
+    if os.path.isfile(speaker):
+        try:
+            import onnxruntime as ort
+
+            ort.InferenceSession(speaker, providers=["CPUExecutionProvider"])
+        except ImportError:
+            report.notes.append("note: onnxruntime is not installed: cosyvoice/speaker_embed.onnx not opened")
+        except Exception as exc:  # onnxruntime's own error types
+            report.unreadable.append(f"cannot load {speaker} ({type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0][:200]}); download it again")
 
 
 def check_directory(directory: str, source: str | None = None) -> CheckReport:

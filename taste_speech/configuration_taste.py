@@ -260,7 +260,14 @@ class TasteConfig(PretrainedConfig):
         base = os.path.expanduser(os.fspath(pretrained_model_name_or_path))
         if os.path.isdir(base):
             _check_config_file(base)
-        config = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        try:
+            config = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        except Exception as exc:  # a value of the wrong type, deep in a sub-config's class (huggingface_hub's
+            if not os.path.isdir(base) or isinstance(exc, OSError):  # strict dataclass errors are plain Exceptions)
+                raise
+            raise ValueError(f"{os.path.join(base, 'config.json')} does not make a TASTE config "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}): a value has the wrong type "
+                             "or the file was edited - download it again") from exc
         if isinstance(config, tuple):  # return_unused_kwargs=True
             return config
         config.joint_whisper_config = resolve_joint_whisper_config(
@@ -322,12 +329,19 @@ def _check_config_file(directory: str) -> None:
                                 "download was interrupted - download it again")
     try:
         with open(path) as f:
-            model_type = json.load(f).get("model_type")
+            data = json.load(f)
+        model_type = data.get("model_type")
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"{path} is not a readable JSON config ({exc}); download it again") from exc
     if model_type != "taste":
         raise ValueError(f"{path} describes a {model_type!r} model, not a TASTE one (model_type 'taste'): pass the "
                          "folder of a TASTE checkpoint such as MediaTek-Research/Llama-1B-TASTE-V0")
+    # a sub-config left out would silently become its default: the weights then fail by the hundred
+    bad = {key: data.get(key) for key in TasteConfig.sub_configs if not isinstance(data.get(key), dict)}
+    if bad:
+        shown = ", ".join(f"{key} is {'missing' if key not in data else type(value).__name__}" for key, value in bad.items())
+        raise ValueError(f"{path}: {shown}; each of {', '.join(TasteConfig.sub_configs)} must be a JSON object - the "
+                         "file is incomplete or was edited: download it again")
 
 
 def resolve_joint_whisper_config(config: TasteConfig, base_dir: str | None) -> WhisperConfig:

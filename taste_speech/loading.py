@@ -186,6 +186,11 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
 def load_pickled_state_dict(path: str, mmap: bool = False) -> dict[str, torch.Tensor]:
     """A ``.bin``/``.pth`` state dict through ``torch.load(weights_only=True)``: only tensors and
     plain containers are accepted, never arbitrary objects. ``mmap=True`` maps the data lazily."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not (head.startswith(b"PK\x03\x04") or head.startswith(b"\x80")):  # a zip archive, or a legacy pickle
+        raise CheckpointError(f"{path} is not a torch checkpoint (it starts with {head!r}: an error page or an "
+                              "interrupted download?); download it again")
     try:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -194,11 +199,12 @@ def load_pickled_state_dict(path: str, mmap: bool = False) -> dict[str, torch.Te
                 raise
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        # (torch's own text suggests weights_only=False - running the file's code: not quoted)
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        what = f" ({found.group(1)})" if found else ""
         raise CheckpointError(
-            f"{path} is not a plain tensor state dict: it contains objects other than tensors and was refused "
-            f"(torch.load weights_only=True): "
-            f"{str(exc).splitlines()[0]}. Only plain state dicts are loaded; re-save it with "
-            "torch.save(model.state_dict(), path) or convert it to safetensors."
+            f"{path} is not a plain tensor state dict: it holds objects other than tensors{what}, which are never "
+            "unpickled here. Re-save it with torch.save(model.state_dict(), path) or convert it to safetensors."
         ) from exc
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {path} as a torch checkpoint ({str(exc).splitlines()[0]}); the file is "
@@ -345,9 +351,10 @@ def match_keys(stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int
             unexpected.append(key)
     match = KeyMatch(sources=sources, unexpected=sorted(unexpected))
     has_adapters = any(".lora_" in k for k in stored)
-    # merged weights carry no adapters; a base stored in peft's unmerged spelling (".base_layer.")
-    # without them lost its adapters: those are reported missing, not set to zero
-    unmerged_base = any(".base_layer." in k for k in stored)
+    # merged weights carry no adapters and no peft wrapper prefix; a base stored in peft's unmerged
+    # spelling (".base_layer.", or the old peft's plain weight under the wrapper prefix) without
+    # them lost its adapters: those are reported missing, not set to zero
+    unmerged_base = any(".base_layer." in k or k.startswith(LORA_PREFIX + "model.layers.") for k in stored)
     match.merged_lora = lora_model and not has_adapters and not unmerged_base
     if spellings:
         match.spelling = " + ".join(sorted(spellings))

@@ -174,7 +174,12 @@ class TasteProcessor:
                 "Llama-3.2 tokenizer there - download the whole repository, or build a tiny checkpoint with "
                 "python -m taste_speech.tiny DIR"
             )
-        llm = AutoTokenizer.from_pretrained(llm_dir)
+        try:
+            llm = AutoTokenizer.from_pretrained(llm_dir)
+        except (ValueError, OSError) as e:  # (a truncated tokenizer.json: json's error names no file)
+            raise ValueError(f"cannot read the Llama tokenizer in {llm_dir} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}): the files are broken or "
+                             "incomplete - download them again") from e
 
         asr_name = config.asr_config._name_or_path or ""
         if asr_tokenizer is None:
@@ -440,9 +445,14 @@ class TasteProcessor:
             options.intra_op_num_threads = 1
             options.inter_op_num_threads = 1
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            self._speaker_session = ort.InferenceSession(
-                self.speaker_model_path, sess_options=options, providers=["CPUExecutionProvider"]
-            )
+            try:
+                self._speaker_session = ort.InferenceSession(
+                    self.speaker_model_path, sess_options=options, providers=["CPUExecutionProvider"]
+                )
+            except Exception as e:  # onnxruntime's own error types (InvalidProtobuf, Fail, ...)
+                raise ValueError(f"cannot load the speaker model {self.speaker_model_path} ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:200]}): the file is broken or incomplete - download it "
+                                 "again") from e
         return self._speaker_session
 
     def default_speaker_embedding(self) -> torch.Tensor:

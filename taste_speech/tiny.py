@@ -345,12 +345,15 @@ def default_tiny_checkpoint(seed: int = SEED_DEFAULT) -> str:
     so concurrent callers never see a half-written checkpoint."""
     root = os.environ.get("PIPECAT_TASTE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pipecat-taste")
     target = os.path.join(root, f"tiny-seed{seed}-{cache_key()}")
-    if os.path.isfile(os.path.join(target, "model.safetensors")):
+    if _cache_intact(target):
         return target
+    if os.path.exists(target):  # damaged (a file deleted or truncated): it is only a cache, built again
+        shutil.rmtree(target, ignore_errors=True)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".tiny-seed{seed}-building-", dir=root)
     try:
         build_tiny_checkpoint(tmp, seed)
+        _readable_by_all(tmp)  # (mkdtemp makes it private; a shared $PIPECAT_TASTE_CACHE serves other users)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first: use theirs
@@ -363,12 +366,41 @@ def default_tiny_checkpoint(seed: int = SEED_DEFAULT) -> str:
     return target
 
 
+CACHED_FILES = ("config.json", "model.safetensors", os.path.join("cosyvoice", "voice_generator.pth"),
+                os.path.join("cosyvoice", "speaker_embed.onnx"), os.path.join("llama_tokenizer", "tokenizer.json"))
+
+
+def _cache_intact(directory: str) -> bool:
+    """Every file of the cached checkpoint there, not empty, and the weights' header consistent with
+    the file's size (cheap: no tensor is read)."""
+    from taste_speech.loading import CheckpointError, read_safetensors_header
+
+    if not all(os.path.isfile(p) and os.path.getsize(p) > 0 for p in (os.path.join(directory, f) for f in CACHED_FILES)):
+        return False
+    try:
+        read_safetensors_header(os.path.join(directory, "model.safetensors"))
+    except (CheckpointError, OSError):
+        return False
+    return True
+
+
+def _readable_by_all(directory: str) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    for folder, _, files in os.walk(directory):
+        os.chmod(folder, 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m taste_speech.tiny",
                                      description="Write a random tiny TASTE checkpoint in the published layout.")
     parser.add_argument("directory", help="output folder (created; existing files are overwritten)")
     parser.add_argument("--seed", type=int, default=SEED_DEFAULT, help="weights/tokenizer/voice seed (default 0)")
     args = parser.parse_args(argv)
+    if os.path.exists(args.directory) and not os.path.isdir(args.directory):
+        parser.error(f"{args.directory!r} is a file: give a folder (created if missing)")
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     build_tiny_checkpoint(args.directory, args.seed)
     print(f"wrote tiny TASTE checkpoint (seed {args.seed}) to {args.directory}")

@@ -186,6 +186,12 @@ def test_an_unmerged_base_without_its_adapters_is_refused(stored, taste_lm_tiny_
     assert any(".base_layer." in k for k in bare)
     with pytest.raises(CheckpointError, match="lora_A"):
         TasteForCausalLM.from_pretrained(_variant(taste_lm_tiny_a, tmp_path / "bare", bare))
+    # the same in old peft's spelling (the plain weight under peft's wrapper prefix): it loaded as
+    # "merged", adapters zero
+    old_bare = {k.replace(".base_layer.weight", ".weight"): v for k, v in bare.items()}
+    assert not any(".base_layer." in k for k in old_bare)
+    with pytest.raises(CheckpointError, match="lora_A"):
+        TasteForCausalLM.from_pretrained(_variant(taste_lm_tiny_a, tmp_path / "old_bare", old_bare))
 
 
 def test_plain_bin_and_stored_duplicate_head(stored, reference, golden_io, taste_lm_tiny_a, tmp_path):

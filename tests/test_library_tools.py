@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,25 @@ def test_check_corrupt_voice_generator_config_is_unreadable(tiny_checkpoint, tmp
     (directory / "cosyvoice" / "voice_generator_config.json").write_text('{"flow": ')
     report = check.check_checkpoint(str(directory))
     assert report.exit_code == 2 and "voice_generator_config.json" in report.unreadable[0]
+
+
+@pytest.mark.parametrize("rel", ["cosyvoice/speaker_embed.onnx", "llama_tokenizer/tokenizer.json"])
+def test_a_truncated_speaker_model_or_tokenizer_is_named_by_check_and_by_the_processor(tiny_checkpoint, tmp_path, rel):
+    """check said OK and the processor failed with onnxruntime's InvalidProtobuf or json's
+    'Unterminated string' (no file named)."""
+    from taste_speech import TasteProcessor
+
+    directory = _copy_with_cosyvoice(tiny_checkpoint, tmp_path / "ck")
+    if rel.startswith("llama_tokenizer"):
+        (directory / "llama_tokenizer").unlink()
+        shutil.copytree(tiny_checkpoint / "llama_tokenizer", directory / "llama_tokenizer")
+    path = directory / rel
+    os.truncate(path, path.stat().st_size // 2)
+    report = check.check_checkpoint(str(directory))
+    assert report.exit_code == 2 and str(path) in report.unreadable[0] and "download it again" in report.unreadable[0]
+    with pytest.raises(ValueError, match=f"{path.parent.name}.*(broken or incomplete|download)"):
+        processor = TasteProcessor.from_pretrained(str(directory))
+        processor.speaker_embedding(np.ones(32000, np.float32) * 0.1, 16000)
 
 
 def test_check_mismatch_still_exits_1(tiny_checkpoint, tmp_path):
@@ -111,6 +131,28 @@ def test_verify_rejects_a_plain_checkpoint_with_exit_2(tiny_checkpoint, taste_lm
     assert "tests/data/taste_lm_tiny_a" in err and "parity" not in captured.out
     with pytest.raises(NotGoldenDirError, match="not a golden reference directory"):
         Golden(str(tiny_checkpoint))
+
+
+def test_verify_says_which_golden_folder_it_cannot_read_with_exit_2(taste_lm_tiny_a, tmp_path, capsys):
+    """A truncated io.safetensors or a voice-generator golden folder without its weights gave a
+    traceback and exit 1 (the code of a failed parity point); the latter was taken for a language-model
+    folder ('expected model.safetensors')."""
+    from taste_speech.verify import Golden
+    from taste_speech.verify.__main__ import main
+
+    broken = tmp_path / "broken"
+    shutil.copytree(taste_lm_tiny_a, broken)
+    os.truncate(broken / "io.safetensors", (broken / "io.safetensors").stat().st_size // 2)
+    assert main([str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert f"ERROR: cannot run the parity points of {broken}" in err and "Traceback" not in err
+
+    voice = tmp_path / "voice"
+    shutil.copytree(Path(__file__).parent / "data" / "voice_generator_tiny_a", voice)
+    (voice / "weights.safetensors").unlink()
+    assert Golden(str(voice)).kind == "voice_generator"  # (from its config.json, not from its weights file)
+    assert main([str(voice)]) == 2
+    assert "weights.safetensors" in capsys.readouterr().err
 
 
 def test_verify_command_line_exit_code(tmp_path):
@@ -211,3 +253,26 @@ def test_a_remote_check_of_something_else_is_an_error_line(tmp_path, monkeypatch
     assert check.main(["openai/whisper-tiny"]) == 2
     out = capsys.readouterr().out
     assert "ERROR: cannot read the config.json of openai/whisper-tiny as a TASTE config" in out
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda c: c.pop("text_config"), "text_config is missing; each of audio_tower_config"),
+    (lambda c: c.update(speech_decoder_config=None), "speech_decoder_config is NoneType"),
+    (lambda c: c.update(spoken_lm_config=[1, 2]), "spoken_lm_config is list"),
+    (lambda c: c["text_config"].update(hidden_size="64"), "does not make a TASTE config .*hidden_size"),
+])
+def test_a_config_json_with_a_broken_sub_config_is_named(tiny_checkpoint, tmp_path, edit, words):
+    """A sub-config left out or null became its default silently (747 mismatched tensors followed);
+    a value of the wrong type escaped as huggingface_hub's validation error, naming no file."""
+    from taste_speech.configuration_taste import TasteConfig
+
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    for entry in tiny_checkpoint.iterdir():
+        if entry.name != "config.json":
+            (directory / entry.name).symlink_to(entry)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{directory / 'config.json'}.*{words}.*download it again"):
+        TasteConfig.from_pretrained(str(directory))

@@ -2,6 +2,7 @@
 simulated call (audio -> TASTE -> continuation -> speech tokens -> waveform) that always ends."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -187,3 +188,22 @@ def test_default_checkpoint_is_built_once_atomically(tiny_checkpoint, tmp_path, 
     with pytest.raises(RuntimeError):
         tiny.default_tiny_checkpoint(seed=3)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # the half build is gone
+
+    # a damaged cache (truncated weights, a deleted file) is built again, not handed out
+    monkeypatch.setattr(tiny, "build_tiny_checkpoint", fake_build)
+    weights = path / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    assert Path(tiny.default_tiny_checkpoint()) == path and calls == [0, 0]
+    assert weights.stat().st_size == (tiny_checkpoint / "model.safetensors").stat().st_size
+    (path / "cosyvoice" / "speaker_embed.onnx").unlink()
+    assert Path(tiny.default_tiny_checkpoint()) == path and calls == [0, 0, 0]
+    assert Path(tiny.default_tiny_checkpoint()) == path and calls == [0, 0, 0]  # intact again: cached
+    assert path.stat().st_mode & 0o005 == 0o005 and weights.stat().st_mode & 0o004  # a shared cache: readable
+
+
+def test_the_builder_refuses_a_file_for_its_folder(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        tiny.main([str(afile)])
+    assert exit_.value.code == 2 and "is a file: give a folder" in capsys.readouterr().err

@@ -69,10 +69,18 @@ class Golden:
 
     @property
     def kind(self) -> str:
-        """``taste_lm`` (TasteForCausalLM checkpoint) or ``voice_generator`` (flow + HiFT)."""
-        if os.path.exists(os.path.join(self.dir, "weights.safetensors")):
+        """``taste_lm`` (TasteForCausalLM checkpoint, config.json of model_type 'taste') or
+        ``voice_generator`` (flow + HiFT: its config.json describes the flow)."""
+        try:
+            with open(os.path.join(self.dir, "config.json")) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            config = {}
+        if isinstance(config, dict) and "flow" in config:
             return "voice_generator"
-        return "taste_lm"
+        if isinstance(config, dict) and config.get("model_type") == "taste":
+            return "taste_lm"
+        return "voice_generator" if os.path.exists(os.path.join(self.dir, "weights.safetensors")) else "taste_lm"
 
 
 def compare(name: str, actual, expected: torch.Tensor, tol: float = FLOAT_TOL) -> PointResult:
