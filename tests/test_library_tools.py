@@ -63,6 +63,21 @@ def test_a_truncated_speaker_model_or_tokenizer_is_named_by_check_and_by_the_pro
         processor.speaker_embedding(np.ones(32000, np.float32) * 0.1, 16000)
 
 
+def test_an_error_page_saved_as_the_voice_generator_weights_is_not_a_torch_checkpoint(tiny_checkpoint, tmp_path):
+    """An HTML page was reported as 'objects other than tensors', quoting torch's advice to load it
+    with weights_only=False (running whatever the file holds)."""
+    from taste_speech.loading import CheckpointError, load_pickled_state_dict
+
+    directory = _copy_with_cosyvoice(tiny_checkpoint, tmp_path / "ck")
+    pth = directory / "cosyvoice" / "voice_generator.pth"
+    pth.write_text("<!DOCTYPE html><html><body>502 Bad Gateway</body></html>")
+    with pytest.raises(CheckpointError, match=r"is not a torch checkpoint \(it starts with b'<!DO'.*download it again"):
+        load_pickled_state_dict(str(pth))
+    report = check.check_checkpoint(str(directory))
+    assert report.exit_code == 2 and "is not a torch checkpoint" in report.unreadable[0]
+    assert "weights_only" not in report.render()
+
+
 def test_check_mismatch_still_exits_1(tiny_checkpoint, tmp_path):
     directory = _copy_with_cosyvoice(tiny_checkpoint, tmp_path / "ck")
     pth = directory / "cosyvoice" / "voice_generator.pth"

@@ -432,3 +432,32 @@ async def test_the_reply_is_made_at_the_output_transport_s_rate_and_reaches_the_
     assert gaps == [], gaps  # one stretch of audio on the line, as released
     played = np.concatenate([samples for _, samples in writes])
     assert abs(played.size / line_rate - 0.2 * len(words)) < 0.05  # 200 ms a word, at the line's rate
+
+
+async def test_a_transport_at_a_rate_the_synthesis_cannot_make_gets_the_pipeline_s_rate_and_a_warning():
+    from loguru import logger
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.transports.base_transport import TransportParams
+
+    from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeEngine, FakeSegment
+    from taste_agents.simulate import SimulatedLine, _LineOutput
+
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    call = TasteCall(FakeEngine())
+    call.active_reply_turn = 1
+    line = SimulatedLine(11025, 10.0)
+    output = _LineOutput(line, TransportParams(audio_out_enabled=True, audio_out_sample_rate=11025,
+                                               audio_out_end_silence_secs=0))
+    frames = [TasteReplySegmentFrame(1, 0, " sure", 1, FakeSegment(["sure"], 2), None),
+              TasteReplyEndFrame(1, "finished", 1), SleepFrame(1.0)]
+    try:
+        await run_test(Pipeline([TasteSynthesizer(call), TastePlayout(call), output]), frames_to_send=frames,
+                       pipeline_params=PipelineParams(audio_out_sample_rate=24000))
+    finally:
+        logger.remove(sink)
+    assert call.log.audio_rate == 24000
+    assert any("the output transport runs at 11025 Hz, which the TASTE synthesis does not make" in w
+               for w in warnings), warnings

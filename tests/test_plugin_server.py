@@ -219,13 +219,14 @@ async def test_a_peer_that_never_connects_ends_at_the_call_limit_when_that_comes
 
 async def test_a_call_ends_at_its_time_limit_even_while_talking():
     async with running_server(FakeEngine(), config(max_call_seconds=2.0)) as (server, url):
-        started = time.monotonic()  # the limit counts from the offer, connecting included
         pc, answer = await open_peer(url)
         assert pc is not None, answer
         try:
-            assert await wait_until(lambda: not server.calls, 8)
-            assert 1.5 < time.monotonic() - started < 6
+            assert await wait_until(lambda: not server.calls, 20)
+            # ended by the limit, which counts from the offer (connecting included: the caller's own
+            # clock, started before its ICE gathering, is not the server's)
             assert "limit of 2 s" in server.finished[-1]["ended_because"]
+            assert server.finished[-1]["seconds"] >= 1.9
             assert await wait_until(lambda: pc.connectionState == "closed", 5), pc.connectionState  # the peer is told
         finally:
             await pc.close()
@@ -642,7 +643,5 @@ async def test_closing_the_server_cancels_a_call_that_does_not_end_when_asked():
     stuck = ActiveCall("stuck", "webrtc", Deaf())
     stuck.task = asyncio.create_task(asyncio.sleep(3600), name="call-stuck")
     server.calls[stuck.call_id] = stuck
-    started = time.monotonic()
-    await server.close()
+    await server.close(timeout_s=0.2)
     assert stuck.task.cancelled() and stuck.worker.reason == "the server is shutting down"
-    assert time.monotonic() - started < 7

@@ -655,7 +655,8 @@ class TasteServer:
 
         return active
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """End every call; one whose pipeline has not ended ``timeout_s`` after it was asked is cancelled."""
         if self._closed:
             return
         self._closed = True
@@ -663,12 +664,12 @@ class TasteServer:
             await self._end(active, "the server is shutting down")
         tasks = [a.task for a in self.calls.values() if a.task is not None]
         if tasks:
-            _, running = await asyncio.wait(tasks, timeout=5)
+            _, running = await asyncio.wait(tasks, timeout=timeout_s)
             for task in running:  # a pipeline that does not end when asked: its task is cancelled
-                logger.warning(f"{task.get_name()}: still running 5 s after it was ended; cancelling it")
+                logger.warning(f"{task.get_name()}: still running {timeout_s:g} s after it was ended; cancelling it")
                 task.cancel()
             if running:
-                await asyncio.wait(running, timeout=5)
+                await asyncio.wait(running, timeout=timeout_s)
         await self._handler.close()
 
 
