@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from taste_agents.caller import BargeIn, Pause, Say, WaitForReply, load_utterances
+from taste_agents.caller import load_utterances, short_script
 from taste_agents.load import LoopLagMonitor, concurrent_calls, concurrent_webrtc_calls, rss_mb
 from taste_agents.phone_agent import PhoneAgentConfig
 from taste_agents.server import ServerConfig
@@ -34,13 +34,6 @@ def engine():
     from pipecat_taste.engine import TasteEngine
 
     return TasteEngine.from_pretrained(None)
-
-
-def short_script() -> list:
-    """The default script's core: a turn, and a barge-in on its reply that gets a reply of its own
-    (the full script, 8 calls for 5 minutes, is the soak benchmark's)."""
-    u = load_utterances()
-    return [Pause(0.5), Say(u["time"]), BargeIn(u["bargein"], after_agent_ms=600, timeout_s=20.0), WaitForReply(20.0)]
 
 
 def agent_config(**kwargs) -> PhoneAgentConfig:
@@ -86,7 +79,8 @@ async def test_calls_sharing_batched_steps(engine):
 
 async def test_calls_at_once_over_webrtc(engine, tmp_path):
     config = ServerConfig(agent=agent_config())
-    result = await concurrent_webrtc_calls(engine, N_WEBRTC_CALLS, tmp_path, config=config, rounds=1)
+    result = await concurrent_webrtc_calls(engine, N_WEBRTC_CALLS, tmp_path, config=config, rounds=1,
+                                           script="short")
     assert result.crashes == [], result.crashes  # includes: every server call ended
     assert result.audio_problems == [] and result.audio_intact  # checked on the server's call logs
     assert len(result.calls) == N_WEBRTC_CALLS

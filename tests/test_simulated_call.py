@@ -12,6 +12,7 @@ the module through the CLI's own code path; the tests check it on the recording 
 
 import json
 import wave
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +29,8 @@ AUDIBLE = 100  # int16 peak of an audible 10 ms frame (about -50 dBFS)
 @pytest.fixture(scope="module")
 def call(tmp_path_factory):
     out = tmp_path_factory.mktemp("call")
-    args = build_parser().parse_args(["call", "--simulate", "--quiet", "--out", str(out), "--max-call-seconds", "240"])
+    args = build_parser().parse_args(["call", "--simulate", "--quiet", "--out", str(out / "call-{call_id}"),
+                                      "--max-call-seconds", "240"])
     result = simulated_call(args)
     assert not result.timed_out
     return result
@@ -51,6 +53,7 @@ def test_outputs_are_written(call):
     assert stereo[:, 0].any() and stereo[:, 1].any()  # caller | agent
     report = json.loads(open(paths["report"]).read())
     assert report["call_id"] and len(report["turns"]) == 4
+    assert Path(paths["report"]).parent.name == "call-" + report["call_id"][:8]  # the folder says which call
     with open(paths["timeline"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     turn = report["turns"][0]

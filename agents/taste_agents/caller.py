@@ -97,6 +97,17 @@ def default_script(utterances: dict[str, Utterance] | None = None, reply_timeout
     ]
 
 
+def short_script(utterances: dict[str, Utterance] | None = None, reply_timeout_s: float = 20.0) -> list:
+    """The default script's core, in half its time: a turn, and a barge-in on its reply that gets a
+    reply of its own (load tests run many of these at once)."""
+    u = utterances or load_utterances()
+    return [Pause(0.5), Say(u["time"]), BargeIn(u["bargein"], after_agent_ms=600, timeout_s=reply_timeout_s),
+            WaitForReply(reply_timeout_s)]
+
+
+SCRIPTS = {"default": default_script, "short": short_script}
+
+
 @dataclass
 class CallerEvent:
     sample: int  # position on the caller's clock (samples since the call started)

@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     call = commands.add_parser("call", help="run a call")
     call.add_argument("--simulate", action="store_true",
                       help="a scripted caller talks to the agent in this process (no network)")
-    call.add_argument("--out", default=None, help="output folder (default: out/call-<id>)")
+    call.add_argument("--out", default=None, help="output folder (default: out/call-{call_id}, the first 8 "
+                                                  "characters of the call's id in its report)")
     call.add_argument("--max-call-seconds", type=simulated_call_seconds, default=300.0,
                       help=f"the simulated call's time limit (default: 300, at most {MAX_SIMULATED_CALL_S:.0f})")
     call.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -293,7 +294,7 @@ def simulated_call(args, engine=None):
         engine, path = load_engine(args, say)
     else:
         path = getattr(engine, "checkpoint_dir", "given engine")
-    out = args.out or os.path.join("out", f"call-{uuid.uuid4().hex[:8]}")
+    out = args.out or os.path.join("out", "call-{call_id}")  # (named once the call has its id)
     config = agent_config(args)
     meta = {"checkpoint": str(path), "device": str(getattr(engine, "device", args.device)),
             "dtype": args.dtype or "default",

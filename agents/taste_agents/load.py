@@ -225,9 +225,11 @@ async def concurrent_calls(engine, n_calls: int, *, config=None, duration_s: flo
 async def concurrent_webrtc_calls(engine, n_calls: int, out_dir, *, config=None, rounds: int = 1,
                                   duration_s: float | None = None, reply_timeout_s: float = 20.0,
                                   max_call_s: float = 240.0, sample_interval_s: float = 1.0,
-                                  on_call: Callable[[int, dict], None] | None = None) -> LoadResult:
+                                  on_call: Callable[[int, dict], None] | None = None,
+                                  script: str = "default") -> LoadResult:
     """``n_calls`` scripted callers at once, each its own aiortc process, against one server on
-    loopback; ``rounds`` rounds (or rounds until ``duration_s``). Each call is checked on both
+    loopback; ``rounds`` rounds (or rounds until ``duration_s``); ``script``: what each caller says
+    (``taste_agents.caller.SCRIPTS``). Each call is checked on both
     ends: the caller's recording (every turn answered) and the server's call log (the audio the
     agent released is exactly what it synthesized)."""
     from taste_agents.server import ServerConfig
@@ -247,7 +249,7 @@ async def concurrent_webrtc_calls(engine, n_calls: int, out_dir, *, config=None,
             while (done < rounds) if duration_s is None else (time.monotonic() - started < duration_s):
                 before = server.ended_count
                 outs = [out / f"round{done}" / f"call{i}" for i in range(n_calls)]
-                finished = await asyncio.gather(*(_run_caller(url, o, reply_timeout_s, max_call_s, i * 0.37)
+                finished = await asyncio.gather(*(_run_caller(url, o, reply_timeout_s, max_call_s, i * 0.37, script)
                                                   for i, o in enumerate(outs)), return_exceptions=True)
                 deadline = time.monotonic() + 15
                 while server.calls and time.monotonic() < deadline:
@@ -280,7 +282,8 @@ def _gate_stats(engine) -> dict | None:
     return gate.stats() if gate is not None else None
 
 
-async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: float, delay_s: float) -> dict:
+async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: float, delay_s: float,
+                      script: str = "default") -> dict:
     """One caller process; returns what the caller heard: per utterance, the first-audio latency
     (agent audio after the utterance's end, before the caller's next utterance)."""
     from taste_agents.report import first_active, last_active
@@ -290,7 +293,7 @@ async def _run_caller(url: str, out: Path, reply_timeout_s: float, max_call_s: f
     out.mkdir(parents=True, exist_ok=True)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "taste_agents.webrtc_caller", "--url", url, "--out", str(out), "--loopback",
-        "--reply-timeout", str(reply_timeout_s), "--max-call-seconds", str(max_call_s),
+        "--reply-timeout", str(reply_timeout_s), "--max-call-seconds", str(max_call_s), "--script", script,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         output, _ = await asyncio.wait_for(proc.communicate(), max_call_s + 120)

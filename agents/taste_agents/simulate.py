@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -192,7 +193,8 @@ async def simulate_call(engine, script: list, *, config=None, sample_rate: int =
     """Run one call between ``script`` (a ScriptedCaller script) and the phone agent built from
     ``engine`` and ``config`` (a PhoneAgentConfig; or any processor from
     ``service_factory(call_log)``). Returns the recording and the call log; with ``out_dir`` it
-    writes ``recording.wav`` (stereo: caller | agent), ``report.json`` and ``timeline.png``."""
+    writes ``recording.wav`` (stereo: caller | agent), ``report.json`` and ``timeline.png`` there
+    (``{call_id}`` in it: the first 8 characters of the call's id, the one in the report)."""
     from taste_agents.phone_agent import build_phone_agent
     from taste_agents.report import build_report, write_outputs
 
@@ -248,7 +250,8 @@ async def simulate_call(engine, script: list, *, config=None, sample_rate: int =
     result.report = build_report(result, {"call_id": getattr(call, "call_id", None), **(meta or {}),
                                           **({"stopped_early": True} if stopped is not None else {})})
     if out_dir is not None:
-        result.paths = write_outputs(result, out_dir)
+        call_id = result.report.get("call_id") or uuid.uuid4().hex  # (a service without a TasteCall)
+        result.paths = write_outputs(result, str(out_dir).replace("{call_id}", call_id[:8]))
     if stopped is not None:
         if result.paths:
             say("what was recorded before the stop: " + ", ".join(result.paths.values()))

@@ -216,7 +216,7 @@ async def run_call(url: str, script: list, out_dir: str | Path, *, stt_delay_s: 
 
 
 def main(argv=None) -> int:
-    from taste_agents.caller import default_script
+    from taste_agents.caller import SCRIPTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True)
@@ -224,10 +224,12 @@ def main(argv=None) -> int:
     parser.add_argument("--loopback", action="store_true", help="ICE on 127.0.0.1 only")
     parser.add_argument("--reply-timeout", type=float, default=20.0)
     parser.add_argument("--max-call-seconds", type=float, default=240.0)
+    parser.add_argument("--script", choices=sorted(SCRIPTS), default="default",
+                        help="what the caller says: the default script, or its short core (a turn and a barge-in)")
     args = parser.parse_args(argv)
     if args.loopback:
         use_loopback_only()
-    result = asyncio.run(run_call(args.url, default_script(reply_timeout_s=args.reply_timeout), args.out,
+    result = asyncio.run(run_call(args.url, SCRIPTS[args.script](reply_timeout_s=args.reply_timeout), args.out,
                                   max_call_s=args.max_call_seconds))
     print(json.dumps({k: result[k] for k in ("duration_s", "connect_s", "timed_out", "connection_lost", "received_frames")}))
     if result["connection_lost"]:

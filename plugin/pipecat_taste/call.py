@@ -176,6 +176,9 @@ class TasteCall:
         self.has_playout = False
         self.has_synthesizer = False
         self.has_generator = False
+        # The rate the synthesizer makes the call's audio at (set at its StartFrame, which reaches
+        # it before the playout: the playout paces at that rate, decided once).
+        self.output_rate: int | None = None
         self._members: set = set()  # the processors of the call that have not cleaned up yet
         # Agent activity, for barge-in: the turn whose reply is being generated or played.
         self.active_reply_turn: int | None = None

@@ -89,7 +89,6 @@ from pipecat.frames.frames import (
 )
 from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
-from pipecat.transports.base_output import BaseOutputTransport
 from pipecat.utils.text.base_text_aggregator import TextType
 
 from pipecat_taste.audio import FrameSlicer, fade_in, fade_out, float_to_pcm16, pcm16_to_float, samples_for_ms
@@ -102,7 +101,7 @@ from pipecat_taste.frames import (
     TasteTurnMetricsFrame,
     TasteTurnStatusFrame,
 )
-from pipecat_taste.links import output_transport_after, taste_output_rate
+from pipecat_taste.links import output_transport_after
 from pipecat_taste.synthesis import context_id_for, turn_of_context
 
 
@@ -216,13 +215,10 @@ class TastePlayout(FrameProcessor):
     def _frame_samples(self) -> int:
         return samples_for_ms(self._frame_ms, self._rate)
 
-    def _output_transport(self) -> BaseOutputTransport | None:
-        return output_transport_after(self)
-
     def _choose_frame_ms(self) -> float:
         """``frame_ms``, or unset the output transport's chunk (at the StartFrame: every processor
         is set up by then, the transport's chunk size with it)."""
-        transport = self._output_transport()
+        transport = output_transport_after(self)
         chunk_ms = None
         if transport is not None and transport.sample_rate and transport.audio_chunk_size:
             # (the playout's frames are mono 16-bit PCM, and so is the chunk they must fill)
@@ -251,8 +247,8 @@ class TastePlayout(FrameProcessor):
         await super().process_frame(frame, direction)
 
         if isinstance(frame, StartFrame):
-            if self._call.has_synthesizer:  # it makes the audio at the transport's rate (another TTS: its own)
-                self._use_rate(taste_output_rate(self, self._rate))
+            if self._call.output_rate:  # the synthesizer's, decided at its StartFrame (another TTS: its own)
+                self._use_rate(self._call.output_rate)
             self._frame_ms = self._choose_frame_ms()
             self._call.log.frame_samples = self._frame_samples
             await self.push_frame(frame, direction)

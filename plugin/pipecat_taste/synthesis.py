@@ -152,7 +152,7 @@ class TasteSynthesizer(FrameProcessor):
 
         if isinstance(frame, StartFrame):
             # at the output transport's rate: a transport that resamples releases the audio in bursts
-            self._out_rate = taste_output_rate(self, self._out_rate)
+            self._out_rate = self._call.output_rate = taste_output_rate(self, self._out_rate)
             await self.push_frame(frame, direction)
             self._start_stages()
         elif isinstance(frame, EndFrame) and self._segments is not None:
