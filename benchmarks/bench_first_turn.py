@@ -63,7 +63,7 @@ def on_new_thread(engine, fn, *args, **kwargs):
     carried from turn to turn."""
     import threading
 
-    from pipecat_taste.engine import prepare_stage_thread
+    from pipecat_taste.streams import prepare_stage_thread
 
     result: list = []
 

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     if args.root is not None:  # before anything imports the library or the plugin (the harness imported neither)
         for path in ("agents", "plugin", ""):
             sys.path.insert(0, str(args.root.resolve() / path))
-    from pipecat_taste.engine import GenerationSettings
+    from pipecat_taste.session import GenerationSettings
 
     torch.set_grad_enabled(False)
     # the suite's graphed path: static caches, their steps run eagerly on a CPU

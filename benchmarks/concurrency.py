@@ -35,7 +35,7 @@ def run_in_this_process(n_calls: int, max_reply_tokens: int, threads: int) -> di
     torch.set_num_threads(threads)
     from benchmarks.engines import tiny_engine
     from benchmarks.first_audio import run_sequential, tokenize_turn
-    from pipecat_taste.engine import GenerationSettings
+    from pipecat_taste.session import GenerationSettings
     from taste_agents.caller import load_utterances
     from taste_agents.load import concurrent_calls, rss_mb
     from taste_agents.phone_agent import PhoneAgentConfig

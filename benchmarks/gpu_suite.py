@@ -275,7 +275,7 @@ def path_engine(engine, path: DecodePath, calls: int = 1):
 
 
 def new_session(engine, seed: int = 0):
-    from pipecat_taste.engine import GenerationSettings
+    from pipecat_taste.session import GenerationSettings
 
     settings = GenerationSettings(seed=seed, text_top_p=0.0, max_reply_tokens=64, words_per_segment=1)
     session = engine.new_session(settings)
@@ -1139,7 +1139,7 @@ def concurrent_first_audio(engine, asr, path: DecodePath, forced: ForcedReply, c
         before = torch.cuda.memory_allocated()
 
     def one(i):
-        from pipecat_taste.engine import on_stream
+        from pipecat_taste.streams import on_stream
 
         try:
             with on_stream(engine.new_call_stream()):  # (streams='calls': the call's own; else None: its thread's)

@@ -75,7 +75,7 @@ def log(message: str) -> None:
 # -- 1. first audio -----------------------------------------------------------------------------------
 def section_first_audio(plan: Plan, args, results: Path) -> tuple[list[str], dict]:
     from benchmarks import engines, first_audio
-    from pipecat_taste.engine import GenerationSettings
+    from pipecat_taste.session import GenerationSettings
     from taste_agents.caller import load_utterances
 
     utterance = load_utterances()["hello"]

@@ -559,7 +559,7 @@ def test_a_conversation_takes_the_model_then_the_processor(model, processor):
     (dict(system_prompt="  "), r"system_prompt has no words: give one, or None"),
 ])
 def test_generation_settings_are_checked_when_made(kwargs, match):
-    from pipecat_taste.engine import GenerationSettings
+    from pipecat_taste.session import GenerationSettings
 
     with pytest.raises(ValueError, match=match):
         GenerationSettings(**kwargs)
@@ -570,7 +570,7 @@ def test_the_extreme_seeds_make_a_session(engine):
     given: the same seed draws the same, the two ends draw differently."""
     import torch
 
-    from pipecat_taste.engine import GenerationSettings
+    from pipecat_taste.session import GenerationSettings
 
     def draws(seed):
         session = engine.new_session(GenerationSettings(seed=seed))

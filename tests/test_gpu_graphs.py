@@ -121,7 +121,8 @@ def test_a_streamed_reply_waits_for_the_gpu_about_once_per_step(monkeypatch, top
     reply's first step (the sampler's ban mask) wait for nothing; one wait more is allowed for the
     code of the word in progress when the reply is cut off at ``max_reply_tokens`` (a step the
     sampler does not take). The instruct format: no turn decision to read."""
-    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from pipecat_taste.engine import TasteEngine
+    from pipecat_taste.session import GenerationSettings
     from taste_agents.caller import load_utterances
     from taste_speech.sampler import TasteSampler
 
@@ -585,7 +586,9 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     synthesis noise): the sessions' generators are CPU ones, the logits and weights on the GPU."""
     import numpy as np
 
-    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from pipecat_taste.engine import TasteEngine
+
+    from pipecat_taste.session import GenerationSettings
     from session_helpers import speak_segments
     from taste_agents.caller import load_utterances
 
@@ -630,7 +633,8 @@ def test_speaking_waits_for_the_gpu_only_at_the_draws_and_the_audio(monkeypatch)
     voice and the previous segment's tokens copied from pinned memory) does not wait for the GPU,
     and vocoding waits once per chunk, for its audio (the tokens, positions and noise go in from
     pinned memory): counted with torch's sync debug mode."""
-    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from pipecat_taste.engine import TasteEngine
+    from pipecat_taste.session import GenerationSettings
     from taste_agents.caller import load_utterances
 
     engine = TasteEngine.from_pretrained(None, device="cuda", asr=None)
@@ -680,7 +684,9 @@ def test_cuda_streams_give_the_same_audio_alone_and_beside_other_calls(streams):
 
     from concurrency_helpers import run_in_threads
     from pipecat_taste.call import TasteCall
-    from pipecat_taste.engine import GenerationSettings, TasteEngine, on_stream
+    from pipecat_taste.engine import TasteEngine
+    from pipecat_taste.session import GenerationSettings
+    from pipecat_taste.streams import on_stream
     from session_helpers import speak_segments
     from taste_agents.caller import load_utterances
 
@@ -757,7 +763,8 @@ def test_an_asr_with_the_tower_s_encoder_encodes_each_turn_once_on_cuda():
     tower's encoder weights: the turn's final transcription pass is the tower's pass too, and its
     codes are those of the tower encoding the turn again (no new capture, no second pass)."""
     from pipecat_taste.asr import WhisperTranscriber
-    from pipecat_taste.engine import GenerationSettings, TasteEngine
+    from pipecat_taste.engine import TasteEngine
+    from pipecat_taste.session import GenerationSettings
     from taste_agents.caller import load_utterances
 
     base = TasteEngine.from_pretrained(None, device="cuda", asr=None)

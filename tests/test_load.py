@@ -97,7 +97,7 @@ async def test_calls_at_once_over_webrtc(engine, tmp_path):
 def test_a_hundred_turn_call_stays_flat(engine):
     """One call, 100 user turns, each answered (every 20th also spoken). With a rolling window the history the
     LM holds stops growing, so does the work per turn (rows fed to the LM) and memory."""
-    from pipecat_taste.engine import GenerationSettings
+    from pipecat_taste.session import GenerationSettings
 
     settings = GenerationSettings(max_reply_tokens=6, history_max_tokens=160, history_max_turns=24)
     session = engine.new_session(settings)

@@ -13,7 +13,8 @@ import torch
 
 from concurrency_helpers import run_in_threads
 from session_helpers import speak_segments
-from pipecat_taste.engine import GenerationSettings, TasteEngine
+from pipecat_taste.engine import TasteEngine
+from pipecat_taste.session import GenerationSettings
 from taste_agents.caller import load_utterances
 
 
@@ -501,15 +502,15 @@ def test_auto_streams_are_the_synthesis_stream_on_the_cuda_fast_path_only():
     """streams='auto' (the default): the synthesis stream where the synthesis takes the static path
     on CUDA - a whole reply 0.096 against 0.106 s per audio second on the H100 -, one stream on a
     CPU and with eager decoding (the reference, for debugging); a choice made is kept."""
-    from pipecat_taste.engine import _resolve_streams
+    from pipecat_taste.streams import resolve_streams
 
-    assert _resolve_streams("auto", "cuda", "auto") == "synthesis"
-    assert _resolve_streams("auto", torch.device("cuda", 0), "static") == "synthesis"
-    assert _resolve_streams("auto", "cuda:0", "dynamic") == "default"
-    assert _resolve_streams("auto", "cpu", "static") == "default"
-    assert _resolve_streams("auto", torch.device("cpu"), "auto") == "default"
+    assert resolve_streams("auto", "cuda", "auto") == "synthesis"
+    assert resolve_streams("auto", torch.device("cuda", 0), "static") == "synthesis"
+    assert resolve_streams("auto", "cuda:0", "dynamic") == "default"
+    assert resolve_streams("auto", "cpu", "static") == "default"
+    assert resolve_streams("auto", torch.device("cpu"), "auto") == "default"
     for chosen in ("default", "synthesis", "calls"):
-        assert _resolve_streams(chosen, "cuda", "auto") == chosen
+        assert resolve_streams(chosen, "cuda", "auto") == chosen
 
 
 def test_compile_flow_is_refused_off_cuda_and_with_eager_decoding_before_the_weights_load(engine, monkeypatch):

@@ -8,7 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from pipecat_taste.engine import GenerationSettings, TasteEngine
+from pipecat_taste.engine import TasteEngine
+
+from pipecat_taste.session import GenerationSettings
 from pipecat_taste.rehearsal import REHEARSAL_TRANSCRIPT, rehearsal_audio
 from session_helpers import speak_segments
 from taste_agents.caller import load_utterances
@@ -66,7 +68,7 @@ def test_the_rehearsal_runs_each_stage_on_a_worker_thread_that_ends(engine, monk
     """As a live call's stages do (TasteCall.executor): the threads' library handles go back to
     torch's pools when they end, for the first call's threads."""
     import pipecat_taste.rehearsal as rehearsal
-    from pipecat_taste.engine import TasteSession
+    from pipecat_taste.session import TasteSession
 
     threads = {}
 

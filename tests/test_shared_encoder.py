@@ -11,7 +11,8 @@ import torch
 
 from pipecat_taste import engine as engine_module
 from pipecat_taste.asr import WhisperTranscriber
-from pipecat_taste.engine import GenerationSettings, TasteEngine
+from pipecat_taste.engine import TasteEngine
+from pipecat_taste.session import GenerationSettings
 from taste_agents.caller import load_utterances
 from taste_speech.encoder_graph import EncodedTurn, EncoderGraph
 from taste_speech.streaming import taste_tokenize

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pipecat_taste.call import MAX_PENDING_SEGMENTS, CallLog
 from pipecat_taste.capture import TurnCaptureParams
-from pipecat_taste.engine import GenerationSettings
+from pipecat_taste.session import GenerationSettings
 from pipecat_taste.playout import PlayoutParams
 from pipecat_taste.service import TasteSpeechToSpeech
 from pipecat_taste.vad import WebRTCVADAnalyzer, default_vad_params

@@ -12,7 +12,8 @@ Pieces (usable on their own): :class:`WebRTCVADAnalyzer` (a Pipecat VAD analyzer
 
 from pipecat_taste.call import CallLog, TasteCall, TurnRecord
 from pipecat_taste.capture import TasteTurnCapture, TurnCaptureParams
-from pipecat_taste.engine import GenerationSettings, TasteEngine, TasteSession
+from pipecat_taste.engine import TasteEngine
+from pipecat_taste.session import GenerationSettings, TasteSession
 from pipecat_taste.frames import (
     TastePlaybackFrame,
     TasteReplyEndFrame,

@@ -18,7 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipecat_taste.engine import GenerationSettings, prepare_stage_thread
+from pipecat_taste.session import GenerationSettings
+
+from pipecat_taste.streams import prepare_stage_thread
 from pipecat_taste.reply_mutes import ReplyMutes
 from pipecat_taste.start_hold import StartNeeds
 

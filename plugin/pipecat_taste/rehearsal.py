@@ -103,7 +103,7 @@ def _rehearse_one(engine, out_sample_rate: int, turn_ends, failed=lambda: None) 
     """One throwaway call's turn: (first_audio_s, transcript, reply segments, speech tokens, audio
     samples). ``turn_ends()``: called when its caller stops speaking (the calls' barrier);
     ``failed()``: called when it fails."""
-    from pipecat_taste.engine import GenerationSettings
+    from pipecat_taste.session import GenerationSettings
 
     audio = rehearsal_audio(engine.input_sample_rate)
     # an answer of a few words is enough to run every stage; 'instruct' always answers
@@ -140,7 +140,7 @@ class _StageThreads:
 
     def run(self, stage: str, fn, *args):
         if stage not in self._executors:
-            from pipecat_taste.engine import prepare_stage_thread
+            from pipecat_taste.streams import prepare_stage_thread
 
             self._executors[stage] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"taste-rehearsal-{stage}",
                                                         initializer=prepare_stage_thread,

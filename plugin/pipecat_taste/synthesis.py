@@ -53,7 +53,7 @@ from pipecat.utils.errors import ErrorCategory
 
 from pipecat_taste.audio import continue_fade_in, fade_out, float_to_pcm16, samples_for_ms
 from pipecat_taste.call import TasteCall
-from pipecat_taste.engine import VocodingFailed
+from pipecat_taste.session import VocodingFailed
 from pipecat_taste.frames import (
     TasteAudioStartedFrame,
     TasteAudioStoppedFrame,
