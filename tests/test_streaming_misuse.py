@@ -276,6 +276,57 @@ def test_prev_audio_ms_must_match_the_audio(model, processor, speech):
     assert out["audio_waveform"].shape[-1] > 0
 
 
+def test_a_state_left_by_a_failure_or_a_closed_stream_says_so_when_given_again(model, processor, speech, monkeypatch):
+    """Both said "prev_speech_ids has 15 tokens but the state covers 35: pass the 'speech_ids'
+    returned by the previous call" - speech ids no call had returned."""
+    from taste_speech.streaming import finish_speaking, taste_detokenize_stream
+    from taste_speech.streaming.synthesis import SynthesisFailed
+
+    vg, ids, taste, starts = speech
+    speaker, cut, kw = processor.default_speaker_embedding(), starts[len(starts) // 2], dict(voice_generator=vg)
+
+    def first_half():
+        return taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, :cut], taste[:, :cut], 16000,
+                                final=False, generator=torch.Generator().manual_seed(0), **kw)
+
+    def second_half(first, **more):
+        return (ids[:, :cut], taste[:, :cut], first["speech_ids"], first["chunk_duration_ms"], ids[:, cut:],
+                taste[:, cut:], 16000), dict(state=first["state"], **kw, **more)
+
+    # a synthesis step fails in the second segment
+    first, decode = first_half(), vg.hift.decode
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(vg.hift, "decode", out_of_memory)
+    args, more = second_half(first)
+    with pytest.raises(SynthesisFailed):
+        taste_detokenize(model, processor, speaker, *args, **more)
+    monkeypatch.setattr(vg.hift, "decode", decode)
+    with pytest.raises(ValueError, match=r"failed earlier \(RuntimeError: out of memory\): it cannot go on.*state=None"):
+        taste_detokenize(model, processor, speaker, *args, **more)
+
+    # a stream of the second segment closed after its first chunk (a barge-in)
+    first = first_half()
+    args, more = second_half(first)
+    stream = taste_detokenize_stream(model, processor, speaker, *args, **more)
+    next(stream)
+    stream.close()
+    with pytest.raises(ValueError, match="last segment was left part-way.*finish_speaking"):
+        taste_detokenize(model, processor, speaker, *args, **more)
+    assert finish_speaking(vg, first["state"]).shape[-1] > 0  # what it holds still fades out
+
+
+@pytest.mark.parametrize("state", [None, "swapped"])
+def test_finish_speaking_names_its_arguments(speech, state):
+    from taste_speech.streaming import finish_speaking
+
+    vg = speech[0]
+    with pytest.raises(ValueError, match=r"finish_speaking\(voice_generator, state\) takes the 'state'"):
+        finish_speaking(vg, vg if state == "swapped" else None)
+
+
 # -- plausible but wrong inputs --------------------------------------------------------------------------
 def test_int16_scale_float_audio_is_refused(model, processor, user_turn):
     pcm = np.round(voiced() * 32767).astype(np.int16)

@@ -406,7 +406,9 @@ def test_detokenize_stateless_continuation_and_stream(speech_setup):
                                          ids[:, cut:], taste[:, cut:], 22050, voice_generator=vg,
                                          generator=torch.Generator().manual_seed(2)))
     assert items[-1]["is_final"] and not any(i["is_final"] for i in items[:-1])
-    new = items[-1]["speech_ids"].shape[1]
+    new = items[-1]["new_speech_ids"].shape[1]
+    # speech_ids as taste_detokenize returns them: the next call's prev_speech_ids
+    assert torch.equal(items[-1]["speech_ids"], torch.cat([prev, items[-1]["new_speech_ids"]], dim=1))
     audio = torch.cat([i["audio_waveform"] for i in items], -1)
     # only the new tokens' audio: frames(40 + new) - frames(40) frames
     assert audio.shape[-1] == (frames_for_tokens(40 + new) - frames_for_tokens(40)) * 256

@@ -171,9 +171,21 @@ def _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, p
 
 def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.Tensor, prev_audio_ms: float,
                  prev_text_ids: torch.Tensor, prev_taste_ids: torch.Tensor, policy) -> None:
+    if not isinstance(state, SynthesisState):
+        raise ValueError(f"state must be the 'state' a previous taste_detokenize call returned, got {type(state).__name__}")
     if state.finished:
         raise ValueError("the given state already ended (its last call had final=True); pass final=False on every "
                          "segment but the last of an utterance, or start without a state")
+    # (before the token count below: a state left part-way has taken tokens no 'speech_ids' returned)
+    if state.failure is not None:
+        raise ValueError(f"the given state's synthesis failed earlier ({state.failure}): it cannot go on; play the "
+                         "audio the failure carried (SynthesisFailed.audio) and go on without a state (state=None: "
+                         "a new utterance, or this one continued from its prev_speech_ids)")
+    if state.segment_open:
+        raise ValueError("the given state's last segment was left part-way (its taste_detokenize_stream was closed "
+                         "before its last chunk, e.g. at a barge-in): it cannot take another segment; "
+                         "finish_speaking(voice_generator, state) fades out what it holds, then go on without a "
+                         "state (state=None)")
     if not torch.allclose(state.speaker_embeds.cpu().float(), speaker_embeds.cpu().float(), atol=1e-5):
         raise ValueError("speaker_embeds differ from the ones this state was started with: one state per voice")
     n_prev = prev_speech_ids.shape[1]
@@ -224,8 +236,10 @@ def taste_detokenize_stream(
 ) -> Iterator[dict]:
     """Like :func:`taste_detokenize`, yielding audio chunks while the speech tokens are generated.
 
-    Each item: ``audio_waveform`` (1, n), ``sampling_rate``, ``chunk_duration_ms``, ``speech_ids`` (the new
-    speech tokens generated so far, (1, s)), ``is_final`` (last chunk of this call), ``state``.
+    Each item: ``audio_waveform`` (1, n), ``sampling_rate``, ``chunk_duration_ms``, ``speech_ids`` (1, Q + s):
+    ``prev_speech_ids`` and the new speech tokens generated so far - the last item's is the next call's
+    ``prev_speech_ids``, as ``taste_detokenize`` returns it - ``new_speech_ids`` (1, s) those new tokens,
+    ``is_final`` (last chunk of this call), ``state``.
     """
     from taste_speech.modeling_speech_decoder import TopKSampler
 
@@ -299,25 +313,31 @@ def taste_detokenize_stream(
                                          prev_speech_ids, prev_audio_ms)
     new_tokens: list[int] = []
 
-    def item(chunk: SpeechChunk, is_final: bool) -> dict:
+    def item(chunk: SpeechChunk | None, is_final: bool) -> dict:
+        new = torch.tensor([new_tokens], dtype=torch.long).view(1, -1)
+        audio = chunk.audio if chunk is not None else torch.zeros(1, 0)
         return {
-            "audio_waveform": chunk.audio,
-            "sampling_rate": chunk.sampling_rate,
-            "chunk_duration_ms": chunk.duration_ms,
-            "speech_ids": torch.tensor([new_tokens], dtype=torch.long).view(1, -1),
+            "audio_waveform": audio,
+            "sampling_rate": chunk.sampling_rate if chunk is not None else out_sampling_rate,
+            "chunk_duration_ms": chunk.duration_ms if chunk is not None else 0.0,
+            "speech_ids": torch.cat([prev_speech_ids, new.to(prev_speech_ids.device)], dim=1),
+            "new_speech_ids": new,
             "is_final": is_final,
             "state": state,
         }
 
     for chunk in primed:  # the previous tokens' audio after prev_audio_ms
         yield item(chunk, False)
+    state.segment_open = True
     try:
         while (token := decoder.step(dec_state, sampler)) is not None:
             new_tokens.append(token)
             for chunk in speak(vg, state, torch.tensor([[token]])):
                 yield item(chunk, False)
         if not new_tokens:
+            state.segment_open = False  # (nothing was fed: the state is as it was)
             raise ValueError("the speech decoder produced no speech tokens for this segment")
+        state.segment_open = False
         state.segment_tokens = len(new_tokens)
         state.segment_words = (text_ids, taste_ids)
         chunks = speak(vg, state, final=True) if final else []
@@ -330,9 +350,7 @@ def taste_detokenize_stream(
             yield item(chunk, False)
         yield item(chunks[-1], True)
     else:
-        empty = torch.zeros(1, 0)
-        yield {"audio_waveform": empty, "sampling_rate": out_sampling_rate, "chunk_duration_ms": 0.0,
-               "speech_ids": torch.tensor([new_tokens], dtype=torch.long), "is_final": True, "state": state}
+        yield item(None, True)
 
 
 def taste_detokenize(
@@ -388,14 +406,12 @@ def taste_detokenize(
         failed.audio = torch.cat(pieces, dim=-1) if pieces else torch.zeros(1, 0)
         raise
     audio = torch.cat(pieces, dim=-1)
-    prev = _as_ids(prev_speech_ids, "prev_speech_ids", allow_empty=True)
-    new = last["speech_ids"]
     return {
         "audio_waveform": audio,
         "sampling_rate": out_sampling_rate,
         "chunk_duration_ms": 1000.0 * audio.shape[-1] / out_sampling_rate,
-        "speech_ids": torch.cat([prev, new.to(prev.device)], dim=1),
-        "new_speech_ids": new,
+        "speech_ids": last["speech_ids"],
+        "new_speech_ids": last["new_speech_ids"],
         "state": last["state"],
     }
 
@@ -403,6 +419,10 @@ def taste_detokenize(
 @torch.inference_mode()
 def finish_speaking(voice_generator: VoiceGenerator, state: SynthesisState) -> torch.Tensor:
     """Flush a state kept with ``final=False``: the held-back audio with the final fade-out, (1, n)."""
+    if not isinstance(state, SynthesisState):
+        raise ValueError(f"finish_speaking(voice_generator, state) takes the 'state' a taste_detokenize call returned "
+                         f"as its second argument, got {type(state).__name__}"
+                         + (" (a reply cut off before its first segment has no state to finish)" if state is None else ""))
     chunks = speak(voice_generator, state, final=True)
     if not chunks:
         return torch.zeros(1, 0)

@@ -276,6 +276,7 @@ class SynthesisState:
     # continues only those: its text prefix holds the previous segment's words, not the utterance's)
     segment_tokens: int = 0
     segment_words: Optional[tuple] = None  # (text_ids, taste_ids) of that segment: the next one's prev_*
+    segment_open: bool = False  # a segment's speech tokens are being fed (a stream left there cannot go on)
 
     def frames(self, n_tokens: int) -> int:
         """Mel frames of this state's first ``n_tokens`` tokens, on the utterance's frame grid."""
