@@ -113,7 +113,7 @@ def u():
 
 @pytest.mark.parametrize("early_reply_secs", [0.2])  # the default; without early replies the playout path is the same
 async def test_the_assistant_aggregator_after_the_output_keeps_the_words_heard(u, early_reply_secs):
-    engine = FakeEngine(word_delay=0.02, asr_text="what the caller said")
+    engine = FakeEngine(word_delay=0.02, asr_text=lambda audio: f"a turn of {audio.size}")  # (each turn its own words)
     log, context, stopped, _ = await run_call(engine, script(u),
                                               capture_params=TurnCaptureParams(early_reply_secs=early_reply_secs))
     heard = [log.turns[t] for t in sorted(log.turns) if log.turns[t].played_words]
@@ -124,6 +124,11 @@ async def test_the_assistant_aggregator_after_the_output_keeps_the_words_heard(u
     # reply leaking into the next one, the cut reply only up to where it was cut
     assistant = [m["content"] for m in context.get_messages() if m["role"] == "assistant"]
     assert assistant == [r.played_text for r in heard]
+    # each after the caller's turn it answers: the cut reply was written before its turn, the user
+    # aggregator waiting Pipecat's default transcript latency (1 s) after a realtime reply's start
+    said = [(m["role"], m["content"]) for m in context.get_messages()]
+    turns = [("user", r.transcript) for r in heard]
+    assert said == [m for pair in zip(turns, [("assistant", r.played_text) for r in heard]) for m in pair], said
     assert stopped == [(r.played_text, r.interrupted) for r in heard]
     assert [(role, text) for role, text in engine.sessions[0].history if role == "assistant"] == \
         [("assistant", r.played_text) for r in heard]  # the same words the model remembers

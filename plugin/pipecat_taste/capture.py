@@ -81,6 +81,7 @@ from pipecat.frames.frames import (
     LLMServiceMetadataFrame,
     ServiceSwitcherRequestMetadataFrame,
     StartFrame,
+    STTMetadataFrame,
     TranscriptionFrame,
     UserSpeakingFrame,
     UserStartedSpeakingFrame,
@@ -206,6 +207,7 @@ class _CapturedTurn:
 _NO_AUDIO = np.zeros(0, np.float32)
 FOLLOW_SECS = 0.02  # input is followed (VAD, pauses, pre-roll) in slices of at most this length
 NO_UPSTREAM_VAD_WARNING_SECS = 20.0  # audio without an upstream VAD frame before a capture that follows one says so
+TRANSCRIPT_LATENCY_SECS = 0.1  # from a reply's start to its turn's transcript at the user aggregator, at most
 USER_SPEAKING_PERIOD_SECS = 0.2  # UserSpeakingFrame while the caller speaks, as often as Pipecat's VADProcessor
 
 
@@ -376,6 +378,10 @@ class TasteTurnCapture(FrameProcessor):
         every turn and interrupt the bot for a cough."""
         await self.broadcast_frame(LLMServiceMetadataFrame, service_name=self.name, is_realtime_service=True,
                                    user_turn_strategies=ExternalUserTurnStrategies())
+        # A realtime service's user aggregator writes the caller's words a transcript latency after the
+        # reply starts (1 s by default): a barge-in sooner had the cut reply written before the turn it
+        # answers. The capture sends a turn's transcript before its reply can start, so little is needed.
+        await self.broadcast_frame(STTMetadataFrame, service_name=self.name, ttfs_p99_latency=TRANSCRIPT_LATENCY_SECS)
 
     async def _end_of_call(self, frame: EndFrame, direction: FrameDirection):
         """EndFrame: the turns the caller has ended are still transcribed and handed on (a turn
