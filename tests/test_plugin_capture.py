@@ -326,8 +326,43 @@ async def test_set_up_mistakes_around_the_vad_are_said_once_and_do_not_double_th
         assert not [w for w in warnings if "no VADUserStartedSpeakingFrame" in w]
         _, down, _ = await run_capture(audio_frames(silence(45.0)), vad=False, tail_secs=0.1)
         assert len([w for w in warnings if "no VADUserStartedSpeakingFrame in the call's first 20 s" in w]) == 1
+        warnings.clear()  # ... and at once when an STT before it hears words, naming both fixes
+        await run_capture(audio_frames(silence(1.0)) + transcript(hello.text) + audio_frames(silence(0.5)), vad=False,
+                          tail_secs=0.1)
+        said = [w for w in warnings if "no VADUserStartedSpeakingFrame before the first transcript" in w]
+        assert len(said) == 1 and "vad_analyzer=WebRTCVADAnalyzer()" in said[0] and "VADProcessor" in said[0], warnings
     finally:
         logger.remove(sink)
+
+
+@pytest.mark.parametrize("order", ["stt_then_aggregator", "aggregator_then_stt"])
+async def test_a_user_aggregator_between_the_stt_and_the_capture_is_named_at_start(order):
+    """Pipecat's cascade order (STT, then the user aggregator) leaves the capture no transcripts:
+    the aggregator takes them, and each turn failed with "put a Pipecat STT service before
+    TasteTurnCapture" - where there was one."""
+    from loguru import logger
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+    from pipecat.services.stt_service import STTService
+
+    class SilentSTT(STTService):
+        async def run_stt(self, audio):
+            return
+            yield
+
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    pair = LLMContextAggregatorPair(LLMContext())
+    capture = TasteTurnCapture(TasteCall(FakeEngine()), vad_analyzer=WebRTCVADAnalyzer())
+    stt_then_aggregator = order == "stt_then_aggregator"
+    processors = [SilentSTT(), pair.user(), capture] if stt_then_aggregator else [pair.user(), SilentSTT(), capture]
+    try:
+        await run_test(Pipeline(processors), frames_to_send=[SleepFrame(0.1)])
+    finally:
+        logger.remove(sink)
+    named = [w for w in warnings if "comes after SilentSTT" in w and "put the user aggregator before the STT" in w]
+    assert len(named) == (1 if stt_then_aggregator else 0), warnings
 
 
 async def test_a_broken_audio_frame_is_skipped_with_a_warning_and_the_call_goes_on(utterances):

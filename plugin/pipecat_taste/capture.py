@@ -97,6 +97,7 @@ from pipecat.utils.time import time_now_iso8601
 from pipecat_taste.audio import StreamResampler, float_to_pcm16, pcm16_to_float, resample
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
+from pipecat_taste.links import aggregator_taking_transcripts
 from pipecat_taste.upstream_transcripts import TurnWords, UpstreamTranscripts
 
 
@@ -329,6 +330,13 @@ class TasteTurnCapture(FrameProcessor):
         if isinstance(frame, StartFrame):
             await self.push_frame(frame, direction)
             await self._announce_service()
+            misplaced = aggregator_taking_transcripts(self)
+            if misplaced is not None:
+                stt, aggregator = misplaced
+                logger.warning(f"{self}: the user context aggregator {aggregator} comes after {stt} and before this "
+                               "capture: it takes the STT's TranscriptionFrames, which the capture needs for each "
+                               "turn; put the user aggregator before the STT (the capture sends each turn's "
+                               "transcript upstream to it)")
             self._finish_queue = asyncio.Queue()
             self._finisher = self.create_task(self._finish_turns())
         elif isinstance(frame, ServiceSwitcherRequestMetadataFrame):
@@ -366,6 +374,8 @@ class TasteTurnCapture(FrameProcessor):
             await self.push_frame(frame, direction)
         elif isinstance(frame, TranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
             # consumed: the turn's transcript goes upstream once the turn is handed on
+            if (frame.text or "").strip():  # (an STT heard words: a VAD should have heard speech)
+                self._warn_without_vad("before the first transcript")
             self._transcripts.add(frame.text, frame.finalized, frame, self._samples_seen,
                                   current=self._words if self._capturing else None)
         else:
@@ -403,6 +413,17 @@ class TasteTurnCapture(FrameProcessor):
         else:
             self._finish_queue.put_nowait(_EndOfCall(frame, direction))
 
+    def _warn_without_vad(self, when: str) -> None:
+        """Once, for a capture that follows an upstream VAD which has sent nothing yet."""
+        if self._vad is not None or self._upstream_vad_seen or self._vad_warned:
+            return
+        self._vad_warned = True
+        logger.warning(f"{self}: no VADUserStartedSpeakingFrame {when}: this capture has no VAD of its own "
+                       "(vad_analyzer=None, or TasteSpeechToSpeech(use_own_vad=False)) and follows an upstream one; "
+                       "without a VADProcessor before it no turn is ever heard: put one there, or give the capture "
+                       "its own (TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer()); TasteSpeechToSpeech has "
+                       "one by default)")
+
     async def _handle_audio(self, frame: InputAudioRawFrame):
         now = time.monotonic()
         if frame.num_channels < 1 or len(frame.audio) % (2 * frame.num_channels):  # skipped, the call goes on
@@ -410,12 +431,8 @@ class TasteTurnCapture(FrameProcessor):
                            f"of {frame.num_channels} channel(s), skipped: the transport or resampler before the "
                            "capture sends broken audio")
             return
-        if self._vad is None and not self._upstream_vad_seen and not self._vad_warned \
-                and self._samples_seen > NO_UPSTREAM_VAD_WARNING_SECS * self._sample_rate:
-            self._vad_warned = True
-            logger.warning(f"{self}: no VADUserStartedSpeakingFrame in the call's first "
-                           f"{NO_UPSTREAM_VAD_WARNING_SECS:.0f} s of audio: this capture follows an upstream "
-                           "VAD (use_own_vad=False); without a VADProcessor before it, no turn is ever heard")
+        if self._samples_seen > NO_UPSTREAM_VAD_WARNING_SECS * self._sample_rate:
+            self._warn_without_vad(f"in the call's first {NO_UPSTREAM_VAD_WARNING_SECS:.0f} s of audio")
         if frame.num_channels != 1:
             samples = pcm16_to_float(frame.audio).reshape(-1, frame.num_channels).mean(axis=1)
         else:

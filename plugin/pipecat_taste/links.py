@@ -1,4 +1,5 @@
-"""Where a TASTE processor sits in its pipeline: the output transport after it.
+"""Where a TASTE processor sits in its pipeline: the output transport after it, a context aggregator
+misplaced before it.
 
 The playout sizes its frames by that transport's chunk, and the synthesizer and the playout make
 their audio at that transport's rate: a transport that resamples what it is given releases it in
@@ -13,10 +14,10 @@ from pipecat.processors.frame_processor import FrameProcessor
 from pipecat.transports.base_output import BaseOutputTransport
 
 
-def output_transport_after(processor: FrameProcessor) -> BaseOutputTransport | None:
-    """The first output transport after ``processor`` in its worker's pipeline, nested pipelines
-    (the speech-to-speech service) walked through as Pipecat walks them (``processors``), or None
-    (no transport after it, or not run by a pipeline worker)."""
+def _around(processor: FrameProcessor) -> tuple[list[FrameProcessor], list[FrameProcessor]]:
+    """The processors before and after ``processor`` in its worker's pipeline, nested pipelines
+    (the speech-to-speech service) walked through as Pipecat walks them (``processors``); both
+    empty when it is not run by a pipeline worker."""
     order: list[FrameProcessor] = []
 
     def walk(node: FrameProcessor):
@@ -27,9 +28,29 @@ def output_transport_after(processor: FrameProcessor) -> BaseOutputTransport | N
     try:
         walk(processor.pipeline_worker.pipeline)
     except AttributeError:  # (not set up by a pipeline worker)
+        return [], []
+    at = next((i for i, p in enumerate(order) if p is processor), None)
+    return ([], []) if at is None else (order[:at], order[at + 1:])
+
+
+def output_transport_after(processor: FrameProcessor) -> BaseOutputTransport | None:
+    """The first output transport after ``processor`` in its pipeline, or None."""
+    return next((p for p in _around(processor)[1] if isinstance(p, BaseOutputTransport)), None)
+
+
+def aggregator_taking_transcripts(processor: FrameProcessor) -> tuple[FrameProcessor, FrameProcessor] | None:
+    """(STT service, user context aggregator) where the aggregator sits between an STT and
+    ``processor``: it takes the STT's TranscriptionFrames (Pipecat's cascade order), which the
+    capture needs; None otherwise."""
+    from pipecat.processors.aggregators.llm_response_universal import LLMUserAggregator
+    from pipecat.services.stt_service import STTService
+
+    before = _around(processor)[0]
+    stt = next((i for i in range(len(before) - 1, -1, -1) if isinstance(before[i], STTService)), None)
+    if stt is None:
         return None
-    after = next((i for i, p in enumerate(order) if p is processor), len(order))
-    return next((p for p in order[after + 1:] if isinstance(p, BaseOutputTransport)), None)
+    aggregator = next((p for p in before[stt + 1:] if isinstance(p, LLMUserAggregator)), None)
+    return None if aggregator is None else (before[stt], aggregator)
 
 
 def taste_output_rate(processor: FrameProcessor, pipeline_rate: int) -> int:

@@ -208,7 +208,8 @@ class TasteSession:
         if self.engine.asr is None:
             raise NotImplementedError(
                 "this engine has no built-in ASR: put a Pipecat STT service before TasteTurnCapture (it uses the "
-                "TranscriptionFrames) or load one (TasteEngine.from_pretrained(..., asr='openai/whisper-large-v3'))"
+                "TranscriptionFrames; a user context aggregator between the two takes them: put it before the STT) "
+                "or load one (TasteEngine.from_pretrained(..., asr='openai/whisper-large-v3'))"
             )
         return self.engine.asr(audio)
 

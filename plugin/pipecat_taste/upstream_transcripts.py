@@ -205,7 +205,7 @@ class UpstreamTranscripts:
             taker.add(text, now, finalized, sample, frame)
             return
         if self._unclaimed is not None:
-            self.drop(self._unclaimed[1])
+            self.drop(self._unclaimed[1], "no turn claimed it before the next transcript came (the VAD heard no speech there)")
         self._unclaimed = (now, text, frame)
 
     def expect(self, words: TurnWords) -> None:
