@@ -3,6 +3,9 @@
 TasteSpeechToSpeech bundles capture -> generation -> synthesis -> playout. Here they are laid out
 one by one, with Pipecat's own VADProcessor (driven by our WebRTC VAD analyzer) in front of the
 capture and any STT service free to sit before it (the capture uses its TranscriptionFrames).
+Behind an upstream VAD a barge-in is heard only once that VAD confirms it (its stop_secs later
+than with the capture's own VAD) and there are no early replies: use this layout where a VAD of
+your own must decide the turns.
 The transport here is the simulated phone line; swap in SmallWebRTCTransport, a websocket
 transport, Daily, ... - nothing else changes.
 

@@ -596,6 +596,8 @@ def test_engine_options_are_checked_before_anything_loads(engine):
             TasteEngine.from_pretrained(missing, **kwargs)
     with pytest.raises(FileNotFoundError, match="no Whisper model at '/no/such/whisper': it is neither a folder nor"):
         TasteEngine.from_pretrained(missing, asr="/no/such/whisper")  # refused before the checkpoint is looked at
+    with pytest.raises(FileNotFoundError, match=r"no Whisper model at 'none'.*pass asr=None"):  # (the CLI's spelling)
+        TasteEngine.from_pretrained(missing, asr="none")
     with pytest.raises(ValueError, match="settings must be a GenerationSettings, got dict"):
         engine.new_session(settings={"max_reply_tokens": 32})
 

@@ -1003,7 +1003,15 @@ async def test_an_input_rate_webrtcvad_cannot_work_at_is_resampled_for_it(uttera
     frames = audio_frames(np.concatenate([silence(0.6), hello.audio]), 24000) + transcript(hello.text) + \
         audio_frames(silence(1.0), 24000)
     engine = AudioKeepingEngine()
-    call, down, up = await run_capture(frames, engine=engine, rate=24000)
+    from loguru import logger
+
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        call, down, up = await run_capture(frames, engine=engine, rate=24000)
+    finally:
+        logger.remove(sink)
+    assert warnings == []  # (supported: it warned and told the user to change the pipeline's rate)
     assert of(up, ErrorFrame) == [] and of(down, ErrorFrame) == []
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [hello.text]
     assert call.log.turns[1].speech_seconds == pytest.approx(hello.seconds, abs=0.35)

@@ -445,3 +445,6 @@ def test_a_call_is_one_conversation_and_needs_a_loaded_engine():
     for engine in (None, "MediaTek-Research/Llama-1B-TASTE-V0"):
         with pytest.raises(ValueError, match=r"engine must be a loaded TasteEngine, got .*TasteEngine\.from_pretrained"):
             TasteSpeechToSpeech(engine)
+    # a recording's path for the voice (as taste-agent --voice takes one) is refused here too
+    with pytest.raises(ValueError, match=r"voice must be a speaker embedding, got str.*engine\.speaker_embedding"):
+        TasteSpeechToSpeech(FakeEngine(), voice="ref.wav")

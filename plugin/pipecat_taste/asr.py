@@ -68,7 +68,8 @@ def check_whisper_name(name_or_path) -> str:
     name = os.path.expanduser(os.fspath(name_or_path))
     if not os.path.isdir(name) and not looks_like_hub_id(name):
         raise FileNotFoundError(f"no Whisper model at {name_or_path!r}: it is neither a folder nor a hub id "
-                                "(owner/name, e.g. openai/whisper-large-v3)")
+                                "(owner/name, e.g. openai/whisper-large-v3); for no built-in ASR (transcripts from "
+                                "an upstream STT) pass asr=None (taste-agent: --asr-model none)")
     return name
 
 

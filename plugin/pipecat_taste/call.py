@@ -145,7 +145,10 @@ class CallLog:
 
 
 class TasteCall:
-    """Shared by the processors of one call (``TasteSpeechToSpeech`` makes one for you)."""
+    """Shared by the processors of one call (``TasteSpeechToSpeech`` makes one for you).
+
+    ``voice``: the call's speaker embedding, ``engine.speaker_embedding(audio, sample_rate)`` of a
+    few seconds of the voice (None: the engine's default voice)."""
 
     def __init__(self, engine, settings: GenerationSettings | None = None, *, voice=None,
                  max_pending_segments: int = MAX_PENDING_SEGMENTS, log: CallLog | None = None):
@@ -155,6 +158,9 @@ class TasteCall:
             raise ValueError(f"engine must be a loaded TasteEngine, got {engine!r}: load it once with "
                              "TasteEngine.from_pretrained(path_or_hub_id) (None there: the embedded tiny "
                              "checkpoint) and pass it to every call")
+        if voice is not None and not hasattr(voice, "shape"):  # (a path: checked here, not at the pipeline's start)
+            raise ValueError(f"voice must be a speaker embedding, got {type(voice).__name__}: read the recording "
+                             "(e.g. soundfile.read) and pass engine.speaker_embedding(audio, sample_rate)")
         self.engine = engine
         self.settings = settings or GenerationSettings()
         self.voice = voice

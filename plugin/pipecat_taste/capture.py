@@ -290,7 +290,9 @@ class TasteTurnCapture(FrameProcessor):
         try:
             self._vad.set_sample_rate(input_rate)
         except ValueError as e:
-            logger.warning(f"{self}: {e}. The capture resamples the input to 16000 Hz for the VAD and the model.")
+            # (supported: an INFO line, not the VAD's advice to change the pipeline's rate)
+            logger.info(f"{self}: {type(self._vad).__name__} does not work at the pipeline's {input_rate} Hz input "
+                        f"({type(e).__name__}); the capture resamples the input to 16000 Hz for the VAD and the model")
             self._vad.set_sample_rate(16000)
         # A VAD made with a rate of its own keeps it: feed it audio at that rate.
         return self._vad.sample_rate

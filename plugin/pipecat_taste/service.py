@@ -32,7 +32,9 @@ class TasteSpeechToSpeech(Pipeline):
                  max_pending_segments: int = MAX_PENDING_SEGMENTS, log: CallLog | None = None,
                  call: TasteCall | None = None):
         """``engine``: a :class:`~pipecat_taste.engine.TasteEngine` (shared by all calls) or any
-        object with its interface. ``vad_analyzer``: defaults to :class:`WebRTCVADAnalyzer`; with
+        object with its interface. ``voice``: the call's speaker embedding
+        (``engine.speaker_embedding(audio, sample_rate)``; None: the engine's default voice).
+        ``vad_analyzer``: defaults to :class:`WebRTCVADAnalyzer`; with
         ``use_own_vad=False`` the capture follows an upstream ``VADProcessor`` instead (with its own
         VAD, an upstream VAD's frames are dropped, with a warning: they would announce every turn
         twice). ``call``: a :class:`TasteCall` made already (it holds the engine, settings, voice,

@@ -17,6 +17,7 @@ from taste_speech.streaming.generate import (
 )
 from taste_speech.streaming.prompt import CONTINUATION, DIALOGUE, FORMATS, INSTRUCT
 from taste_speech.streaming.segment import TASTESegment
+from taste_speech.streaming.synthesis import SynthesisFailed
 from taste_speech.streaming.synthesis_state import EmissionPolicy
 from taste_speech.streaming.tokenize import taste_tokenize
 
@@ -25,5 +26,5 @@ __all__ = [
     "ReplyIterator",
     "every_word", "every_n_words", "at_punctuation", "vocabulary_tables",
     "CONTINUATION", "INSTRUCT", "DIALOGUE", "FORMATS", "taste_detokenize",
-    "taste_detokenize_stream", "finish_speaking", "EmissionPolicy",
+    "taste_detokenize_stream", "finish_speaking", "EmissionPolicy", "SynthesisFailed",
 ]
