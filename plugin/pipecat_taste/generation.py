@@ -8,7 +8,8 @@ downstream as ``TasteReplySegmentFrame``s (for the synthesizer), then ``TasteRep
 a ``TastePlayout`` in the call, the playout tells the pipeline about the reply as it is heard
 (``LLMFullResponseStart/End``, the text); without one, the generator does:
 ``LLMFullResponseStartFrame``, an ``LLMTextFrame`` per segment (the bot's transcript),
-``LLMFullResponseEndFrame``.
+``LLMFullResponseEndFrame`` (which a barge-in's ``InterruptionFrame`` drops when it still waits in the
+transport behind the reply's audio, as with Pipecat's LLM services).
 
 A tentative turn (handed on early, before the VAD confirmed its end) is answered at once, but
 what the reply tells the rest of the pipeline (the decision; without a playout also

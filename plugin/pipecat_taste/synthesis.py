@@ -18,7 +18,8 @@ markers saying which output samples carry which words, and ``TasteAudioStoppedFr
 start and stop are private to the playout, which sends ``TTSStartedFrame``/``TTSStoppedFrame`` when
 the reply is heard: observers (RTVI) report a frame where it is first pushed, so these would be a
 second, early pair (before the turn is even confirmed, for a reply that may be taken back).
-Without a playout in the call they are ``TTSStartedFrame``/``TTSStoppedFrame``. The voice is the
+Without a playout in the call they are ``TTSStartedFrame``/``TTSStoppedFrame`` (a barge-in's
+``InterruptionFrame`` drops a stop still queued in the transport, as with Pipecat's TTS services). The voice is the
 call's (one speaker embedding for the whole call).
 
 On an ``InterruptionFrame`` both stages stop at once; anything still queued for the interrupted
