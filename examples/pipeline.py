@@ -20,9 +20,8 @@ from loguru import logger
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.processors.audio.vad_processor import VADProcessor
 
-from pipecat_taste import (TasteCall, TasteEngine, TasteGenerator, TastePlayout, TasteSynthesizer, TasteTurnCapture,
-                           WebRTCVADAnalyzer)
-from pipecat_taste.session import GenerationSettings
+from pipecat_taste import (GenerationSettings, TasteCall, TasteEngine, TasteGenerator, TastePlayout, TasteSynthesizer,
+                           TasteTurnCapture, WebRTCVADAnalyzer)
 from taste_agents.caller import Pause, Say, WaitForReply, load_utterances
 from taste_agents.simulate import simulate_call
 

@@ -587,7 +587,6 @@ def test_the_engine_answers_a_turn_on_cuda_with_its_cpu_seeded_samplers(decoding
     import numpy as np
 
     from pipecat_taste.engine import TasteEngine
-
     from pipecat_taste.session import GenerationSettings
     from session_helpers import speak_segments
     from taste_agents.caller import load_utterances

@@ -335,6 +335,22 @@ async def test_set_up_mistakes_around_the_vad_are_said_once_and_do_not_double_th
         logger.remove(sink)
 
 
+async def test_a_transcript_no_turn_claimed_is_logged_as_such_when_the_call_ends():
+    """It was dropped silently at the end of the call, and as 'late words of a turn already taken'
+    when a turn came later (no turn had been taken)."""
+    from loguru import logger
+
+    said = []
+    sink = logger.add(lambda m: said.append(m.record["message"]), level="INFO")
+    try:
+        await run_capture(audio_frames(silence(0.6)) + transcript("hello there") + audio_frames(silence(0.4)),
+                          tail_secs=0.1)
+    finally:
+        logger.remove(sink)
+    dropped = [m for m in said if "dropped upstream transcript 'hello there'" in m]
+    assert len(dropped) == 1 and "no turn claimed it" in dropped[0], said
+
+
 @pytest.mark.parametrize("order", ["stt_then_aggregator", "aggregator_then_stt"])
 async def test_a_user_aggregator_between_the_stt_and_the_capture_is_named_at_start(order):
     """Pipecat's cascade order (STT, then the user aggregator) leaves the capture no transcripts:

@@ -448,3 +448,4 @@ def test_a_call_is_one_conversation_and_needs_a_loaded_engine():
     # a recording's path for the voice (as taste-agent --voice takes one) is refused here too
     with pytest.raises(ValueError, match=r"voice must be a speaker embedding, got str.*engine\.speaker_embedding"):
         TasteSpeechToSpeech(FakeEngine(), voice="ref.wav")
+    TasteCall(FakeEngine(), voice=[0.1] * 192)  # (a list the library takes as a voice vector stays accepted)

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from pipecat_taste.engine import TasteEngine
-
-from pipecat_taste.session import GenerationSettings
 from pipecat_taste.rehearsal import REHEARSAL_TRANSCRIPT, rehearsal_audio
+from pipecat_taste.session import GenerationSettings
 from session_helpers import speak_segments
 from taste_agents.caller import load_utterances
 

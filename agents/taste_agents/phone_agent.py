@@ -12,9 +12,9 @@ from pathlib import Path
 
 from pipecat_taste.call import MAX_PENDING_SEGMENTS, CallLog
 from pipecat_taste.capture import TurnCaptureParams
-from pipecat_taste.session import GenerationSettings
 from pipecat_taste.playout import PlayoutParams
 from pipecat_taste.service import TasteSpeechToSpeech
+from pipecat_taste.session import GenerationSettings
 from pipecat_taste.vad import WebRTCVADAnalyzer, default_vad_params
 
 DEFAULT_PROMPT = "You are the friendly host of a small restaurant, taking reservations on the phone."

@@ -13,7 +13,6 @@ Pieces (usable on their own): :class:`WebRTCVADAnalyzer` (a Pipecat VAD analyzer
 from pipecat_taste.call import CallLog, TasteCall, TurnRecord
 from pipecat_taste.capture import TasteTurnCapture, TurnCaptureParams
 from pipecat_taste.engine import TasteEngine
-from pipecat_taste.session import GenerationSettings, TasteSession
 from pipecat_taste.frames import (
     TastePlaybackFrame,
     TasteReplyEndFrame,
@@ -28,6 +27,7 @@ from pipecat_taste.gc_pauses import freeze_startup_objects
 from pipecat_taste.generation import TasteGenerator
 from pipecat_taste.playout import PlayoutParams, TastePlayout
 from pipecat_taste.service import TasteSpeechToSpeech
+from pipecat_taste.session import GenerationSettings, TasteSession
 from pipecat_taste.synthesis import TasteSynthesizer
 from pipecat_taste.vad import WebRTCVADAnalyzer, default_vad_params
 

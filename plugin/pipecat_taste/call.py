@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 import time
 import uuid
@@ -18,11 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipecat_taste.session import GenerationSettings
-
-from pipecat_taste.streams import prepare_stage_thread
 from pipecat_taste.reply_mutes import ReplyMutes
+from pipecat_taste.session import GenerationSettings
 from pipecat_taste.start_hold import StartNeeds
+from pipecat_taste.streams import prepare_stage_thread
 
 STAGES = ("listen", "think", "speech_tokens", "vocode")
 # Reply segments the generator may have ready before the speech decoder takes them (back-pressure:
@@ -158,9 +158,9 @@ class TasteCall:
             raise ValueError(f"engine must be a loaded TasteEngine, got {engine!r}: load it once with "
                              "TasteEngine.from_pretrained(path_or_hub_id) (None there: the embedded tiny "
                              "checkpoint) and pass it to every call")
-        if voice is not None and not hasattr(voice, "shape"):  # (a path: checked here, not at the pipeline's start)
-            raise ValueError(f"voice must be a speaker embedding, got {type(voice).__name__}: read the recording "
-                             "(e.g. soundfile.read) and pass engine.speaker_embedding(audio, sample_rate)")
+        if isinstance(voice, (str, bytes, os.PathLike)):  # (a recording's path: refused here, not at the start)
+            raise ValueError(f"voice must be a speaker embedding, got {type(voice).__name__} {voice!r}: read the "
+                             "recording (e.g. soundfile.read) and pass engine.speaker_embedding(audio, sample_rate)")
         self.engine = engine
         self.settings = settings or GenerationSettings()
         self.voice = voice

@@ -39,7 +39,7 @@ class TasteUserTurnFrame(DataFrame):
 
     turn_id: int
     transcript: str
-    turn: Any  # engine's tokenized turn (pipecat_taste.engine.UserTurn)
+    turn: Any  # engine's tokenized turn (pipecat_taste.session.UserTurn)
     speech_start: float  # monotonic seconds: estimated start of speech (VAD start minus start_secs)
     speech_end: float  # monotonic seconds: estimated end of speech (VAD stop minus stop_secs)
     tentative: bool = False  # handed on early: a TasteTurnStatusFrame will confirm or retract it

@@ -18,9 +18,9 @@ from pipecat.pipeline.pipeline import Pipeline
 
 from pipecat_taste.call import MAX_PENDING_SEGMENTS, CallLog, TasteCall
 from pipecat_taste.capture import TasteTurnCapture, TurnCaptureParams
-from pipecat_taste.session import GenerationSettings
 from pipecat_taste.generation import TasteGenerator
 from pipecat_taste.playout import PlayoutParams, TastePlayout
+from pipecat_taste.session import GenerationSettings
 from pipecat_taste.synthesis import TasteSynthesizer
 from pipecat_taste.vad import WebRTCVADAnalyzer
 

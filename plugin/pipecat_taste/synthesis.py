@@ -54,7 +54,6 @@ from pipecat.utils.errors import ErrorCategory
 
 from pipecat_taste.audio import continue_fade_in, fade_out, float_to_pcm16, samples_for_ms
 from pipecat_taste.call import TasteCall
-from pipecat_taste.session import VocodingFailed
 from pipecat_taste.frames import (
     TasteAudioStartedFrame,
     TasteAudioStoppedFrame,
@@ -64,6 +63,7 @@ from pipecat_taste.frames import (
     TasteTurnStatusFrame,
 )
 from pipecat_taste.links import taste_output_rate
+from pipecat_taste.session import VocodingFailed
 
 
 def context_id_for(turn_id: int) -> str:

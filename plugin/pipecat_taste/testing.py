@@ -17,7 +17,6 @@ from typing import Callable, Iterator
 import numpy as np
 
 from pipecat_taste.session import (INPUT_SAMPLE_RATE, GenerationSettings, ReplyEvent, SpeechState, UserTurn,
-
                                    VocodingFailed)
 from pipecat_taste.start_hold import StartNeeds
 

@@ -39,6 +39,8 @@ from pipecat.frames.frames import TranscriptionFrame
 # the length limit gets all its words in its last part) hold fewer. More is a client or STT gone
 # wrong, whose turn would only be refused after seconds of compute.
 MAX_TURN_TRANSCRIPT_CHARS = 4000
+# Why an upstream transcript that came while no turn was captured is dropped.
+UNCLAIMED = "no turn claimed it (the VAD heard no speech there)"
 
 
 @dataclass
@@ -174,7 +176,7 @@ class UpstreamTranscripts:
             if now - at <= start_secs:  # an STT cannot transcribe speech before it began
                 words.add(text, at, frame=frame)
             else:
-                self.drop(text)
+                self.drop(text, UNCLAIMED)
         return words
 
     def add(self, text: str, finalized: bool, frame: TranscriptionFrame | None, sample: int,
@@ -205,7 +207,7 @@ class UpstreamTranscripts:
             taker.add(text, now, finalized, sample, frame)
             return
         if self._unclaimed is not None:
-            self.drop(self._unclaimed[1], "no turn claimed it before the next transcript came (the VAD heard no speech there)")
+            self.drop(self._unclaimed[1], UNCLAIMED)
         self._unclaimed = (now, text, frame)
 
     def expect(self, words: TurnWords) -> None:
@@ -243,6 +245,9 @@ class UpstreamTranscripts:
         self.ending = True
         for words in self.collecting:
             words.arrived.set()
+        if self._unclaimed is not None:
+            self.drop(self._unclaimed[1], UNCLAIMED)
+            self._unclaimed = None
 
     async def wait(self, words: TurnWords, wait_secs: Callable[[], float], retracted: asyncio.Event,
                    split_waits: bool = False) -> None:

@@ -183,7 +183,8 @@ def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.T
                          "a new utterance, or this one continued from its prev_speech_ids)")
     if state.segment_open:
         raise ValueError("the given state's last segment was left part-way (its taste_detokenize_stream was closed "
-                         "before its last chunk, e.g. at a barge-in): it cannot take another segment; "
+                         "before its last chunk, e.g. at a barge-in, or the speech decoder failed in it): it cannot "
+                         "take another segment; "
                          "finish_speaking(voice_generator, state) fades out what it holds, then go on without a "
                          "state (state=None)")
     if not torch.allclose(state.speaker_embeds.cpu().float(), speaker_embeds.cpu().float(), atol=1e-5):
