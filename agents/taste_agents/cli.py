@@ -17,7 +17,6 @@ import math
 import os
 import sys
 import time
-import uuid
 
 from taste_agents.memory import configure_malloc
 
@@ -99,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     call = commands.add_parser("call", help="run a call")
     call.add_argument("--simulate", action="store_true",
                       help="a scripted caller talks to the agent in this process (no network)")
-    call.add_argument("--out", default=None, help="output folder (default: out/call-{call_id}, the first 8 "
-                                                  "characters of the call's id in its report)")
+    call.add_argument("--out", default=None, help="output folder (default: out/call-{call_id}; {call_id} in it "
+                                                  "stands for the first 8 characters of the call's id in its report, "
+                                                  "the in-process call's with --webrtc)")
     call.add_argument("--max-call-seconds", type=simulated_call_seconds, default=300.0,
                       help=f"the simulated call's time limit (default: 300, at most {MAX_SIMULATED_CALL_S:.0f})")
     call.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -327,10 +327,11 @@ def run_webrtc_comparison(args) -> int:
 
     say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
     engine, path = load_engine(args, say)
-    out = args.out or os.path.join("out", f"call-{uuid.uuid4().hex[:8]}")
+    out = args.out or os.path.join("out", "call-{call_id}")
     args.out = os.path.join(out, "in_process")
     say("-- in-process call --")
     local = simulated_call(args, engine=engine)
+    out = out.replace("{call_id}", (local.report.get("call_id") or "")[:8])  # (named after the in-process call)
     say("-- the same call over WebRTC (caller in another process, loopback) --")
     remote = asyncio.run(webrtc_call(engine, os.path.join(out, "webrtc"), config=ServerConfig(agent=agent_config(args)),
                                      max_call_s=args.max_call_seconds, meta={"checkpoint": str(path)}))
