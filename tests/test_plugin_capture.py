@@ -351,15 +351,7 @@ async def test_a_transcript_no_turn_claimed_is_logged_as_such_when_the_call_ends
     assert len(dropped) == 1 and "no turn claimed it" in dropped[0], said
 
 
-@pytest.mark.parametrize("order", ["stt_then_aggregator", "aggregator_then_stt"])
-async def test_a_user_aggregator_between_the_stt_and_the_capture_is_named_at_start(order):
-    """Pipecat's cascade order (STT, then the user aggregator) leaves the capture no transcripts:
-    the aggregator takes them, and each turn failed with "put a Pipecat STT service before
-    TasteTurnCapture" - where there was one."""
-    from loguru import logger
-    from pipecat.pipeline.pipeline import Pipeline
-    from pipecat.processors.aggregators.llm_context import LLMContext
-    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+def silent_stt():
     from pipecat.services.stt_service import STTService
 
     class SilentSTT(STTService):
@@ -367,18 +359,68 @@ async def test_a_user_aggregator_between_the_stt_and_the_capture_is_named_at_sta
             return
             yield
 
+    return SilentSTT(ttfs_p99_latency=1.0)
+
+
+@pytest.mark.parametrize("layout, named", [
+    ("stt, user, capture", True),
+    ("user, stt, capture", False),
+    ("switcher of stts, user, capture", True),
+    ("parallel(stt, user | capture)", False),  # the capture's branch is fed by neither
+    ("parallel(stt | user), capture", False),  # siblings: the aggregator never sees that STT's frames
+])
+async def test_a_user_aggregator_between_the_stt_and_the_capture_is_named_at_start(layout, named):
+    """Pipecat's cascade order (STT, then the user aggregator) leaves the capture no transcripts:
+    the aggregator takes them, and each turn failed with "put a Pipecat STT service before
+    TasteTurnCapture" - where there was one."""
+    from loguru import logger
+    from pipecat.pipeline.parallel_pipeline import ParallelPipeline
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.service_switcher import ServiceSwitcher
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+
+    user = LLMContextAggregatorPair(LLMContext()).user()
+    capture = TasteTurnCapture(TasteCall(FakeEngine()), vad_analyzer=WebRTCVADAnalyzer())
+    processors = {
+        "stt, user, capture": lambda: [silent_stt(), user, capture],
+        "user, stt, capture": lambda: [user, silent_stt(), capture],
+        "switcher of stts, user, capture": lambda: [ServiceSwitcher([silent_stt(), silent_stt()]), user, capture],
+        "parallel(stt, user | capture)": lambda: [ParallelPipeline([silent_stt(), user], [capture])],
+        "parallel(stt | user), capture": lambda: [ParallelPipeline([silent_stt()], [user]), capture],
+    }[layout]()
     warnings = []
     sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
-    pair = LLMContextAggregatorPair(LLMContext())
-    capture = TasteTurnCapture(TasteCall(FakeEngine()), vad_analyzer=WebRTCVADAnalyzer())
-    stt_then_aggregator = order == "stt_then_aggregator"
-    processors = [SilentSTT(), pair.user(), capture] if stt_then_aggregator else [pair.user(), SilentSTT(), capture]
     try:
         await run_test(Pipeline(processors), frames_to_send=[SleepFrame(0.1)])
     finally:
         logger.remove(sink)
-    named = [w for w in warnings if "comes after SilentSTT" in w and "put the user aggregator before the STT" in w]
-    assert len(named) == (1 if stt_then_aggregator else 0), warnings
+    said = [w for w in warnings if "put the user aggregator before the STT" in w]
+    assert len(said) == (1 if named else 0), warnings
+
+
+@pytest.mark.parametrize("switcher", [False, True])
+async def test_the_user_aggregator_follows_the_capture_s_turns_and_transcripts(switcher):
+    """The capture tells the user aggregator it is a realtime service whose transcripts come before
+    a reply starts (0.1 s, not the STT's own latency, else a quick barge-in wrote the cut reply
+    before its turn). A ServiceSwitcher of STTs between them passes its active service's metadata
+    only: the capture's reached the aggregator neither at the start nor after a switch."""
+    from pipecat.frames.frames import ManuallySwitchServiceFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.service_switcher import ServiceSwitcher
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+
+    from pipecat_taste.capture import TRANSCRIPT_LATENCY_SECS
+
+    user = LLMContextAggregatorPair(LLMContext()).user()
+    first, second = silent_stt(), silent_stt()
+    stt = ServiceSwitcher([first, second]) if switcher else first
+    capture = TasteTurnCapture(TasteCall(FakeEngine()), vad_analyzer=WebRTCVADAnalyzer())
+    frames = [SleepFrame(0.3)] + ([ManuallySwitchServiceFrame(service=second), SleepFrame(0.3)] if switcher else [])
+    await run_test(Pipeline([user, stt, capture]), frames_to_send=frames)
+    assert user._ttfs_p99_latency == TRANSCRIPT_LATENCY_SECS  # (Pipecat keeps it private; no other way to read it)
+    assert user._realtime_service_mode
 
 
 async def test_a_broken_audio_frame_is_skipped_with_a_warning_and_the_call_goes_on(utterances):

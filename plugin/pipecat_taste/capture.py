@@ -97,7 +97,7 @@ from pipecat.utils.time import time_now_iso8601
 from pipecat_taste.audio import StreamResampler, float_to_pcm16, pcm16_to_float, resample
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
-from pipecat_taste.links import aggregator_taking_transcripts
+from pipecat_taste.links import aggregator_taking_transcripts, switcher_after_aggregator
 from pipecat_taste.upstream_transcripts import TurnWords, UpstreamTranscripts
 
 
@@ -343,6 +343,11 @@ class TasteTurnCapture(FrameProcessor):
             self._finisher = self.create_task(self._finish_turns())
         elif isinstance(frame, ServiceSwitcherRequestMetadataFrame):
             await self._announce_service()
+        elif isinstance(frame, STTMetadataFrame) and frame.service_name != self.name:
+            # an STT before the capture announced itself (at the start, or a switcher's new one): its
+            # transcript latency is not the aggregator's to wait for - the capture's transcripts are
+            await self.push_frame(frame, direction)
+            await self._announce_service()
         elif isinstance(frame, EndFrame):
             await self._end_of_call(frame, direction)
         elif isinstance(frame, CancelFrame):
@@ -388,12 +393,20 @@ class TasteTurnCapture(FrameProcessor):
         Pipecat's realtime services do): they then follow our UserStarted/StoppedSpeaking frames
         instead of running turn strategies of their own on the VAD frames, which would re-announce
         every turn and interrupt the bot for a cough."""
-        await self.broadcast_frame(LLMServiceMetadataFrame, service_name=self.name, is_realtime_service=True,
-                                   user_turn_strategies=ExternalUserTurnStrategies())
         # A realtime service's user aggregator writes the caller's words a transcript latency after the
         # reply starts (1 s by default): a barge-in sooner had the cut reply written before the turn it
         # answers. The capture sends a turn's transcript before its reply can start, so little is needed.
-        await self.broadcast_frame(STTMetadataFrame, service_name=self.name, ttfs_p99_latency=TRANSCRIPT_LATENCY_SECS)
+        metadata = ((LLMServiceMetadataFrame, dict(is_realtime_service=True,
+                                                   user_turn_strategies=ExternalUserTurnStrategies())),
+                    (STTMetadataFrame, dict(ttfs_p99_latency=TRANSCRIPT_LATENCY_SECS)))
+        for frame_type, fields in metadata:
+            await self.broadcast_frame(frame_type, service_name=self.name, **fields)
+        around = switcher_after_aggregator(self)
+        if around is not None:  # (Pipecat's switcher passes its active service's metadata only)
+            aggregator, switcher = around
+            for frame_type, fields in metadata:
+                await aggregator.queue_frame(frame_type(service_name=self.name, **fields), FrameDirection.UPSTREAM)
+            logger.debug(f"{self}: service metadata handed to {aggregator} directly: {switcher} would drop it")
 
     async def _end_of_call(self, frame: EndFrame, direction: FrameDirection):
         """EndFrame: the turns the caller has ended are still transcribed and handed on (a turn

@@ -1,5 +1,5 @@
 """Where a TASTE processor sits in its pipeline: the output transport after it, a context aggregator
-misplaced before it.
+or a service switcher before it that would keep the capture's frames from where they must go.
 
 The playout sizes its frames by that transport's chunk, and the synthesizer and the playout make
 their audio at that transport's rate: a transport that resamples what it is given releases it in
@@ -10,47 +10,81 @@ real time at another rate reaches the line with gaps - a click early in every re
 from __future__ import annotations
 
 from loguru import logger
+from pipecat.pipeline.parallel_pipeline import ParallelPipeline
+from pipecat.pipeline.service_switcher import ServiceSwitcher
+from pipecat.processors.aggregators.llm_response_universal import LLMUserAggregator
 from pipecat.processors.frame_processor import FrameProcessor
+from pipecat.services.stt_service import STTService
 from pipecat.transports.base_output import BaseOutputTransport
 
 
 def _around(processor: FrameProcessor) -> tuple[list[FrameProcessor], list[FrameProcessor]]:
-    """The processors before and after ``processor`` in its worker's pipeline, nested pipelines
-    (the speech-to-speech service) walked through as Pipecat walks them (``processors``); both
-    empty when it is not run by a pipeline worker."""
-    order: list[FrameProcessor] = []
-
-    def walk(node: FrameProcessor):
-        order.append(node)
-        for inner in node.processors:
-            walk(inner)
-
+    """The processors on ``processor``'s path through its worker's pipeline, before and after it:
+    nested pipelines (the speech-to-speech service) walked through as Pipecat walks them
+    (``processors``); of a parallel pipeline (a ``ServiceSwitcher`` is one) holding ``processor``
+    only its branch, and one elsewhere on the path counted as one processor (its branches are no
+    chain). Both empty when it is not run by a pipeline worker."""
     try:
-        walk(processor.pipeline_worker.pipeline)
+        found = _path(processor.pipeline_worker.pipeline, processor)
     except AttributeError:  # (not set up by a pipeline worker)
         return [], []
-    at = next((i for i, p in enumerate(order) if p is processor), None)
-    return ([], []) if at is None else (order[:at], order[at + 1:])
+    return found if found is not None else ([], [])
+
+
+def _path(node: FrameProcessor, target: FrameProcessor):
+    if node is target:
+        return [], []
+    children = list(node.processors)
+    if isinstance(node, ParallelPipeline):
+        return next((found for branch in children if (found := _path(branch, target)) is not None), None)
+    for i, child in enumerate(children):
+        found = _path(child, target)
+        if found is not None:
+            return _flat(children[:i]) + found[0], found[1] + _flat(children[i + 1:])
+    return None
+
+
+def _flat(nodes) -> list[FrameProcessor]:
+    flat = []
+    for node in nodes:
+        flat.append(node)
+        if not isinstance(node, ParallelPipeline):
+            flat.extend(_flat(node.processors))
+    return flat
 
 
 def output_transport_after(processor: FrameProcessor) -> BaseOutputTransport | None:
-    """The first output transport after ``processor`` in its pipeline, or None."""
+    """The first output transport after ``processor`` on its path, or None."""
     return next((p for p in _around(processor)[1] if isinstance(p, BaseOutputTransport)), None)
 
 
-def aggregator_taking_transcripts(processor: FrameProcessor) -> tuple[FrameProcessor, FrameProcessor] | None:
-    """(STT service, user context aggregator) where the aggregator sits between an STT and
-    ``processor``: it takes the STT's TranscriptionFrames (Pipecat's cascade order), which the
-    capture needs; None otherwise."""
-    from pipecat.processors.aggregators.llm_response_universal import LLMUserAggregator
-    from pipecat.services.stt_service import STTService
+def _is_stt(processor: FrameProcessor) -> bool:
+    return isinstance(processor, STTService) or (
+        isinstance(processor, ServiceSwitcher) and any(isinstance(s, STTService) for s in processor.strategy.services))
 
+
+def aggregator_taking_transcripts(processor: FrameProcessor) -> tuple[FrameProcessor, FrameProcessor] | None:
+    """(STT or switcher of STTs, user context aggregator) where the aggregator sits between them
+    and ``processor``: it takes the STT's TranscriptionFrames (Pipecat's cascade order), which the
+    capture needs; None otherwise."""
     before = _around(processor)[0]
-    stt = next((i for i in range(len(before) - 1, -1, -1) if isinstance(before[i], STTService)), None)
+    stt = next((i for i in range(len(before) - 1, -1, -1) if _is_stt(before[i])), None)
     if stt is None:
         return None
     aggregator = next((p for p in before[stt + 1:] if isinstance(p, LLMUserAggregator)), None)
     return None if aggregator is None else (before[stt], aggregator)
+
+
+def switcher_after_aggregator(processor: FrameProcessor) -> tuple[LLMUserAggregator, ServiceSwitcher] | None:
+    """(user context aggregator, service switcher) where a switcher sits between the nearest user
+    aggregator before ``processor`` and it: Pipecat's switcher lets only its active service's
+    metadata frames through, so what ``processor`` broadcasts upstream never reaches the aggregator."""
+    before = _around(processor)[0]
+    at = next((i for i in range(len(before) - 1, -1, -1) if isinstance(before[i], LLMUserAggregator)), None)
+    if at is None:
+        return None
+    switcher = next((p for p in before[at + 1:] if isinstance(p, ServiceSwitcher)), None)
+    return None if switcher is None else (before[at], switcher)
 
 
 def taste_output_rate(processor: FrameProcessor, pipeline_rate: int) -> int:
