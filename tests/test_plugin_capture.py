@@ -201,10 +201,20 @@ async def test_an_stt_s_late_words_for_a_turn_the_built_in_asr_took_are_not_the_
               + [SleepFrame(1.2)] + transcript(hello.text)
               + audio_frames(np.concatenate([time_u.audio[half:], silence(0.8)])) + transcript(time_u.text)
               + audio_frames(silence(0.5)))
-    call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="hello there"),
-                                      params=TurnCaptureParams(transcripts="auto", transcript_timeout_secs=3.0),
-                                      tail_secs=2.0)
+    from loguru import logger
+
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="hello there"),
+                                          params=TurnCaptureParams(transcripts="auto", transcript_timeout_secs=3.0),
+                                          tail_secs=2.0)
+    finally:
+        logger.remove(sink)
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == ["hello there", time_u.text]
+    # a warning, not an INFO line: the turn was answered on other words than the STT's
+    said = [w for w in warnings if f"dropped upstream transcript {hello.text!r}" in w]
+    assert len(said) == 1 and "late words of a turn the built-in ASR transcribed" in said[0], warnings
 
 
 async def test_no_transcript_and_no_asr_is_an_error_not_a_crash(utterances):
@@ -213,6 +223,19 @@ async def test_no_transcript_and_no_asr_is_an_error_not_a_crash(utterances):
     assert not of(down, TasteUserTurnFrame)
     assert [d.decision for d in of(down, TasteTurnDecisionFrame)] == ["error"]
     assert "no built-in ASR" in of(up, ErrorFrame)[0].error
+
+
+async def test_no_words_from_an_stt_before_the_capture_is_a_noise_not_an_error(utterances):
+    """Without a built-in ASR, a noise before the STT's first words of the call was an ErrorFrame
+    ('no built-in ASR'): with an STT service before the capture, a turn it has no words for is ignored."""
+    from pipecat.pipeline.pipeline import Pipeline
+
+    frames = audio_frames(np.concatenate([silence(0.5), utterances["time"].audio, silence(1.0)]))
+    capture = TasteTurnCapture(TasteCall(FakeEngine()), vad_analyzer=WebRTCVADAnalyzer(),
+                               params=TurnCaptureParams(transcript_timeout_secs=0.2))
+    down, up = await run_test(Pipeline([silent_stt(), capture]), frames_to_send=frames + [SleepFrame(2.0)])
+    assert [(d.decision, d.reason) for d in of(down, TasteTurnDecisionFrame)] == [("ignored", "the STT sent no words for it")]
+    assert of(up, ErrorFrame) == [] and of(down, ErrorFrame) == []
 
 
 async def test_short_speech_is_ignored(utterances):

@@ -122,3 +122,39 @@ def test_the_timeline_of_a_call_that_recorded_nothing_is_drawn(tmp_path):
     path = tmp_path / "timeline.png"
     plot_timeline({"turns": [], "agent_turns": [], "summary": {"replies": 0}}, np.zeros((0, 2), np.int16), SR, path)
     assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_short_barge_in_detected_after_its_words_is_still_the_barge_in():
+    """A "yes" of 0.28 s over the agent is detected about 0.34 s after it began - after its end: it
+    was reported as not detected (and its overlap as talk-over)."""
+    line = Line(8, [(1.2, 2.4), (3.5, 4.5)])
+    out = report(line, [("u1", 0, 1), ("yes", 2.0, 2.28)],
+                 [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.2, interrupted=True,
+                             barge_in_at=2.34),
+                  TurnRecord(2, speech_start=2.0, decision="reply", first_audio_at=3.5)], barge_ins={"yes"})
+    assert out["turns"][1]["cut_off_turn"] == 1 and out["summary"]["barge_in_stop_ms"] == [60.0]
+    assert out["checks"]["barge_in_within_100ms"] and out["checks"]["talk_over_ms_outside_barge_in"] == 0.0
+
+
+def test_two_utterances_the_agent_heard_as_one_turn_are_both_decided():
+    """The caller paused 0.3 s (less than the VAD's stop_secs): one turn, one reply after the second
+    utterance. The second counted as undecided (the call failed its check) and the first as a reply
+    without audio."""
+    line = Line(8, [(3.0, 4.0)])
+    out = report(line, [("hello", 0.0, 1.0), ("time", 1.3, 2.4)],
+                 [TurnRecord(1, speech_start=0.0, speech_end=2.4, decision="reply", first_audio_at=3.0)])
+    assert [t["decision"] for t in out["turns"]] == ["reply", "reply"] and out["checks"]["every_turn_decided"]
+    assert "first_audio_latency_ms" not in out["turns"][0]  # answered after the second
+    assert out["turns"][1]["first_audio_latency_ms"] == 600.0
+
+
+def test_a_call_without_a_barge_in_has_no_barge_in_check_and_a_cut_by_a_noise_is_counted():
+    line = Line(6, [(1.2, 2.0)])
+    out = report(line, [("u1", 0, 1)], [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.2)])
+    assert out["checks"]["barge_in_within_100ms"] is None and out["checks"]["barge_in_detected_within_700ms"] is None
+    assert out["summary"]["replies_cut_by_no_turn"] == 0
+    noisy = report(Line(6, [(1.2, 2.0)]), [("u1", 0, 1)],
+                   [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.2, interrupted=True,
+                               barge_in_at=2.0),
+                    TurnRecord(2, speech_start=1.7, decision="ignored")])  # (a noise burst: no words)
+    assert noisy["summary"]["replies_cut_by_no_turn"] == 1

@@ -398,13 +398,16 @@ def _summary(report: dict, paths: dict) -> str:
     lines.append(f"  checks: every turn decided={c['every_turn_decided']}, talk-over outside barge-in="
                  f"{c['talk_over_ms_outside_barge_in']:.0f} ms, audio synthesized==released=="
                  f"{c.get('released_equals_synthesized', 'n/a')}, released==written=={c.get('written_equals_released', 'n/a')}"
-                 f", barge-in<=100ms={c['barge_in_within_100ms']}"
-                 f" (detected<={BARGE_IN_DETECT_BOUND_MS}ms={c[f'barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms']})"
+                 + (", no barge-in to check" if c["barge_in_within_100ms"] is None else
+                    f", barge-in<=100ms={c['barge_in_within_100ms']}"
+                    f" (detected<={BARGE_IN_DETECT_BOUND_MS}ms={c[f'barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms']})")
                  + (", barge-in as the caller heard it: the transport's buffering included" if "transport" in report
                     else ""))
     s = report["summary"]
     lines.append(f"  underruns: {s['underruns']}, errors: {s['errors']}, early replies: {s.get('early_replies', 0)}, "
-                 f"early turns taken back (the caller went on): {s.get('early_turns_retracted', 0)}")
+                 f"early turns taken back (the caller went on): {s.get('early_turns_retracted', 0)}"
+                 + (f", replies cut off by a sound that was no turn: {s['replies_cut_by_no_turn']}"
+                    if s.get("replies_cut_by_no_turn") else ""))
     for name, path in paths.items():
         lines.append(f"  {name}: {path}")
     return "\n".join(lines)

@@ -162,12 +162,20 @@ def build_report(result, meta: dict) -> dict:
     utterances = []
     bounds = [s for s, _, _ in caller.speech_intervals] + [end_sample]
     allowed_overlap: list[tuple[int, int]] = []
+    def speech_span(r):
+        return line.sample_of(r.speech_start), line.sample_of(r.speech_end) if r.speech_end is not None else None
+
     for i, (start, stop, name) in enumerate(caller.speech_intervals):
         next_start = bounds[i + 1]
-        matched = [r for r in records if r.speech_start is not None
-                   and start - 0.8 * sr <= line.sample_of(r.speech_start) <= stop]
+        # the agent's turns begun with this utterance, and one begun earlier that took it in (the
+        # caller paused less than the VAD's stop_secs: two utterances, one turn)
+        matched = [r for r in records if r.speech_start is not None and (
+            start - 0.8 * sr <= speech_span(r)[0] <= stop
+            or (speech_span(r)[0] < start and speech_span(r)[1] is not None and speech_span(r)[1] >= start))]
         decided = [r for r in matched if r.decision is not None]
-        reply = next((r for r in reversed(decided) if r.decision == "reply"), None)
+        # a turn that goes on into the next utterance is answered after that one, not this
+        reply = next((r for r in reversed(decided) if r.decision == "reply"
+                      and not (speech_span(r)[1] is not None and speech_span(r)[1] >= next_start)), None)
         entry = {
             "utterance": name, "text": texts.get(name, ""), "start_s": sec(start), "end_s": sec(stop),
             "barge_in": name in barge_names, "agent_turns": [r.turn_id for r in matched],
@@ -205,8 +213,10 @@ def build_report(result, meta: dict) -> dict:
         elif reply is not None:
             entry.update({"first_audio_latency_ms": None, "reply_text": reply.reply_text, "interrupted": reply.interrupted})
         if name in barge_names:
+            # (detected after the caller's words when they were short: a "yes" over the agent)
+            window_end = max(stop, start + BARGE_IN_DETECT_BOUND_MS * sr // 1000)
             cut = next((r for r in records if r.interrupted and r.barge_in_at is not None
-                        and start <= line.sample_of(r.barge_in_at) <= stop), None)
+                        and start <= line.sample_of(r.barge_in_at) <= window_end), None)
             if cut is None:  # the agent never noticed: the check must not pass over it
                 entry["barge_in_stop_ms"] = None
             else:
@@ -264,6 +274,11 @@ def build_report(result, meta: dict) -> dict:
                                  "median": float(np.median(asr_after_end)) if asr_after_end else None},
             "barge_in_stop_ms": stops,
             "underruns": sum(r.underruns for r in records),
+            # a reply cut off by a sound that proved to be no turn (a noise burst: the VAD heard speech,
+            # the STT or ASR no words) is not resumed: the caller hears it stop
+            "replies_cut_by_no_turn": sum(1 for r in records if r.interrupted and next(
+                (later.decision for later in records if later.turn_id > r.turn_id), None) == "ignored"),
+            "caller_heard_no_reply": sum(1 for e in caller.events if e.kind == "no_reply"),
             "early_replies": sum(1 for r in records if r.early_end_at is not None),
             "early_turns_retracted": len(log.retracted),
             "errors": len(result.errors),
@@ -272,12 +287,13 @@ def build_report(result, meta: dict) -> dict:
             "every_turn_decided": every_decided,
             "talk_over_ms_outside_barge_in": talk_over_ms,
             "talk_over_ms_in_barge_in": 10.0 * float(np.sum(both & allowed)),
-            "barge_in_within_100ms": bool(stops) and all(s is not None and s <= 100.0 for s in stops),
+            # (None: the call had no barge-in to check)
+            "barge_in_within_100ms": all(s is not None and s <= 100.0 for s in stops) if stops else None,
             # the 100 ms above count from the agent's own detection: it must come in time too
-            f"barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms": bool(stops) and all(
+            f"barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms": all(
                 u.get("barge_in_detected_after_onset_ms") is not None
                 and u["barge_in_detected_after_onset_ms"] <= BARGE_IN_DETECT_BOUND_MS
-                for u in utterances if "barge_in_stop_ms" in u),
+                for u in utterances if "barge_in_stop_ms" in u) if stops else None,
             **path,
         },
         "agent_turns": log_dict["turns"],

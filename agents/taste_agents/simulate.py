@@ -347,8 +347,11 @@ class _ProgressPrinter:
             kind, turn, t = event["kind"], event["turn_id"], event["t"]
             record = self.log.turns.get(turn) if turn is not None else None
             if kind == "decision":
+                # a turn handed on early may still be taken back: its decision is tentative until the VAD's end
+                early = record is not None and record.early_end_at is not None and record.vad_stop_at is None
                 self.say(f"{self._stamp(t)} agent turn {turn}: decision {event['decision']}"
-                         + (f" ({event['reason']})" if event.get("reason") else ""))
+                         + (f" ({event['reason']})" if event.get("reason") else "")
+                         + (", tentative: the VAD is still making sure the caller stopped" if early else ""))
             elif kind == "bot_audio_started" and record is not None:
                 latency = record.user_to_bot_s
                 self.say(f"{self._stamp(t)} agent turn {turn}: speaking"

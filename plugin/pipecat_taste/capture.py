@@ -97,7 +97,7 @@ from pipecat.utils.time import time_now_iso8601
 from pipecat_taste.audio import StreamResampler, float_to_pcm16, pcm16_to_float, resample
 from pipecat_taste.call import TasteCall
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
-from pipecat_taste.links import aggregator_taking_transcripts, switcher_after_aggregator
+from pipecat_taste.links import aggregator_taking_transcripts, stt_before, switcher_after_aggregator
 from pipecat_taste.upstream_transcripts import TurnWords, UpstreamTranscripts
 
 
@@ -248,6 +248,7 @@ class TasteTurnCapture(FrameProcessor):
         self._samples_seen = 0
         # Set-up mistakes, said once per call: an upstream VAD beside our own (its frames are
         # dropped: they would go downstream twice), no upstream VAD to follow (no turn ever ends).
+        self._stt_before = False  # an STT service sits before the capture (found at the StartFrame)
         self._upstream_vad_seen = False
         self._vad_warned = False
         self._start_sample = 0
@@ -332,6 +333,7 @@ class TasteTurnCapture(FrameProcessor):
         if isinstance(frame, StartFrame):
             await self.push_frame(frame, direction)
             await self._announce_service()
+            self._stt_before = stt_before(self)  # (a turn without words is then a noise, not a missing STT)
             misplaced = aggregator_taking_transcripts(self)
             if misplaced is not None:
                 stt, aggregator = misplaced
@@ -896,8 +898,10 @@ class TasteTurnCapture(FrameProcessor):
                     await self._decide(turn, "ignored", "no words of its own: the STT's words for the speech split "
                                                         "here came after it ended, with the last part")
                     return None
-                if self._transcripts.seen and (mode == "upstream" or not self._call.engine.has_asr):
-                    # the STT is there (it spoke this call) and had nothing to say of this one: a noise
+                stt_there = self._transcripts.seen or self._stt_before
+                if stt_there and (mode == "upstream" or not self._call.engine.has_asr):
+                    # the STT is there (it spoke this call, or sits before the capture) and had nothing to
+                    # say of this one: a noise
                     await self._decide(turn, "ignored", "the STT sent no words for it")
                     return None
                 if mode == "upstream":

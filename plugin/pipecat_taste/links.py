@@ -63,6 +63,11 @@ def _is_stt(processor: FrameProcessor) -> bool:
         isinstance(processor, ServiceSwitcher) and any(isinstance(s, STTService) for s in processor.strategy.services))
 
 
+def stt_before(processor: FrameProcessor) -> bool:
+    """Whether an STT service (or a switcher of them) sits before ``processor`` on its path."""
+    return any(_is_stt(p) for p in _around(processor)[0])
+
+
 def aggregator_taking_transcripts(processor: FrameProcessor) -> tuple[FrameProcessor, FrameProcessor] | None:
     """(STT or switcher of STTs, user context aggregator) where the aggregator sits between them
     and ``processor``: it takes the STT's TranscriptionFrames (Pipecat's cascade order), which the

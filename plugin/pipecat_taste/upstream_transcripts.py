@@ -194,7 +194,11 @@ class UpstreamTranscripts:
         taker = next((w for w in self.collecting
                       if w.absorb_until is None and not w.done(now, self.quiet_secs, self.finals_flagged)), None)
         if taker is None and any(w.absorb_until is not None and not w.spent for w in self.collecting):
-            self.drop(text)  # late words of a turn the built-in ASR took, not of the one being spoken
+            # late words of a turn the built-in ASR took, not of the one being spoken: said as a warning,
+            # as the turn was answered on other words than the STT's
+            self.drop(text, "late words of a turn the built-in ASR transcribed (the capture stopped waiting for the "
+                            "STT: first_transcript_grace_secs on the call's first turn, transcript_timeout_secs "
+                            "later; TurnCaptureParams(transcripts='upstream') always waits for it)", warn=True)
             return
         if taker is None:
             taker = current
@@ -272,10 +276,10 @@ class UpstreamTranscripts:
             words.arrived.clear()
             await _first_of(remaining, words.arrived, retracted)
 
-    def drop(self, text: str, why: str = "late words of a turn already taken") -> None:
+    def drop(self, text: str, why: str = "late words of a turn already taken", warn: bool = False) -> None:
         if len(text) > 200:  # (the log keeps a preview of what was too long)
             text = f"{text[:200]}... ({len(text)} characters)"
-        logger.info(f"{self._owner}: dropped upstream transcript {text!r}: {why}")
+        (logger.warning if warn else logger.info)(f"{self._owner}: dropped upstream transcript {text!r}: {why}")
         self._log.event("transcript_dropped", text=text)
 
 
