@@ -25,11 +25,13 @@ class Line:
         return None if t is None else int(round((t - self.t0) * SR))
 
 
-def report(line, utterances, records, barge_ins=(), log=None):
-    """``utterances``: (name, start s, end s); ``records``: TurnRecords of the agent."""
+def report(line, utterances, records, barge_ins=(), log=None, no_reply_at=()):
+    """``utterances``: (name, start s, end s); ``records``: TurnRecords of the agent; ``no_reply_at``:
+    when the caller gave up waiting for a reply (s)."""
     events = [SimpleNamespace(sample=int(a * SR), kind="utterance_start", name=name, text="") for name, a, _ in utterances]
     events += [SimpleNamespace(sample=int(a * SR), kind="barge_in", name=name, text="")
                for name, a, _ in utterances if name in barge_ins]
+    events += [SimpleNamespace(sample=int(t * SR), kind="no_reply", name="", text="") for t in no_reply_at]
     caller = SimpleNamespace(clock=line.agent.size, events=events,
                              speech_intervals=[(int(a * SR), int(b * SR), name) for name, a, b in utterances])
     log = log or CallLog()
@@ -156,5 +158,10 @@ def test_a_call_without_a_barge_in_has_no_barge_in_check_and_a_cut_by_a_noise_is
     noisy = report(Line(6, [(1.2, 2.0)]), [("u1", 0, 1)],
                    [TurnRecord(1, speech_start=0.0, decision="reply", first_audio_at=1.2, interrupted=True,
                                barge_in_at=2.0),
-                    TurnRecord(2, speech_start=1.7, decision="ignored")])  # (a noise burst: no words)
-    assert noisy["summary"]["replies_cut_by_no_turn"] == 1
+                    TurnRecord(2, speech_start=1.7, decision="ignored")], no_reply_at=[5.0])  # (a noise: no words)
+    assert noisy["summary"]["replies_cut_by_no_turn"] == 1 and noisy["summary"]["caller_heard_no_reply"] == 1
+    from taste_agents.cli import _summary
+
+    said = _summary(noisy, {})
+    assert "replies cut off by a sound that was no turn: 1" in said and "waited for a reply in vain: 1" in said
+    assert "no barge-in to check" in _summary(out, {})

@@ -407,7 +407,9 @@ def _summary(report: dict, paths: dict) -> str:
     lines.append(f"  underruns: {s['underruns']}, errors: {s['errors']}, early replies: {s.get('early_replies', 0)}, "
                  f"early turns taken back (the caller went on): {s.get('early_turns_retracted', 0)}"
                  + (f", replies cut off by a sound that was no turn: {s['replies_cut_by_no_turn']}"
-                    if s.get("replies_cut_by_no_turn") else ""))
+                    if s.get("replies_cut_by_no_turn") else "")
+                 + (f", times the caller waited for a reply in vain: {s['caller_heard_no_reply']}"
+                    if s.get("caller_heard_no_reply") else ""))
     for name, path in paths.items():
         lines.append(f"  {name}: {path}")
     return "\n".join(lines)
