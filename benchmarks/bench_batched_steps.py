@@ -287,7 +287,7 @@ def write_results(results: list[dict], command: str, facts: dict, results_dir: P
              "count: calls stepping alone already run in parallel on the cores, and each call's heads (the text "
              "head over 128 256 ids at full size, the speech decoder's sampling) run in its own thread between steps, so the engine batches by "
              "default only on the CUDA fast path, where a step costs its kernel launches, not its rows "
-             "(GPU_NOTES: 2.9 ms for one call, 4.4 ms for eight batched). No GPU figures yet.", ""]
+             "(our H100 notes: 2.9 ms for one call, 4.4 ms for eight batched). No GPU figures yet.", ""]
     report.save_results(Path(results_dir), "batched_steps", intro, markdown(results), results, command, facts)
 
 

@@ -3,7 +3,7 @@
 Streams one utterance of random speech tokens, five at a time (as the speech decoder produces
 them), with each named regime as shipped (chunks growing to 300 tokens since 2026-11-27, 100 before) and with growth off, in
 one run, and prints per variant: chunks, synthesis steps per second of audio (on a GPU a step
-costs its kernel launches, whatever its size: GPU_NOTES.md), operators dispatched per second of
+costs its kernel launches, whatever its size: our H100 notes, docs/GPU.md), operators dispatched per second of
 audio (each at least one kernel on CUDA), compute seconds per audio second on this CPU, the first
 chunk's tokens and compute time, and the seam figures against offline synthesis.
 

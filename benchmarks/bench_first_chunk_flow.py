@@ -3,7 +3,7 @@
 The first chunk is the one the caller waits for. Its flow window is fixed by the emission policy
 (17 frames for 'low_latency', 37 for 'quality'); in a bucket of exactly that size the step runs
 the unpadded ODE, without the masked GroupNorm statistics and attention masks that keep padded
-windows exact. On a GPU a step costs its kernels (GPU_NOTES.md), so the figure that transfers is
+windows exact. On a GPU a step costs its kernels (our H100 notes, docs/GPU.md), so the figure that transfers is
 the operators dispatched per step (each at least one CUDA kernel; views not counted); the CPU ms
 are this machine's. Both steps run through ``SynthesisGraphs`` buckets, eagerly on a CPU.
 

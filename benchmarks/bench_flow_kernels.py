@@ -2,7 +2,7 @@
 the time conditioning of all Euler steps in one pass.
 
 At batch 1 the flow's ODE (10 Euler steps, CFG as one batch-2 estimator call each) costs its
-kernels on a GPU, not its arithmetic (GPU_NOTES.md; on the H100 about 1000 kernels and 6.5 ms per
+kernels on a GPU, not its arithmetic (our H100 notes, docs/GPU.md; on the H100 about 1000 kernels and 6.5 ms per
 Euler step, BENCHMARKS.md section 5). Three changes cut kernels:
 
 - the attention's q, k and v projections are one matrix product (``SelfAttention.to_qkv``; the

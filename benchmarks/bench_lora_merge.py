@@ -1,6 +1,6 @@
 """Spoken-LM decode step with the LoRA adapters on the side vs merged into the weights (one run).
 
-At batch 1 on a GPU a decode step costs its kernel launches (``GPU_NOTES.md``), so the figure that
+At batch 1 on a GPU a decode step costs its kernel launches (our H100 notes, docs/GPU.md), so the figure that
 transfers from this CPU machine is the number of operators one step dispatches (each is at least
 one kernel on CUDA; views are not counted). Also printed: CPU ms per token (eager growing cache)
 and how close each is to the float32 model (unmerged), teacher-forced with its greedy ids.

@@ -6,7 +6,7 @@ Any Whisper encoder with the tower's encoder interface (``encoder``, ``whisper_c
 
 The encoder always runs at one shape - the turn's log-mel right-padded to the whole window (30 s,
 3000 frames, for the published model) - so it needs no buckets: one graph serves every turn. Eager
-it is ~500 launches and launch-bound on a GPU (``GPU_NOTES.md``: 16 ms for Whisper-large-v3's
+it is ~500 launches and launch-bound on a GPU (our H100 notes, docs/GPU.md: 16 ms for Whisper-large-v3's
 encoder, the same for 3 s or 30 s of audio); replayed, what is left is the GPU's own work.
 
 Calls share one :class:`EncoderGraph`. With ``rows`` > 1 the turns of several calls that end

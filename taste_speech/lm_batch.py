@@ -1,6 +1,6 @@
 """LMStepBatch: the decode steps of many conversations' spoken LM, run as one batched step.
 
-At batch 1 a decode step is bound by kernel launches, not by the GPU (``GPU_NOTES.md``): eight
+At batch 1 a decode step is bound by kernel launches, not by the GPU (our H100 notes, docs/GPU.md): eight
 calls each replaying their own graphed step cost 8 x 2.9 ms, one step batched over the same
 eight 4.4 ms. So one ``LMStepBatch`` per model (per GPU) keeps the KV rows of up to ``slots``
 conversations side by side, and every decode step that is waiting when a step starts - from

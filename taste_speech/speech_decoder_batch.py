@@ -1,7 +1,7 @@
 """SpeechStepBatch: the one-token decode steps of many calls' speech decoders, run as one batched step.
 
 The speech decoder's AR transformer decodes one speech token per step; at batch 1 a step is bound
-by its kernel launches (``GPU_NOTES.md``), so calls stepping at the same time share one forward,
+by its kernel launches (our H100 notes, docs/GPU.md), so calls stepping at the same time share one forward,
 as ``lm_batch`` does for the spoken LM (the slot and step bookkeeping is ``batched_steps``).
 
 Storage: per layer ``(slots, heads, capacity + 1, d_k)`` keys and values, and the projected

@@ -3,7 +3,7 @@ captured as a CUDA graph (the fast path on CUDA).
 
 The AR decoder ``llm`` (a causal ``RelPositionTransformer``) decodes one speech token per step.
 Its growing ``KVCache`` concatenates keys and values every step (new shapes each time, so a step
-is a few hundred eager kernel launches: ~10 ms at the real size, ``GPU_NOTES.md``).
+is a few hundred eager kernel launches: ~10 ms at the real size, our H100 notes, docs/GPU.md).
 ``StaticSpeechCache`` keeps per layer
 
 - keys and values (1, H, capacity, d_k), written in place at the positions being fed;

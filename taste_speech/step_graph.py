@@ -1,7 +1,7 @@
 """StepGraph: one fixed-shape decode step, replayed as a CUDA graph on CUDA, run eagerly elsewhere.
 
 At batch 1 a decode step is hundreds of small kernels, and launching them costs more than running
-them (``GPU_NOTES.md``: ~10 us per launch, a Llama-1B step 20 ms eager vs 3.4 ms replayed). A CUDA
+them (our H100 notes, docs/GPU.md: ~10 us per launch, a Llama-1B step 20 ms eager vs 3.4 ms replayed). A CUDA
 graph records the launches once and replays them with one call. What makes a step replayable:
 
 - every tensor it reads or writes lives at a fixed address: the owner keeps static input buffers,

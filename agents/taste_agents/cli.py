@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve live calls: a WebRTC page and a phone websocket")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=port_number, default=7860, help="TCP port (default: 7860)")
-    serve.add_argument("--max-calls", type=positive_int, default=4, help="concurrent calls; more get HTTP 503")
+    serve.add_argument("--max-calls", type=positive_int, default=4, help="concurrent calls; more get HTTP 503 (default: 4)")
     serve.add_argument("--max-call-seconds", type=positive_seconds, default=1800.0,
                        help="a call ends after this long (default: 1800)")
     serve.add_argument("--idle-seconds", type=positive_seconds, default=300.0,

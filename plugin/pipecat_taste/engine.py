@@ -400,7 +400,7 @@ def _tower_pooler(model, decoding: str):
 
 # Calls whose waiting flow or vocoder windows share one step on a GPU, without batch slots (and
 # whose ended turns share one pass of the audio tower's encoder): a step costs its launches, not
-# its rows (GPU_NOTES.md: the flow estimator 1.87 ms for one window, 2.22 ms for eight), so calls
+# its rows (our H100 notes, docs/GPU.md: the flow estimator 1.87 ms for one window, 2.22 ms for eight), so calls
 # whose first chunks queue behind a running step go in the next one together instead of one after
 # another, and a first chunk (a turn) waits a little for the others announced. A single call never
 # waits for others.

@@ -1,9 +1,11 @@
 """TasteSession: one call's conversation with the model, the plugin's only way into ``taste_speech``.
 
-The processors never import the model library; they call a per-call :class:`TasteSession`
+The processors call the model only through it (of the library they read one constant, the
+synthesis's ``SUPPORTED_OUTPUT_RATES``): a per-call :class:`TasteSession`
 (``TasteEngine.new_session()``), whose methods are blocking and are run by the processors in worker
 threads, one stage per thread:
 
+    start       warm_up()                                  (the call's own captured steps, on the fast path)
     listening   turn_ended(transcript)                     (the caller stopped speaking: its turn comes soon)
                 turn_withdrawn(transcript, ...)            (what turn_ended announced will not come)
                 transcribe(audio) -> str                  (built-in ASR, when the engine has one)
@@ -11,10 +13,12 @@ threads, one stage per thread:
                 user_turn(audio, transcript, heard) -> UserTurn  (taste_tokenize)
     thinking    reply(turn, stop) -> iterator of ReplyEvent  (streaming_generate, one Conversation per call)
                 commit_reply(played_words)                 (keep the words the caller heard)
+                forget_turn(turn) -> int                   (a turn handed on early and taken back)
     speaking    start_speech(rate) -> SpeechState          (one voice-generator state per reply)
                 speech_tokens(state, segment) -> iterator of token lists   (speech decoder)
                 vocode(state, tokens, final) -> list of float32 chunks      (flow + HiFT)
                 speech_samples(n_tokens, rate) -> output samples covered by n speech tokens
+                drop_speech(state)                         (a reply cut off or taken back: its shared steps stop waiting)
     end         close()                                    (the call ended: frees its slots in shared batches)
 
 If the library's signatures drift, this file is what changes. ``pipecat_taste.testing`` has a

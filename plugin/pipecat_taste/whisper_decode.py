@@ -2,7 +2,7 @@
 
 ``model.generate`` decodes with a growing cache (new shapes every token) and Python logits
 processors: at batch 1 on a GPU the Whisper-large-v3 decoder spends ~30 ms per token launching
-kernels (GPU_NOTES.md). This loop keeps every tensor at a fixed address instead:
+kernels (our H100 notes, docs/GPU.md). This loop keeps every tensor at a fixed address instead:
 
 - the self-attention keys/values of a whole transcript are preallocated (``plan.max_length`` rows);
   a row is written at its position and every query sees only the keys at or before its own

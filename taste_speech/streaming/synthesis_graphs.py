@@ -1,7 +1,7 @@
 """Fixed-shape (bucketed) flow and vocoder steps of streaming synthesis, captured as CUDA graphs.
 
 Eager, a streaming step is launch-bound on a GPU: the flow's 10 Euler steps are 10 estimator calls
-of hundreds of small kernels each (``GPU_NOTES.md``: ~19 ms per call eager, ~2 ms replayed). A CUDA
+of hundreds of small kernels each (our H100 notes, docs/GPU.md: ~19 ms per call eager, ~2 ms replayed). A CUDA
 graph needs fixed shapes, but the windows of :mod:`synthesis` vary: the first chunk, steady chunks
 (two or three sizes, as 441/256 frames per token rounds), the chunk before the left context is full,
 and the final flush. Measured with ``benchmarks/bench_synthesis_graphs.py --sizes`` (flow window
@@ -57,7 +57,7 @@ of the utterances that were in the last flow step (``gather``); without it, the 
 flow step split over several vocoder steps. Likewise a flow step waits for the utterances of the
 last vocoder step that said their next flow window follows at once (``more``: its speech tokens
 are already there); the others come when their tokens do. On a GPU a step costs its launches,
-not its rows (``GPU_NOTES.md``: the flow estimator 1.9 ms for one window, 2.9 ms for sixteen),
+not its rows (our H100 notes, docs/GPU.md: the flow estimator 1.9 ms for one window, 2.9 ms for sixteen),
 so calls that speak at the same time stop queueing behind each other. Each bucket holds ``rows``
 rows of static buffers and a step (a graph) per row count n = 1, 2, 4 ... rows; idle rows inside
 a step hold a harmless window. ``rows=1`` runs every window alone, in order of arrival.
