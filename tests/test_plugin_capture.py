@@ -375,6 +375,7 @@ async def test_a_transcript_no_turn_claimed_is_logged_as_such_when_the_call_ends
 
 
 def silent_stt():
+    from pipecat.services.settings import STTSettings
     from pipecat.services.stt_service import STTService
 
     class SilentSTT(STTService):
@@ -382,7 +383,7 @@ def silent_stt():
             return
             yield
 
-    return SilentSTT(ttfs_p99_latency=1.0)
+    return SilentSTT(ttfs_p99_latency=1.0, settings=STTSettings(model=None, language=None))
 
 
 @pytest.mark.parametrize("layout, named", [

@@ -246,9 +246,9 @@ class TasteTurnCapture(FrameProcessor):
         self._finisher: asyncio.Task | None = None
         # Sample clock of the input: turn lengths are measured in audio, not in wall-clock time.
         self._samples_seen = 0
+        self._stt_before = False  # an STT service sits before the capture (found at the StartFrame)
         # Set-up mistakes, said once per call: an upstream VAD beside our own (its frames are
         # dropped: they would go downstream twice), no upstream VAD to follow (no turn ever ends).
-        self._stt_before = False  # an STT service sits before the capture (found at the StartFrame)
         self._upstream_vad_seen = False
         self._vad_warned = False
         self._start_sample = 0
