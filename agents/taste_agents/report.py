@@ -162,20 +162,20 @@ def build_report(result, meta: dict) -> dict:
     utterances = []
     bounds = [s for s, _, _ in caller.speech_intervals] + [end_sample]
     allowed_overlap: list[tuple[int, int]] = []
-    def speech_span(r):
-        return line.sample_of(r.speech_start), line.sample_of(r.speech_end) if r.speech_end is not None else None
-
+    # each turn's speech on the line's clock: (first sample, last sample or None)
+    spans = {r.turn_id: (line.sample_of(r.speech_start), line.sample_of(r.speech_end))
+             for r in records if r.speech_start is not None}
     for i, (start, stop, name) in enumerate(caller.speech_intervals):
         next_start = bounds[i + 1]
         # the agent's turns begun with this utterance, and one begun earlier that took it in (the
         # caller paused less than the VAD's stop_secs: two utterances, one turn)
-        matched = [r for r in records if r.speech_start is not None and (
-            start - 0.8 * sr <= speech_span(r)[0] <= stop
-            or (speech_span(r)[0] < start and speech_span(r)[1] is not None and speech_span(r)[1] >= start))]
+        matched = [r for r in records if r.turn_id in spans and (
+            start - 0.8 * sr <= spans[r.turn_id][0] <= stop
+            or spans[r.turn_id][0] < start <= (spans[r.turn_id][1] if spans[r.turn_id][1] is not None else -1))]
         decided = [r for r in matched if r.decision is not None]
         # a turn that goes on into the next utterance is answered after that one, not this
         reply = next((r for r in reversed(decided) if r.decision == "reply"
-                      and not (speech_span(r)[1] is not None and speech_span(r)[1] >= next_start)), None)
+                      and not (spans[r.turn_id][1] is not None and spans[r.turn_id][1] >= next_start)), None)
         entry = {
             "utterance": name, "text": texts.get(name, ""), "start_s": sec(start), "end_s": sec(stop),
             "barge_in": name in barge_names, "agent_turns": [r.turn_id for r in matched],
