@@ -81,6 +81,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="start answering after this much silence, before the VAD confirms the end of the "
                              "turn (its stop_secs, 500 ms); the reply is heard only once it does, and taken back "
                              "unheard if the caller goes on; 'none' waits for the VAD (default: 200)")
+    parser.add_argument("--barge-in", default="pause", choices=["pause", "immediate"],
+                        help="the caller speaking over a reply: pause (it stops at once and is cut off once the "
+                             "speech has words; a noise without any lets it go on) or immediate (cut off at "
+                             "once, noise or not) (default: pause)")
     parser.add_argument("--seed", type=seed_value, default=0)
 
 
@@ -273,7 +277,8 @@ def agent_config(args):
     max_tokens = args.max_reply_tokens or (6 if args.model is None else 48)
     capture = TurnCaptureParams(transcripts=getattr(args, "transcripts", "auto"),
                                 incremental_asr=not getattr(args, "no_incremental_asr", False),
-                                early_reply_secs=_secs(getattr(args, "early_reply_ms", 200)))
+                                early_reply_secs=_secs(getattr(args, "early_reply_ms", 200)),
+                                barge_in=getattr(args, "barge_in", "pause"))
     return PhoneAgentConfig(prompt_format=args.prompt_format, max_reply_tokens=max_tokens, seed=args.seed,
                             voice=args.voice, capture=capture)
 
@@ -406,6 +411,8 @@ def _summary(report: dict, paths: dict) -> str:
     s = report["summary"]
     lines.append(f"  underruns: {s['underruns']}, errors: {s['errors']}, early replies: {s.get('early_replies', 0)}, "
                  f"early turns taken back (the caller went on): {s.get('early_turns_retracted', 0)}"
+                 + (f", replies paused by a sound that was no turn, then resumed: {s['replies_resumed_after_no_turn']}"
+                    if s.get("replies_resumed_after_no_turn") else "")
                  + (f", replies cut off by a sound that was no turn: {s['replies_cut_by_no_turn']}"
                     if s.get("replies_cut_by_no_turn") else "")
                  + (f", times the caller waited for a reply in vain: {s['caller_heard_no_reply']}"

@@ -274,8 +274,10 @@ def build_report(result, meta: dict) -> dict:
                                  "median": float(np.median(asr_after_end)) if asr_after_end else None},
             "barge_in_stop_ms": stops,
             "underruns": sum(r.underruns for r in records),
-            # a reply cut off by a sound that proved to be no turn (a noise burst: the VAD heard speech,
-            # the STT or ASR no words) is not resumed: the caller hears it stop
+            # a reply paused by a sound that proved to be no turn (a noise burst: the VAD heard speech,
+            # the STT or ASR no words) goes on where it stopped (barge_in='pause'); with
+            # barge_in='immediate' it was cut off: the caller hears it stop
+            "replies_resumed_after_no_turn": sum(1 for r in records if getattr(r, "pauses_s", None)),
             "replies_cut_by_no_turn": sum(1 for r in records if r.interrupted and next(
                 (later.decision for later in records if later.turn_id > r.turn_id), None) == "ignored"),
             "caller_heard_no_reply": sum(1 for e in caller.events if e.kind == "no_reply"),

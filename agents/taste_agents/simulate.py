@@ -361,8 +361,16 @@ class _ProgressPrinter:
                 how = "cut off by barge-in" if event.get("interrupted") else "done"
                 text = record.played_text or record.reply_text
                 self.say(f"{self._stamp(t)} agent turn {turn}: {how}, said {text!r}")
+            elif kind == "reply_paused":
+                self.say(f"{self._stamp(t)} agent turn {turn}: paused, the caller speaks over it (cut off once "
+                         "their words come)")
+            elif kind == "reply_resumed":
+                self.say(f"{self._stamp(t)} agent turn {turn}: goes on, the caller's sound had no words")
             elif kind == "barge_in":
-                self.say(f"{self._stamp(t)} barge-in detected on turn {turn}")
+                paused = any(e["kind"] == "reply_paused" and e.get("by_turn") == event.get("by_turn")
+                             for e in self.log.events)
+                self.say(f"{self._stamp(t)} " + (f"barge-in on turn {turn}: the caller's words came" if paused
+                                                 else f"barge-in detected on turn {turn}"))
             elif kind == "user_turn_retracted":
                 self.say(f"{self._stamp(t)} agent turn {turn}: taken back, the caller went on speaking (the turn "
                          "goes on under the next number)")

@@ -16,6 +16,7 @@ from pipecat_taste.engine import TasteEngine
 from pipecat_taste.frames import (
     TastePlaybackFrame,
     TasteReplyEndFrame,
+    TasteReplyPauseFrame,
     TasteReplySegmentFrame,
     TasteSegmentAudioFrame,
     TasteTurnDecisionFrame,
@@ -33,7 +34,7 @@ from pipecat_taste.vad import WebRTCVADAnalyzer, default_vad_params
 
 __all__ = [
     "CallLog", "TasteCall", "TurnRecord", "TasteTurnCapture", "TurnCaptureParams", "GenerationSettings",
-    "TasteEngine", "TasteSession", "TastePlaybackFrame", "TasteReplyEndFrame", "TasteReplySegmentFrame",
+    "TasteEngine", "TasteSession", "TastePlaybackFrame", "TasteReplyEndFrame", "TasteReplyPauseFrame", "TasteReplySegmentFrame",
     "TasteSegmentAudioFrame", "TasteTurnDecisionFrame", "TasteTurnMetricsFrame", "TasteTurnStatusFrame",
     "TasteUserTurnFrame",
     "TasteGenerator", "PlayoutParams", "TastePlayout", "TasteSpeechToSpeech", "TasteSynthesizer",

@@ -71,6 +71,8 @@ class TurnRecord:
     underruns: int = 0
     # (reply samples released before it, samples of the faded bridge the playout sent into it) per gap
     audio_gaps: list[tuple[int, int]] = field(default_factory=list)
+    # each pause of the reply for the caller's sound that proved to have no words (barge_in='pause'), s
+    pauses_s: list[float] = field(default_factory=list)
     start_hold_s: float = 0.0  # how long the playout's learned start hold delayed this reply's first audio
     early_end_at: float | None = None  # handed on early, after a short silence (the VAD confirmed later)
     early_retracted: int = 0  # earlier early hand-overs of this speech that the caller's speech took back

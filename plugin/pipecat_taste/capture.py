@@ -45,8 +45,13 @@ SpeakingFrame``; or leave it None and put a ``VADProcessor`` upstream - the capt
 its VAD frames.
 
 Barge-in: when the caller has spoken ``min_speech_secs`` while the agent is answering (generating
-or playing), the capture broadcasts an ``InterruptionFrame``; the generator, synthesizer and
-playout stop at once. Earlier turns whose reply has not begun yet get none from then on
+or playing), the reply stops. With ``barge_in='pause'`` (the default, with a ``TastePlayout``) the
+capture sends a ``TasteReplyPauseFrame``: the playout fades the reply out and holds it until the
+speech has words (a partial transcript, an STT's words, or the turn's transcript), then the
+capture broadcasts an ``InterruptionFrame`` (the generator, synthesizer and playout stop at once);
+speech that proves to have no words (a door, a rustle) resumes the reply where it stopped, with a
+fade-in. With ``barge_in='immediate'`` (and without a playout, which is what could hold the
+audio) the ``InterruptionFrame`` goes at once. Earlier turns whose reply has not begun yet get none from then on
 (``TasteCall.mutes``): it would talk over the caller. Such a mute stands once the new turn is
 handed on with words; one that proves to be no turn (the transcript has no words) or fails lifts
 it, and the earlier turn is answered after all. A shorter sound (a cough, an 'mm') is ignored as a
@@ -78,6 +83,8 @@ from pipecat.frames.frames import (
     EndFrame,
     Frame,
     InputAudioRawFrame,
+    InterimTranscriptionFrame,
+    InterruptionFrame,
     LLMServiceMetadataFrame,
     ServiceSwitcherRequestMetadataFrame,
     StartFrame,
@@ -96,7 +103,12 @@ from pipecat.utils.time import time_now_iso8601
 
 from pipecat_taste.audio import StreamResampler, float_to_pcm16, pcm16_to_float, resample
 from pipecat_taste.call import TasteCall
-from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnStatusFrame, TasteUserTurnFrame
+from pipecat_taste.frames import (
+    TasteReplyPauseFrame,
+    TasteTurnDecisionFrame,
+    TasteTurnStatusFrame,
+    TasteUserTurnFrame,
+)
 from pipecat_taste.links import aggregator_taking_transcripts, stt_before, switcher_after_aggregator
 from pipecat_taste.upstream_transcripts import TurnWords, UpstreamTranscripts
 
@@ -116,7 +128,8 @@ class TurnCaptureParams:
     wait on every turn, and its early replies their head start). transcript_quiet_secs: an STT
     may send a turn's transcript in parts; after the turn they are collected until one marked ``finalized`` arrives after the
     speech ended, or none has come for this long (or the timeout is over). interrupt_on_speech:
-    barge-in. transcripts: 'auto' (upstream if one arrives, else built-in ASR), 'upstream' or
+    barge-in. barge_in: 'pause' (the reply pauses at once and is cut off only once the speech has
+    words; a sound without any resumes it) or 'immediate' (cut off at once; module docstring). transcripts: 'auto' (upstream if one arrives, else built-in ASR), 'upstream' or
     'asr'. incremental_asr: transcribe with the built-in ASR while the user speaks, every
     incremental_asr_every_secs of new audio (in 'auto' only until the call's first upstream
     transcript arrives). early_reply_secs: hand the turn on after this much silence, before the
@@ -131,6 +144,7 @@ class TurnCaptureParams:
     first_transcript_grace_secs: float = 0.3
     transcript_quiet_secs: float = 0.4
     interrupt_on_speech: bool = True
+    barge_in: str = "pause"
     transcripts: str = "auto"
     user_id: str = "user"
     incremental_asr: bool = True
@@ -140,6 +154,8 @@ class TurnCaptureParams:
     def __post_init__(self):
         if self.transcripts not in ("auto", "upstream", "asr"):
             raise ValueError(f"transcripts must be 'auto', 'upstream' or 'asr', got {self.transcripts!r}")
+        if self.barge_in not in ("pause", "immediate"):
+            raise ValueError(f"TurnCaptureParams.barge_in must be 'pause' or 'immediate', got {self.barge_in!r}")
         for name in ("pre_roll_secs", "post_roll_secs", "min_turn_secs", "min_speech_secs", "transcript_timeout_secs",
                      "first_transcript_grace_secs", "transcript_quiet_secs", "early_reply_secs",
                      "incremental_asr_every_secs"):
@@ -262,6 +278,8 @@ class TasteTurnCapture(FrameProcessor):
         self._silence_from: int | None = None
         self._early: _CapturedTurn | None = None
         self._split_turn: _CapturedTurn | None = None  # closed at the length limit, held (``_enqueue``)
+        # barge_in='pause': the speech that paused the reply, not yet known to have words -> when
+        self._pauses: dict[int, float] = {}
         self._turn_frames_lock = asyncio.Lock()
         self._ending = False  # an EndFrame came: no new turns; the ones already ended are finished
         self._resampler: StreamResampler | None = None  # input frames at another rate than the capture's
@@ -387,6 +405,12 @@ class TasteTurnCapture(FrameProcessor):
                 self._warn_without_vad("before the first transcript")
             self._transcripts.add(frame.text, frame.finalized, frame, self._samples_seen,
                                   current=self._words if self._capturing else None)
+            if self._capturing and _has_words(frame.text):
+                await self._words_heard(self._turn_id)
+        elif isinstance(frame, InterimTranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
+            if self._capturing and _has_words(frame.text):  # (only a barge-in waits for it)
+                await self._words_heard(self._turn_id)
+            await self.push_frame(frame, direction)
         else:
             await self.push_frame(frame, direction)
 
@@ -609,9 +633,48 @@ class TasteTurnCapture(FrameProcessor):
             self._split_turn.words.goes_on_in(self._words)
         self._release_split()  # (muted now, before its reply could begin)
         if self._params.interrupt_on_speech and self._call.agent_busy:
-            await self._barge_in(now)
+            if self._params.barge_in == "pause" and self._call.has_playout:
+                await self._pause_reply(now)
+            else:
+                await self._barge_in(now, self._turn_id)
 
-    async def _barge_in(self, now: float):
+    async def _pause_reply(self, now: float):
+        """The caller's speech may be a sound, not a turn: the playout holds the reply until its
+        words (``_words_heard``: cut it off) or their absence (``_settle_pause``: resume it) say."""
+        self._pauses[self._turn_id] = now
+        self._call.log.event("reply_paused", self._call.active_reply_turn, by_turn=self._turn_id)
+        await self.push_frame(TasteReplyPauseFrame(self._turn_id, paused=True))
+
+    async def _words_heard(self, turn_id: int | None):
+        """``turn_id``'s speech has words: if it paused the reply, the pause was a barge-in."""
+        paused_at = self._pauses.pop(turn_id, None)
+        if paused_at is None:
+            return
+        if self._call.agent_busy:
+            await self._barge_in(paused_at, turn_id)
+        else:  # the reply ended meanwhile (it had been fully heard): nothing to cut, the playout forgets the pause
+            await self.push_frame(TasteReplyPauseFrame(turn_id, paused=False))
+
+    async def _settle_pause(self, turn: _CapturedTurn):
+        """A finished turn that paused the reply and brought no words (a noise, a failure, the end of
+        the call) resumes it; one handed on early, once the VAD confirms it (a retraction moves the
+        pause to the speech that goes on, as it does its mute)."""
+        if turn.retracted.is_set() or turn.turn_id not in self._pauses:
+            return
+        if turn.tentative and not turn.confirmed:
+            async def resume_when_confirmed():
+                await self._resume_reply(turn.turn_id)
+            turn.deferred.append(resume_when_confirmed)
+            return
+        await self._resume_reply(turn.turn_id)
+
+    async def _resume_reply(self, turn_id: int):
+        if self._pauses.pop(turn_id, None) is None:  # (its words came meanwhile: a barge-in)
+            return
+        self._call.log.event("reply_resumed", self._call.active_reply_turn, by_turn=turn_id)
+        await self.push_frame(TasteReplyPauseFrame(turn_id, paused=False))
+
+    async def _barge_in(self, now: float, by_turn: int):
         active = self._call.active_reply_turn
         if active is None and self._call.bot_speaking and not self._call.has_playout:
             # generated already and playing in the transport: the latest reply is the one playing
@@ -622,9 +685,12 @@ class TasteTurnCapture(FrameProcessor):
             if record.barge_in_at is None:
                 record.barge_in_at = now
                 record.interrupted = True
-        self._call.log.event("barge_in", active, by_turn=self._turn_id)
-        logger.debug(f"{self}: barge-in on turn {active} by turn {self._turn_id}")
-        await self.broadcast_interruption()
+        self._call.log.event("barge_in", active, by_turn=by_turn)
+        logger.debug(f"{self}: barge-in on turn {active} by turn {by_turn}")
+        # Not broadcast_interruption(): it also empties this processor's own queue, where the frames
+        # waiting are the caller's (an STT's words right behind the ones that made the barge-in)
+        await self.stop_all_metrics()
+        await self.broadcast_frame(InterruptionFrame)
 
     async def _speech_stopped(self, now: float, forced: bool = False, keep: bool = True,
                               silence_secs: float | None = None):
@@ -727,6 +793,9 @@ class TasteTurnCapture(FrameProcessor):
         self._call.log.event("user_turn_retracted", early.turn_id)
         self._turn_id = self._call.new_turn_id()
         self._call.mutes.move(early.turn_id, self._turn_id)
+        paused_at = self._pauses.pop(early.turn_id, None)
+        if paused_at is not None:  # its verdict is the speech's that goes on
+            self._pauses[self._turn_id] = paused_at
         record = self._call.log.turn(self._turn_id)
         record.vad_start_at, record.speech_start = old.vad_start_at, old.speech_start
         record.early_retracted = old.early_retracted + 1
@@ -771,6 +840,7 @@ class TasteTurnCapture(FrameProcessor):
                 self._turns_finishing -= 1
                 self._transcripts.stop(turn.words)
                 self._settle_mute(turn)
+                await self._settle_pause(turn)
                 turn.audio = _NO_AUDIO  # not needed any more (a tentative turn lives on until confirmed)
 
     def _settle_mute(self, turn: _CapturedTurn) -> None:
@@ -817,9 +887,10 @@ class TasteTurnCapture(FrameProcessor):
         session.turn_withdrawn(asr_turn, tower=False)
         if transcript is None or turn.retracted.is_set():
             return
-        if not any(ch.isalnum() for ch in transcript):  # e.g. an ASR's "." for a noise: nothing to answer
+        if not _has_words(transcript):  # e.g. an ASR's "." for a noise: nothing to answer
             await self._decide(turn, "ignored", f"no words in the transcript {transcript!r}")
             return
+        await self._words_heard(turn.turn_id)  # a barge-in now, if its speech paused the reply
         record.transcript = transcript
         audio16k = resample(turn.audio, turn.sample_rate, session.input_sample_rate)
         await self.start_processing_metrics()
@@ -994,6 +1065,8 @@ class TasteTurnCapture(FrameProcessor):
             self._call.log.event("asr_partial_failed", turn_id, error=f"{type(e).__name__}: {e}")
             return
         self._call.log.event("asr_partial", turn_id, text=text, audio_seconds=round(audio.size / rate, 2))
+        if _has_words(text):
+            await self._words_heard(turn_id)
 
     async def _decide(self, turn: _CapturedTurn, decision: str, reason: str):
         record = self._call.log.turn(turn.turn_id)
@@ -1008,6 +1081,10 @@ class TasteTurnCapture(FrameProcessor):
         await self._announce(turn, lambda: self.push_error(f"turn {turn.turn_id}: {message}", exception,
                                                            category=ErrorCategory.UNKNOWN))
         await self._decide(turn, "error", message)
+
+
+def _has_words(text: str | None) -> bool:
+    return any(ch.isalnum() for ch in text or "")
 
 
 def _retrieve_exception(task: asyncio.Future) -> None:

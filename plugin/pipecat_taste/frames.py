@@ -19,6 +19,10 @@ its end (``TasteUserTurnFrame.tentative``); the generator tells the processors a
 generator holds the reply's announcement frames and the playout its audio until the turn is
 confirmed; a retracted turn's reply is dropped everywhere and forgotten by the conversation.
 
+Barge-in (``TurnCaptureParams.barge_in='pause'``): the capture sends a ``TasteReplyPauseFrame``
+when the caller speaks over a reply; the playout holds the reply until a second one resumes it (the
+speech had no words) or an ``InterruptionFrame`` cuts it off (it had).
+
 ``turn_id`` ties everything to one user turn (and the reply to it); ids only grow during a call, so
 a processor can drop anything that belongs to a turn it has already cancelled.
 """
@@ -63,6 +67,18 @@ class TasteTurnStatusFrame(DataFrame):
         super().__post_init__()
         if self.status not in TURN_STATUSES:
             raise ValueError(f"status must be one of {TURN_STATUSES}, got {self.status!r}")
+
+
+@dataclass
+class TasteReplyPauseFrame(SystemFrame):
+    """From the capture (``barge_in='pause'``): the caller's speech ``by_turn`` pauses the reply
+    being played (``paused``; the playout fades it out and holds it), then, once the speech proves
+    to have no words, resumes it (``paused=False``; the playout fades it back in where it stopped).
+    Speech with words cuts the reply off with an ``InterruptionFrame`` instead. A system frame: it
+    must not wait behind the reply's audio."""
+
+    by_turn: int
+    paused: bool
 
 
 @dataclass

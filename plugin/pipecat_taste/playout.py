@@ -44,6 +44,13 @@ next audio has not come by the time half of ``lead_ms`` is left in the transport
 heard audio mirrored and faded to silence goes out in its place, and the audio that comes next
 fades in (the turn's record lists these gaps: ``audio_gaps``).
 
+A barge-in that waits for words (``TurnCaptureParams.barge_in='pause'``) first pauses the reply
+(``TasteReplyPauseFrame``): it fades out as at a gap (one faded frame of the heard audio, mirrored)
+and the rest of it, and any reply after it, waits; resumed (the caller's sound had no words), it
+fades back in where it stopped (the turn's record lists the pause in ``audio_gaps`` and its length
+in ``pauses_s``); cut off, it ends as below, with nothing more to fade. The transport reports the
+bot stopped during a pause longer than its own silence limit, and started again when it resumes.
+
 On barge-in the fade and the ``TTSStoppedFrame`` go out first and the ``InterruptionFrame`` is
 passed on (then the reply's ``LLMFullResponseEndFrame``: an aggregator keeps the words heard,
 marked interrupted) once the transport reports the bot stopped (at most ``interruption_hold_secs`` later).
@@ -97,6 +104,7 @@ from pipecat_taste.frames import (
     TasteAudioStartedFrame,
     TasteAudioStoppedFrame,
     TastePlaybackFrame,
+    TasteReplyPauseFrame,
     TasteSegmentAudioFrame,
     TasteTurnMetricsFrame,
     TasteTurnStatusFrame,
@@ -157,6 +165,7 @@ class _Reply:
     last_released: np.ndarray | None = None  # the last frame handed over (a barge-in fade continues it)
     bridged: bool = False  # its audio ran out: a faded bridge went out in its place, the next audio fades in
     held_from: float | None = None  # when only the start hold kept its first audio back
+    paused_at: float | None = None  # when a barge-in paused it (faded out), until it resumes
 
 
 class TastePlayout(FrameProcessor):
@@ -176,6 +185,7 @@ class TastePlayout(FrameProcessor):
         self._reported: set[int] = set()  # turns whose reply was reported upstream (TastePlaybackFrame)
         self._unconfirmed: set[int] = set()  # tentative turns: their replies wait
         self._retracted: set[int] = set()
+        self._paused_by: set[int] = set()  # the caller's speech (turns) pausing the replies before it
         # A barge-in's InterruptionFrame, its direction and whether a reply's End follows it
         self._held_interruption: tuple[InterruptionFrame, FrameDirection, bool] | None = None
         self._hold_task: asyncio.Task | None = None
@@ -278,6 +288,13 @@ class TastePlayout(FrameProcessor):
         elif isinstance(frame, TasteTurnStatusFrame):
             self._turn_status(frame)
             await self.push_frame(frame, direction)
+        elif isinstance(frame, TasteReplyPauseFrame):
+            if frame.paused:
+                self._paused_by.add(frame.by_turn)
+            else:
+                self._paused_by.discard(frame.by_turn)
+            self._wake.set()  # the release loop fades the reply out, or lets it go on
+            await self.push_frame(frame, direction)
         else:
             await self.push_frame(frame, direction)
 
@@ -332,9 +349,27 @@ class TastePlayout(FrameProcessor):
         self._wake.set()
 
     # -- frames out, in real time ---------------------------------------------------------------------
+    def _paused(self, reply: _Reply | None) -> bool:
+        """Whether the caller's speech holds ``reply`` (speech after it, not the turn it answers)."""
+        return reply is not None and any(by > reply.turn_id for by in self._paused_by)
+
     async def _release_loop(self):
         lead = self._params.lead_ms / 1000.0
         while True:
+            playing = self._playing
+            if playing is not None and playing.paused_at is None and self._paused(playing):
+                playing.paused_at = time.monotonic()
+                if playing.origin is not None and not playing.bridged:
+                    await self._bridge(playing, underrun=False)  # faded out as at a gap
+            elif playing is not None and playing.paused_at is not None and not self._paused(playing):
+                if playing.origin is not None:  # (a reply held before its first audio was not heard pausing)
+                    self._call.log.turn(playing.turn_id).pauses_s.append(round(time.monotonic() - playing.paused_at, 3))
+                playing.paused_at = None
+            head = self._queue[0] if self._queue else None
+            if head is not None and head[0] in ("start", "audio") and self._paused(head[1]):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             if not self._queue:
                 playing = self._playing
                 if playing is not None and playing.origin is not None and not playing.ended and not playing.bridged:
@@ -386,7 +421,7 @@ class TastePlayout(FrameProcessor):
                     self._first_audio(reply, now)
                 heard_at = reply.origin + reply.released / self._rate
                 if heard_at - lead > now:
-                    await asyncio.sleep(heard_at - lead - now)
+                    await self._sleep_or_wake(heard_at - lead - now)  # (a pause must not wait for it)
                     continue
                 if heard_at < now - 0.005 and reply.released:
                     # The synthesizer fell behind real time: the transport ran dry; restart the clock.
@@ -456,11 +491,12 @@ class TastePlayout(FrameProcessor):
             self._call.log.released_audio.setdefault(reply.turn_id, []).append(pcm)
         await self.push_frame(frame)
 
-    async def _bridge(self, reply: _Reply):
-        """The reply's next audio is due and has not come (the synthesizer fell behind real time):
-        the transport would stop dead on the last sample, a click. One frame goes out in its place,
-        the heard audio mirrored about its last sample (so its value goes on) faded to silence; the
-        reply's clock moves on by that frame, and its next audio fades in."""
+    async def _bridge(self, reply: _Reply, underrun: bool = True):
+        """The reply's next audio is due and has not come (the synthesizer fell behind real time; or
+        not ``underrun``: a barge-in paused it): the transport would stop dead on the last sample, a
+        click. One frame goes out in its place, the heard audio mirrored about its last sample (so
+        its value goes on) faded to silence; the reply's clock moves on by that frame, and its next
+        audio fades in."""
         n, fade = self._frame_samples, samples_for_ms(self._params.fade_out_ms, self._rate)
         bridge = np.zeros(n, np.float32)
         if reply.last_released is not None and fade:
@@ -469,7 +505,7 @@ class TastePlayout(FrameProcessor):
         reply.bridged = True
         reply.origin += n / self._rate
         record = self._call.log.turn(reply.turn_id)
-        record.underruns += 1
+        record.underruns += underrun
         record.audio_gaps.append((reply.released, n))
         await self._send(reply, bridge)
 
@@ -491,6 +527,7 @@ class TastePlayout(FrameProcessor):
         cut = max([self._cancelled_upto, cut_turn or 0] + list(self._replies))
         self._cancelled_upto = cut
         self._queue.clear()
+        self._paused_by.clear()  # the speech that paused the reply is the barge-in
         if self._end is not None and not self._end_passed:
             self._queue.append(("end_of_call", None, self._end))
         await self._pass_held_interruption()  # an earlier barge-in's

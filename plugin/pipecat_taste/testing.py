@@ -58,6 +58,7 @@ class FakeEngine:
     fail_vocode_call: int = 0  # the session's vocode call (1-based) that fails part-way, its audio made (VocodingFailed)
     asr_text: str | Callable[[np.ndarray], str] | None = None  # what transcribe() returns, or makes of the audio (None: no built-in ASR)
     asr_delay: float = 0.0  # built-in ASR cost per transcription (s)
+    incremental_asr: bool = False  # the sessions offer start_transcript (partials while the caller speaks)
     max_turn_seconds: float = 30.0
     amplitude: float = 0.3
     sessions: list = field(default_factory=list)
@@ -83,6 +84,21 @@ class FakeEngine:
     @staticmethod
     def speech_samples(n_tokens: int, out_sample_rate: int) -> int:
         return int(round(n_tokens * TOKEN_SECONDS * out_sample_rate))
+
+
+class FakeTurnTranscript:
+    """A turn's transcript made while the caller speaks: each partial (and the finish) transcribes
+    the audio so far, as the engine's ``asr_text`` says."""
+
+    def __init__(self, session: "FakeSession"):
+        self.session, self.partials = session, 0
+
+    def partial(self, audio16k: np.ndarray) -> str:
+        self.partials += 1
+        return self.session.transcribe(audio16k)
+
+    def finish(self, audio16k: np.ndarray) -> str:
+        return self.session.transcribe(audio16k)
 
 
 class FakeSession:
@@ -113,6 +129,10 @@ class FakeSession:
 
     def turn_withdrawn(self, transcript=None, *, transcription: bool = True, tower: bool = True) -> None:
         self.listening.append("withdrawn" + " transcription" * transcription + " tower" * tower)
+
+    def start_transcript(self) -> "FakeTurnTranscript | None":
+        """An incremental transcript of one turn, as TasteSession's (with ``incremental_asr``)."""
+        return FakeTurnTranscript(self) if self.engine.incremental_asr and self.engine.asr_text is not None else None
 
     def transcribe(self, audio: np.ndarray) -> str:
         if self.engine.asr_text is None:
