@@ -2,6 +2,8 @@
 the caller's sound over a reply pauses it at once; words cut it off, a sound without any (a door,
 a rustle) lets it go on where it stopped."""
 
+import asyncio
+
 import numpy as np
 import pytest
 from pipecat.frames.frames import (
@@ -106,25 +108,57 @@ async def test_words_over_the_reply_cut_it_off_from_when_it_paused_while_the_cal
     assert result.log.turns[2].decision == "reply"  # the barge-in is answered
 
 
-async def test_speech_that_pauses_goes_on_after_a_breath_and_its_words_cut_the_reply_off():
+@pytest.mark.parametrize("words", [True, False])
+async def test_a_sound_that_pauses_goes_on_after_a_breath_and_is_judged_as_a_whole(words):
     """The caller's first sound is handed on early (a 0.42 s breath) and taken back when they go on:
-    the pause goes on with the speech, whose words then cut the reply off (the pause was lost
-    with the retracted turn: the reply stood paused and the call stalled)."""
+    the pause goes on with the sound. Words in it cut the reply off (the pause was lost with the
+    retracted turn: the reply stood paused and the call stalled); a double knock, no words, lets
+    the reply go on (the playout still held the pause under the retracted turn's id: it never
+    resumed)."""
     u = load_utterances()
-    engine = FakeEngine(asr_text=words_unless_short, reply_words=TEN_WORDS * 2)
-    door = loudest(u["time"].audio, 0.6)
-    speech = np.concatenate([door, np.zeros(int(0.42 * SR), np.float32), u["bargein"].audio])
-    script = [Pause(0.3), Say(u["hello"]), BargeIn(Utterance("bargein", u["bargein"].text, speech), after_agent_ms=600),
-              WaitForReply(timeout_s=6, end_silence_s=0.8)]
+    # (the knock, with pre- and post-roll, is 1.9 s: no words in it)
+    engine = FakeEngine(asr_text=lambda audio: "" if audio.size < 2.6 * SR else "what the caller said",
+                        reply_words=TEN_WORDS * 2)
+    door = loudest(u["time"].audio, 0.5)
+    breath = np.zeros(int(0.42 * SR), np.float32)
+    sound = Utterance("bargein", u["bargein"].text, np.concatenate([door, breath, u["bargein"].audio])) if words \
+        else Utterance("knock", "", np.concatenate([door, breath, door]))
+    script = [Pause(0.3), Say(u["hello"]), BargeIn(sound, after_agent_ms=600), WaitForReply(timeout_s=6, end_silence_s=0.8)]
     result = await simulate_call(engine, script, tail_s=1.0)
     assert result.errors == []
     assert result.log.retracted  # the breath made an early hand-over, taken back
-    reply = result.log.turns[1]
-    assert reply.interrupted and reply.pauses_s == []
-    assert kinds(result.log).count("reply_paused") == 1 and "reply_resumed" not in kinds(result.log)
-    answered = max(result.log.turns)
-    assert next(e for e in result.log.events if e["kind"] == "barge_in")["by_turn"] == answered
-    assert result.log.turns[answered].decision == "reply" and result.log.turns[answered].first_audio_at is not None
+    reply, last = result.log.turns[1], max(result.log.turns)
+    assert kinds(result.log).count("reply_paused") == 1
+    if words:
+        assert reply.interrupted and reply.pauses_s == [] and "reply_resumed" not in kinds(result.log)
+        assert next(e for e in result.log.events if e["kind"] == "barge_in")["by_turn"] == last
+        assert result.log.turns[last].decision == "reply" and result.log.turns[last].first_audio_at is not None
+    else:
+        assert not reply.interrupted and len(reply.pauses_s) == 1 and reply.played_words == reply.total_words == 20
+        assert result.log.turns[last].decision == "ignored" and "barge_in" not in kinds(result.log)
+
+
+async def test_an_stt_s_late_words_for_an_earlier_turn_do_not_make_a_noise_a_barge_in():
+    """'auto': the built-in ASR took the first turn; the STT's words for it come late, while a noise
+    over the reply is being captured. They are dropped as that turn's late words, so they must not
+    count as the noise's: it cut the reply off, and was then ignored as no turn."""
+    call = TasteCall(FakeEngine(asr_text=words_unless_short))
+    call.has_playout = True
+
+    async def agent_answers_the_first_turn():
+        while not any(e["kind"] == "user_turn_tokenized" for e in call.log.events):
+            await asyncio.sleep(0.01)
+        call.active_reply_turn = 1
+
+    answering = asyncio.ensure_future(agent_answers_the_first_turn())
+    late = TranscriptionFrame("Hello, I would like a table.", "caller", time_now_iso8601(), finalized=True)
+    frames = vad_turn(2.0) + [SleepFrame(0.8)] + vad_turn(1.0, [late]) + [SleepFrame(1.5)]
+    down, _ = await run_test(TasteTurnCapture(call), frames_to_send=frames)
+    await answering
+    assert [e["text"] for e in call.log.events if e["kind"] == "transcript_dropped"] == [late.text]
+    assert [(f.by_turn, f.paused) for f in down if isinstance(f, TasteReplyPauseFrame)] == [(2, True), (2, False)]
+    assert not any(isinstance(f, InterruptionFrame) for f in down) and not call.log.turn(1).interrupted
+    assert call.log.turn(2).decision == "ignored"
 
 
 def vad_turn(seconds: float, middle=()):
@@ -205,3 +239,16 @@ async def test_the_stt_s_words_right_behind_those_that_make_the_barge_in_are_kep
     down, _ = await run_test(TasteTurnCapture(call, params=params), frames_to_send=vad_turn(1.0, middle) + [SleepFrame(1.0)])
     assert "barge_in" in kinds(call.log)
     assert [f.transcript for f in down if isinstance(f, TasteUserTurnFrame)] == ["wait, make it eight"]
+
+
+async def test_an_interruption_from_elsewhere_ends_the_pause():
+    """An RTVI client's InterruptionFrame while the caller's sound holds the reply: the reply is cut
+    off by it, so the sound's verdict (no words) resumes nothing and is no barge-in."""
+    call = TasteCall(FakeEngine(asr_text=""))
+    call.has_playout = True
+    call.active_reply_turn = call.new_turn_id()
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="asr"))
+    down, _ = await run_test(capture, frames_to_send=vad_turn(1.0, [InterruptionFrame()]) + [SleepFrame(1.0)])
+    assert [(f.by_turn, f.paused) for f in down if isinstance(f, TasteReplyPauseFrame)] == [(2, True)]
+    assert call.log.turn(2).decision == "ignored"
+    assert "reply_resumed" not in kinds(call.log) and "barge_in" not in kinds(call.log)

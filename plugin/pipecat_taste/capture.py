@@ -60,7 +60,8 @@ not see, that is ``min_speech_secs`` plus the VAD's ``stop_secs``.
 
 ``EndFrame``: the turns already ended are finished (transcribed with the words that came before
 it, tokenized, handed on; a turn handed on early is confirmed) and the EndFrame follows them; the
-speech still going on is dropped (decision 'ignored'). ``CancelFrame`` stops everything at once.
+speech still going on is dropped (decision 'ignored'; a reply it paused goes on to its end before
+the call ends, as any reply the EndFrame finds playing). ``CancelFrame`` stops everything at once.
 """
 
 from __future__ import annotations
@@ -403,13 +404,18 @@ class TasteTurnCapture(FrameProcessor):
             # consumed: the turn's transcript goes upstream once the turn is handed on
             if (frame.text or "").strip():  # (an STT heard words: a VAD should have heard speech)
                 self._warn_without_vad("before the first transcript")
+            current = self._capturing and self._transcripts.for_current()  # (not an earlier turn's late words)
             self._transcripts.add(frame.text, frame.finalized, frame, self._samples_seen,
                                   current=self._words if self._capturing else None)
-            if self._capturing and _has_words(frame.text):
+            if current and _has_words(frame.text):
                 await self._words_heard(self._turn_id)
         elif isinstance(frame, InterimTranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
-            if self._capturing and _has_words(frame.text):  # (only a barge-in waits for it)
+            # (only a paused reply waits for these)
+            if self._capturing and _has_words(frame.text) and self._transcripts.for_current():
                 await self._words_heard(self._turn_id)
+            await self.push_frame(frame, direction)
+        elif isinstance(frame, InterruptionFrame):  # another's (an RTVI client's): no reply is paused any more
+            self._pauses.clear()
             await self.push_frame(frame, direction)
         else:
             await self.push_frame(frame, direction)
@@ -675,6 +681,7 @@ class TasteTurnCapture(FrameProcessor):
         await self.push_frame(TasteReplyPauseFrame(turn_id, paused=False))
 
     async def _barge_in(self, now: float, by_turn: int):
+        self._pauses.clear()  # the interruption ends every pause (an earlier sound's verdict no longer matters)
         active = self._call.active_reply_turn
         if active is None and self._call.bot_speaking and not self._call.has_playout:
             # generated already and playing in the transport: the latest reply is the one playing
@@ -794,8 +801,10 @@ class TasteTurnCapture(FrameProcessor):
         self._turn_id = self._call.new_turn_id()
         self._call.mutes.move(early.turn_id, self._turn_id)
         paused_at = self._pauses.pop(early.turn_id, None)
-        if paused_at is not None:  # its verdict is the speech's that goes on
+        if paused_at is not None:  # its verdict is the speech's that goes on: the playout's pause too
             self._pauses[self._turn_id] = paused_at
+            await self.push_frame(TasteReplyPauseFrame(self._turn_id, paused=True))
+            await self.push_frame(TasteReplyPauseFrame(early.turn_id, paused=False))
         record = self._call.log.turn(self._turn_id)
         record.vad_start_at, record.speech_start = old.vad_start_at, old.speech_start
         record.early_retracted = old.early_retracted + 1

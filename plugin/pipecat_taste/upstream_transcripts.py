@@ -179,6 +179,14 @@ class UpstreamTranscripts:
                 self.drop(text, UNCLAIMED)
         return words
 
+    def for_current(self) -> bool:
+        """Whether words arriving now are the turn being captured's: no closed turn still collects
+        words or absorbs its late ones (``add``'s routing)."""
+        now = time.monotonic()
+        self._forget_absorbed(now)
+        return not any(not w.spent if w.absorb_until is not None else not w.done(now, self.quiet_secs, self.finals_flagged)
+                       for w in self.collecting)
+
     def add(self, text: str, finalized: bool, frame: TranscriptionFrame | None, sample: int,
             current: TurnWords | None) -> None:
         """A transcript arrived while the capture's sample clock read ``sample``; ``current`` is the
