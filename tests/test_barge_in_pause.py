@@ -30,9 +30,9 @@ TEN_WORDS = tuple("one two three four five six seven eight nine ten".split())
 
 
 def words_unless_short(audio: np.ndarray) -> str:
-    """The built-in ASR of these calls: no words in a turn shorter than 1.5 s (the noise: 0.6 s of
+    """The built-in ASR of these calls: no words in a turn shorter than 2 s (the noise: 0.9 s of
     sound with pre- and post-roll), words in anything longer (the caller's sentences)."""
-    return "" if audio.size < 1.5 * SR else "what the caller said"
+    return "" if audio.size < 2.0 * SR else "what the caller said"
 
 
 def loudest(audio: np.ndarray, seconds: float) -> np.ndarray:
@@ -53,7 +53,7 @@ def kinds(log) -> list[str]:
 async def test_a_noise_over_the_reply_pauses_it_and_the_reply_goes_on_where_it_stopped():
     u = load_utterances()
     engine = FakeEngine(asr_text=words_unless_short, reply_words=TEN_WORDS)  # 2 s of reply
-    door = Utterance("door", "", loudest(u["time"].audio, 0.6))  # speech-like to the VAD, no words to the ASR
+    door = Utterance("door", "", loudest(u["time"].audio, 0.9))  # speech-like to the VAD, no words to the ASR
     script = [Pause(0.3), Say(u["hello"]), BargeIn(door, after_agent_ms=600), WaitForReply(timeout_s=6, end_silence_s=1.0)]
     said = []
     result = await simulate_call(engine, script, tail_s=1.0, progress=said.append)
@@ -74,7 +74,8 @@ async def test_a_noise_over_the_reply_pauses_it_and_the_reply_goes_on_where_it_s
     # and the agent was silent while the caller's sound went on (after the VAD and the fade)
     barge = next(e for e in result.caller.events if e.kind == "barge_in")
     agent_on = np.abs(result.line.agent.astype(np.int32)) > 300
-    quiet_from, quiet_to = barge.sample + int(0.45 * SR), barge.sample + door.audio.size
+    # (paused ~0.35 s after its onset: min_speech_secs, the frame, the lead and the fade; room for a busy machine)
+    quiet_from, quiet_to = barge.sample + int(0.5 * SR), barge.sample + door.audio.size
     assert not agent_on[quiet_from:quiet_to].any()
     assert agent_on[quiet_to:].any()  # and spoke again after it
     summary = result.report["summary"]
@@ -102,7 +103,7 @@ async def test_words_over_the_reply_cut_it_off_from_when_it_paused_while_the_cal
     # the barge-in is dated from the pause (the audio stopped then), and it went out as soon as the
     # words came (the STT's), before the caller's turn was handed on to be answered
     assert reply.barge_in_at == pytest.approx(result.log.t0 + paused["t"], abs=0.02)
-    assert reply.barge_in_stop_s < 0.1
+    assert reply.barge_in_stop_s < 0.2  # (the 100 ms bound: the serial simulated-call tests)
     tokenized = next(e for e in result.log.events if e["kind"] == "user_turn_tokenized" and e["turn_id"] == 2)
     assert paused["t"] < cut["t"] < tokenized["t"]
     assert result.log.turns[2].decision == "reply"  # the barge-in is answered
@@ -152,7 +153,7 @@ async def test_an_stt_s_late_words_for_an_earlier_turn_do_not_make_a_noise_a_bar
 
     answering = asyncio.ensure_future(agent_answers_the_first_turn())
     late = TranscriptionFrame("Hello, I would like a table.", "caller", time_now_iso8601(), finalized=True)
-    frames = vad_turn(2.0) + [SleepFrame(0.8)] + vad_turn(1.0, [late]) + [SleepFrame(1.5)]
+    frames = vad_turn(2.5) + [SleepFrame(0.8)] + vad_turn(1.0, [late]) + [SleepFrame(1.5)]
     down, _ = await run_test(TasteTurnCapture(call), frames_to_send=frames)
     await answering
     assert [e["text"] for e in call.log.events if e["kind"] == "transcript_dropped"] == [late.text]
