@@ -162,14 +162,15 @@ async def test_an_stt_s_late_words_for_an_earlier_turn_do_not_make_a_noise_a_bar
     assert call.log.turn(2).decision == "ignored"
 
 
-def vad_turn(seconds: float, middle=()):
-    """A turn as an upstream VAD reports it, its audio in real time, with ``middle`` frames halfway."""
+def vad_turn(seconds: float, middle=(), at: float = 0.5):
+    """A turn as an upstream VAD reports it, its audio in real time, with ``middle`` frames ``at``
+    that fraction of it (halfway)."""
     noise = 0.1 * np.random.default_rng(0).standard_normal(int(seconds * SR)).astype(np.float32)
     n = SR // 50
     audio = []
     for i in range(0, noise.size, n):
         audio += [InputAudioRawFrame(float_to_pcm16(noise[i:i + n]), SR, 1), SleepFrame(0.02)]
-    half = len(audio) // 2
+    half = 2 * round(at * len(audio) / 2)
     return [VADUserStartedSpeakingFrame(start_secs=0.2)] + audio[:half] + list(middle) + audio[half:] + \
         [VADUserStoppedSpeakingFrame(stop_secs=0.2)]
 
@@ -253,3 +254,18 @@ async def test_an_interruption_from_elsewhere_ends_the_pause():
     assert [(f.by_turn, f.paused) for f in down if isinstance(f, TasteReplyPauseFrame)] == [(2, True)]
     assert call.log.turn(2).decision == "ignored"
     assert "reply_resumed" not in kinds(call.log) and "barge_in" not in kinds(call.log)
+
+
+async def test_speech_whose_words_came_before_it_was_long_enough_barges_in_without_a_pause():
+    """An STT's words for the turn came before it had min_speech_secs: its words are known, no
+    pause (they were not counted: the reply stood paused until the turn's end)."""
+    call = TasteCall(FakeEngine())
+    call.has_playout = True
+    call.active_reply_turn = call.new_turn_id()
+    early_words = [InterimTranscriptionFrame("wait", "caller", time_now_iso8601()), SleepFrame(0.05)]
+    capture = TasteTurnCapture(call, params=TurnCaptureParams(transcripts="upstream", transcript_timeout_secs=0.3))
+    down, _ = await run_test(capture, frames_to_send=vad_turn(1.5, early_words, at=0.1) + [SleepFrame(1.0)])
+    assert not any(isinstance(f, TasteReplyPauseFrame) for f in down)
+    cut = next(e for e in call.log.events if e["kind"] == "barge_in")
+    stopped = next(e for e in call.log.events if e["kind"] == "user_speech_stopped")
+    assert cut["by_turn"] == 2 and cut["t"] < stopped["t"] - 0.5 and call.log.turn(1).interrupted

@@ -50,7 +50,8 @@ capture sends a ``TasteReplyPauseFrame``: the playout fades the reply out and ho
 speech has words (a partial transcript, an STT's words, or the turn's transcript), then the
 capture broadcasts an ``InterruptionFrame`` (the generator, synthesizer and playout stop at once);
 speech that proves to have no words (a door, a rustle) resumes the reply where it stopped, with a
-fade-in. With ``barge_in='immediate'`` (and without a playout, which is what could hold the
+fade-in. Speech whose words came before it had ``min_speech_secs`` barges in at once. With
+``barge_in='immediate'`` (and without a playout, which is what could hold the
 audio) the ``InterruptionFrame`` goes at once. Earlier turns whose reply has not begun yet get none from then on
 (``TasteCall.mutes``): it would talk over the caller. Such a mute stands once the new turn is
 handed on with words; one that proves to be no turn (the transcript has no words) or fails lifts
@@ -281,6 +282,7 @@ class TasteTurnCapture(FrameProcessor):
         self._split_turn: _CapturedTurn | None = None  # closed at the length limit, held (``_enqueue``)
         # barge_in='pause': the speech that paused the reply, not yet known to have words -> when
         self._pauses: dict[int, float] = {}
+        self._words_came = False  # words of the speech being captured came (an STT's, a partial's)
         self._turn_frames_lock = asyncio.Lock()
         self._ending = False  # an EndFrame came: no new turns; the ones already ended are finished
         self._resampler: StreamResampler | None = None  # input frames at another rate than the capture's
@@ -598,6 +600,7 @@ class TasteTurnCapture(FrameProcessor):
         self._silence_from = None
         self._turn_id = self._call.new_turn_id()
         self._long_enough = False
+        self._words_came = False
         self._over_agent = self._call.agent_busy
         self._after_split = forced
         self._resumed_sample = None
@@ -639,7 +642,7 @@ class TasteTurnCapture(FrameProcessor):
             self._split_turn.words.goes_on_in(self._words)
         self._release_split()  # (muted now, before its reply could begin)
         if self._params.interrupt_on_speech and self._call.agent_busy:
-            if self._params.barge_in == "pause" and self._call.has_playout:
+            if self._params.barge_in == "pause" and self._call.has_playout and not self._words_came:
                 await self._pause_reply(now)
             else:
                 await self._barge_in(now, self._turn_id)
@@ -652,7 +655,10 @@ class TasteTurnCapture(FrameProcessor):
         await self.push_frame(TasteReplyPauseFrame(self._turn_id, paused=True))
 
     async def _words_heard(self, turn_id: int | None):
-        """``turn_id``'s speech has words: if it paused the reply, the pause was a barge-in."""
+        """``turn_id``'s speech has words: if it paused the reply, the pause was a barge-in (if it
+        has not yet, it will barge in without one)."""
+        if self._capturing and turn_id == self._turn_id:
+            self._words_came = True
         paused_at = self._pauses.pop(turn_id, None)
         if paused_at is None:
             return
