@@ -128,11 +128,12 @@ class TurnCaptureParams:
     first_transcript_grace_secs, while the built-in ASR already transcribes the turn: the first of
     the two is the transcript (a call that relies on the built-in ASR would otherwise lose the
     wait on every turn, and its early replies their head start). transcript_quiet_secs: an STT
-    may send a turn's transcript in parts; after the turn they are collected until one marked ``finalized`` arrives after the
-    speech ended, or none has come for this long (or the timeout is over). interrupt_on_speech:
-    barge-in. barge_in: 'pause' (the reply pauses at once and is cut off only once the speech has
-    words; a sound without any resumes it) or 'immediate' (cut off at once; module docstring). transcripts: 'auto' (upstream if one arrives, else built-in ASR), 'upstream' or
-    'asr'. incremental_asr: transcribe with the built-in ASR while the user speaks, every
+    may send a turn's transcript in parts; after the turn they are collected until one marked
+    ``finalized`` arrives after the speech ended, or none has come for this long (or the timeout
+    is over). interrupt_on_speech: barge-in. barge_in: 'pause' (the reply pauses at once and is
+    cut off only once the speech has words; a sound without any resumes it) or 'immediate' (cut
+    off at once; module docstring). transcripts: 'auto' (upstream if one arrives, else built-in
+    ASR), 'upstream' or 'asr'. incremental_asr: transcribe with the built-in ASR while the user speaks, every
     incremental_asr_every_secs of new audio (in 'auto' only until the call's first upstream
     transcript arrives). early_reply_secs: hand the turn on after this much silence, before the
     VAD confirms its end (module docstring; None: wait for the VAD; needs the capture's own VAD

@@ -179,13 +179,18 @@ class UpstreamTranscripts:
                 self.drop(text, UNCLAIMED)
         return words
 
-    def for_current(self) -> bool:
-        """Whether words arriving now are the turn being captured's: no closed turn still collects
-        words or absorbs its late ones (``add``'s routing)."""
-        now = time.monotonic()
+    def _route(self, now: float) -> tuple[TurnWords | None, bool]:
+        """Where words arriving now go: the closed turn still collecting words (None: none), and
+        whether a closed turn absorbs its late ones (then they are no one's)."""
         self._forget_absorbed(now)
-        return not any(not w.spent if w.absorb_until is not None else not w.done(now, self.quiet_secs, self.finals_flagged)
-                       for w in self.collecting)
+        taker = next((w for w in self.collecting
+                      if w.absorb_until is None and not w.done(now, self.quiet_secs, self.finals_flagged)), None)
+        return taker, any(w.absorb_until is not None and not w.spent for w in self.collecting)
+
+    def for_current(self) -> bool:
+        """Whether words arriving now are the turn being captured's (``add``'s routing)."""
+        taker, absorbing = self._route(time.monotonic())
+        return taker is None and not absorbing
 
     def add(self, text: str, finalized: bool, frame: TranscriptionFrame | None, sample: int,
             current: TurnWords | None) -> None:
@@ -198,10 +203,8 @@ class UpstreamTranscripts:
         now = time.monotonic()
         if finalized:
             self.finals_flagged = True
-        self._forget_absorbed(now)
-        taker = next((w for w in self.collecting
-                      if w.absorb_until is None and not w.done(now, self.quiet_secs, self.finals_flagged)), None)
-        if taker is None and any(w.absorb_until is not None and not w.spent for w in self.collecting):
+        taker, absorbing = self._route(now)
+        if taker is None and absorbing:
             # late words of a turn the built-in ASR took, not of the one being spoken: said as a warning,
             # as the turn was answered on other words than the STT's
             self.drop(text, "late words of a turn the built-in ASR transcribed (the capture stopped waiting for the "
