@@ -461,3 +461,79 @@ async def test_a_transport_at_a_rate_the_synthesis_cannot_make_gets_the_pipeline
     assert call.log.audio_rate == 24000
     said = [w for w in warnings if "the output transport runs at 11025 Hz, which the TASTE synthesis does not make" in w]
     assert len(said) == 1, warnings  # decided once, by the synthesizer; the playout paces at its rate
+
+
+def _tone(seconds: float) -> np.ndarray:
+    return (0.3 * np.sin(2 * np.pi * 437 * np.arange(int(RATE * seconds)) / RATE)).astype(np.float32)
+
+
+def _reply(turn_id: int, audio: np.ndarray) -> list:
+    from pipecat.frames.frames import TTSStoppedFrame
+
+    context = context_id_for(turn_id)
+    return [TTSStartedFrame(context_id=context), TTSAudioRawFrame(float_to_pcm16(audio), RATE, 1, context_id=context),
+            TTSStoppedFrame(context_id=context)]
+
+
+async def _play(call: TasteCall, frames: list, within_s: float = 20.0):
+    """The playout alone; a pipeline that has not ended within ``within_s`` fails the test (the
+    EndFrame run_test sends last was held)."""
+    from pipecat.frames.frames import CancelFrame
+
+    playout = TastePlayout(call)
+    task = asyncio.ensure_future(run_test(playout, frames_to_send=frames,
+                                          pipeline_params=PipelineParams(audio_out_sample_rate=RATE)))
+    done, _ = await asyncio.wait({task}, timeout=within_s)
+    if not done:
+        await playout.queue_frame(CancelFrame())  # (ends the held pipeline, so that the test fails, not hangs)
+        await asyncio.wait({task}, timeout=5.0)
+        pytest.fail(f"the call did not end within {within_s} s")
+    return task.result()
+
+
+async def test_a_pause_that_comes_once_all_of_the_reply_is_out_leaves_no_gap_and_no_pause():
+    """The caller's sound begins as the reply's last audio goes out: nothing is left to pause (the
+    synthesizer faded its end), so no faded frame is added after it and its record shows no gap."""
+    from pipecat_taste.frames import TasteReplyPauseFrame
+
+    call = TasteCall(FakeEngine())
+    frames = _reply(1, _tone(0.3)) + [SleepFrame(0.285), TasteReplyPauseFrame(2, paused=True), SleepFrame(0.3),
+                                      TasteReplyPauseFrame(2, paused=False), SleepFrame(0.3)]
+    down, _ = await _play(call, frames)
+    record = call.log.turn(1)
+    assert record.audio_gaps == [] and record.pauses_s == [] and record.underruns == 0
+    released = sum(len(f.audio) // 2 for f in down if isinstance(f, TTSAudioRawFrame))
+    frame = call.log.frame_samples
+    assert released == -(-int(0.3 * RATE) // frame) * frame  # (the last frame padded with silence)
+
+
+async def test_a_pause_before_the_first_audio_is_not_counted_as_the_start_hold():
+    """A reply held back at its start (the hold learned from earlier replies) is paused by the
+    caller's sound meanwhile: the record's start hold is the hold's, not the caller's sound's."""
+    from pipecat_taste.frames import TasteReplyPauseFrame
+
+    call = TasteCall(FakeEngine())
+    call.start_needs.record(0.2)  # the earlier replies needed their first audio held back
+    frames = [*_reply(1, _tone(0.5))[:2], SleepFrame(0.05), TasteReplyPauseFrame(2, paused=True), SleepFrame(0.6),
+              TasteReplyPauseFrame(2, paused=False), SleepFrame(0.1), _reply(1, _tone(0.5))[2], SleepFrame(0.8)]
+    started = time.monotonic()
+    down, _ = await _play(call, frames)
+    record = call.log.turn(1)
+    assert record.first_audio_at - started > 0.6  # it was held through the pause
+    assert 0.0 < record.start_hold_s < 0.2, record.start_hold_s
+
+
+async def test_a_call_that_ends_with_a_reply_paused_by_no_one_s_verdict_still_ends():
+    """A pause that nothing lifts (an app's TasteReplyPauseFrame; the capture lifts its own before
+    its EndFrame) would hold the reply, and the EndFrame queued behind it, for ever: the end of the
+    call lifts it, and the reply plays out, recorded as paused until then."""
+    from pipecat_taste.frames import TasteReplyPauseFrame
+
+    call = TasteCall(FakeEngine())
+    frames = _reply(1, _tone(1.0)) + [SleepFrame(0.3), TasteReplyPauseFrame(2, paused=True), SleepFrame(0.1)]
+    down, _ = await _play(call, frames)
+    record = call.log.turn(1)
+    assert len(record.pauses_s) == 1 and len(record.audio_gaps) == 1
+    released = sum(len(f.audio) // 2 for f in down if isinstance(f, TTSAudioRawFrame))
+    frame = call.log.frame_samples  # all of it, and the faded frame into the pause
+    assert released == -(-int(1.0 * RATE) // frame) * frame + frame

@@ -50,6 +50,8 @@ and the rest of it, and any reply after it, waits; resumed (the caller's sound h
 fades back in where it stopped (the turn's record lists the pause in ``audio_gaps`` and its length
 in ``pauses_s``); cut off, it ends as below, with nothing more to fade. The transport reports the
 bot stopped during a pause longer than its own silence limit, and started again when it resumes.
+A reply whose audio is all out when the pause comes has nothing left to pause; one still paused
+when the call ends plays out before the ``EndFrame``.
 
 On barge-in the fade and the ``TTSStoppedFrame`` go out first and the ``InterruptionFrame`` is
 passed on (then the reply's ``LLMFullResponseEndFrame``: an aggregator keeps the words heard,
@@ -265,6 +267,12 @@ class TastePlayout(FrameProcessor):
             self._start_task()
             self._started = True
         elif isinstance(frame, EndFrame) and self._started:
+            # the call ends: what is queued plays out first, and nothing will lift a pause any more
+            # (the capture lifts its own before its EndFrame; one left is another sender's)
+            if self._paused_by:
+                logger.warning(f"{self}: the call ends with replies paused by turns {sorted(self._paused_by)}: "
+                               "they play out")
+                self._paused_by.clear()
             self._end = (frame, direction)
             self._queue.append(("end_of_call", None, self._end))
             self._wake.set()
@@ -353,17 +361,25 @@ class TastePlayout(FrameProcessor):
         """Whether the caller's speech holds ``reply`` (speech after it, not the turn it answers)."""
         return reply is not None and any(by > reply.turn_id for by in self._paused_by)
 
+    def _all_released(self, reply: _Reply) -> bool:
+        """Whether all of ``reply``'s audio is out (only its end is left to report)."""
+        return reply.ended and not any(kind == "audio" and r is reply for kind, r, _ in self._queue)
+
     async def _release_loop(self):
         lead = self._params.lead_ms / 1000.0
         while True:
             playing = self._playing
-            if playing is not None and playing.paused_at is None and self._paused(playing):
+            if playing is not None and playing.paused_at is None and self._paused(playing) \
+                    and not self._all_released(playing):  # (all of it out: it ends faded, nothing to pause)
                 playing.paused_at = time.monotonic()
                 if playing.origin is not None and not playing.bridged:
                     await self._bridge(playing, underrun=False)  # faded out as at a gap
             elif playing is not None and playing.paused_at is not None and not self._paused(playing):
-                if playing.origin is not None:  # (a reply held before its first audio was not heard pausing)
-                    self._call.log.turn(playing.turn_id).pauses_s.append(round(time.monotonic() - playing.paused_at, 3))
+                paused_s = time.monotonic() - playing.paused_at
+                if playing.origin is not None:
+                    self._call.log.turn(playing.turn_id).pauses_s.append(round(paused_s, 3))
+                elif playing.held_from is not None:  # held before its first audio: the caller's sound is no start hold
+                    playing.held_from += paused_s
                 playing.paused_at = None
             head = self._queue[0] if self._queue else None
             if head is not None and head[0] in ("start", "audio") and self._paused(head[1]):
