@@ -415,18 +415,19 @@ class TasteProcessor:
         input_name = session.get_inputs()[0].name
         vectors = []
         for i, clip in enumerate(clips):
+            which = "the reference clip" if len(clips) == 1 else f"reference clip {i}"
             wav = resample(clip, int(sampling_rate), SAMPLE_RATE)
             seconds = wav.size / SAMPLE_RATE
             if seconds < MIN_REFERENCE_SECONDS:
-                raise ValueError(f"reference clip {i} is {seconds:.2f} s long: give a few seconds of the speaker "
+                raise ValueError(f"{which} is {seconds:.2f} s long: give a few seconds of the speaker "
                                  f"talking (at least {MIN_REFERENCE_SECONDS} s; is sampling_rate={sampling_rate} right?)")
             peak = float(np.abs(wav).max())
             if peak < SILENCE_PEAK:  # its x-vector would be a voice nobody has
-                raise ValueError(f"reference clip {i} is silent (peak {peak:.1e}, below -80 dBFS): give a clip "
+                raise ValueError(f"{which} is silent (peak {peak:.1e}, below -80 dBFS): give a clip "
                                  "of the speaker talking")
             feats = self.fbank(wav)
             if seconds < SHORT_REFERENCE_SECONDS:
-                logger.warning(f"reference clip {i} is only {seconds:.1f} s long: a few seconds of the speaker "
+                logger.warning(f"{which} is only {seconds:.1f} s long: a few seconds of the speaker "
                                "give a voice closer to theirs")
             out = session.run(None, {input_name: feats[None].astype(np.float32)})[0]
             vectors.append(np.asarray(out, dtype=np.float32).reshape(-1))

@@ -401,6 +401,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if os.path.exists(args.directory) and not os.path.isdir(args.directory):
         parser.error(f"{args.directory!r} is a file: give a folder (created if missing)")
+    try:  # (now, not after the weights are made)
+        os.makedirs(args.directory, exist_ok=True)
+    except OSError as e:
+        parser.error(f"cannot create the folder {args.directory!r}: {e.strerror}")
+    if not os.access(args.directory, os.W_OK | os.X_OK):
+        parser.error(f"the folder {args.directory!r} is not writable")
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
     build_tiny_checkpoint(args.directory, args.seed)
     print(f"wrote tiny TASTE checkpoint (seed {args.seed}) to {args.directory}")

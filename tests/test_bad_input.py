@@ -486,9 +486,9 @@ def test_a_stereo_turn_is_mixed_down_by_the_session(engine, hello):
 def test_reference_audio_for_a_voice(processor, hello, caplog):
     as_list = processor.speaker_embedding(hello.audio.tolist(), SR)  # a list of samples is one clip
     assert torch.allclose(as_list, processor.speaker_embedding(hello.audio, SR))
-    with pytest.raises(ValueError, match=r"reference clip 0 is 0.30 s long.*at least 0.5 s"):
+    with pytest.raises(ValueError, match=r"the reference clip is 0.30 s long.*at least 0.5 s"):
         processor.speaker_embedding(hello.audio[: int(0.3 * SR)], SR)
-    with pytest.raises(ValueError, match=r"reference clip 0 is 0.01 s long.*at least 0.5 s"):  # under the fbank's window
+    with pytest.raises(ValueError, match=r"the reference clip is 0.01 s long.*at least 0.5 s"):  # under the fbank's window
         processor.speaker_embedding(hello.audio[: int(0.01 * SR)], SR)
     with caplog.at_level("WARNING", logger="taste_speech.processing_taste"):
         processor.speaker_embedding(hello.audio[:SR], SR)

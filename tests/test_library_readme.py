@@ -30,5 +30,6 @@ def test_the_readme_library_example_speaks_the_reply_as_one_utterance(tiny_check
     audio = torch.cat(heard, dim=-1)
     # every segment's speech, nothing repeated or dropped at the joins: the utterance's length at 24 kHz
     expected = frames_for_tokens(scope["speech_ids"].shape[1]) * 256 * 24000 / 22050
+    assert all(chunk.shape[-1] for chunk in heard)  # (an empty chunk is not played)
     assert len(heard) >= 2 and abs(audio.shape[-1] - expected) <= 2
     assert float(audio.pow(2).mean().sqrt()) > 0.01

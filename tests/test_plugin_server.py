@@ -538,7 +538,10 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
     a_file.write_text("x")
     cases = [
         (["serve", "--max-calls", "0"], "--max-calls: must be a whole number >= 1"),
-        (["serve", "--idle-seconds", "inf"], "--idle-seconds: must be seconds > 0"),
+        (["serve", "--idle-seconds", "inf"], "--idle-seconds: must be a finite number of seconds"),
+        (["serve", "--idle-seconds", "-1"], "--idle-seconds: must be seconds > 0"),
+        (["call", "--simulate", "--seed", "x"], "--seed: must be a whole number, got 'x'"),
+        (["call", "--simulate", "--asr-model", "/nonexistent"], "--asr-model '/nonexistent': no Whisper model there"),
         (["serve", "--ice-server", "stun.example.org:3478"], "expected stun:HOST"),
         (["serve", "--ice-server", "turn:turn.example.org"], "--turn-username"),
         (["serve", "--ssl-keyfile", str(a_file)], "--ssl-keyfile needs its --ssl-certfile"),
@@ -555,7 +558,19 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
     for argv, words in cases:
         with pytest.raises(SystemExit) as exit_:
             main(argv)
-        assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and words in err, argv
+        assert err.startswith(f"usage: taste-agent {argv[0]} "), err  # the command's usage, not the top level's
+
+    # a refused command leaves no output folder behind, and {call_id} is no folder's name
+    for argv in (["--early-reply-ms", "600"], ["--voice", str(tmp_path / "missing.wav")]):
+        with pytest.raises(SystemExit):
+            main(["call", "--simulate", "--out", str(tmp_path / "refused" / "{call_id}"), *argv])
+    assert not (tmp_path / "refused").exists()
+    from taste_agents.cli import _check_out, build_parser
+
+    _check_out(build_parser(), str(tmp_path / "calls" / "{call_id}"))  # (as a command that passed its checks)
+    assert (tmp_path / "calls").is_dir() and not any((tmp_path / "calls").iterdir())
 
 
 def test_a_simulated_call_cut_short_says_so_even_when_quiet(tmp_path, capsys):

@@ -324,7 +324,7 @@ def test_speaker_embedding_averages_clips_at_any_rate(processor, speaker_weight)
 def test_speaker_embedding_errors(processor, checkpoint_dir, tmp_path):
     with pytest.raises(ValueError, match="at least one clip"):
         processor.speaker_embedding([], 16000)
-    with pytest.raises(ValueError, match="reference clip 0 is 0.01 s long"):
+    with pytest.raises(ValueError, match="the reference clip is 0.01 s long"):
         processor.speaker_embedding([np.zeros(100, np.float32)], 16000)
     with pytest.raises(ValueError, match="NaN"):
         processor.speaker_embedding([np.full(16000, np.nan, np.float32)], 16000)

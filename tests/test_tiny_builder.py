@@ -207,3 +207,6 @@ def test_the_builder_refuses_a_file_for_its_folder(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         tiny.main([str(afile)])
     assert exit_.value.code == 2 and "is a file: give a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # (a folder under a file cannot be made: said, not a traceback)
+        tiny.main([str(afile / "under")])
+    assert exit_.value.code == 2 and f"cannot create the folder {str(afile / 'under')!r}" in capsys.readouterr().err

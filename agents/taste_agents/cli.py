@@ -90,7 +90,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def seed_value(text: str) -> int:
     """--seed: an integer that seeds torch's generators (GenerationSettings checks the same range)."""
-    seed = int(text)
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
     if not -2 ** 63 <= seed <= 2 ** 64 - 3:
         raise argparse.ArgumentTypeError(f"{seed} is outside [-2**63, 2**64 - 3] (torch seeds are 64-bit)")
     return seed
@@ -100,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taste-agent", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     call = commands.add_parser("call", help="run a call")
+    call.set_defaults(command_parser=call)  # (argument errors found later print this command's usage)
     call.add_argument("--simulate", action="store_true",
                       help="a scripted caller talks to the agent in this process (no network)")
     call.add_argument("--out", default=None, help="output folder (default: out/call-{call_id}; {call_id} in it "
@@ -113,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "only) and compare its latency with the in-process call")
     _add_model_args(call)
     serve = commands.add_parser("serve", help="serve live calls: a WebRTC page and a phone websocket")
+    serve.set_defaults(command_parser=serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=port_number, default=7860, help="TCP port (default: 7860)")
     serve.add_argument("--max-calls", type=positive_int, default=4, help="concurrent calls; more get HTTP 503 (default: 4)")
@@ -164,8 +169,10 @@ def positive_seconds(value: str) -> float:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not (math.isfinite(seconds) and seconds > 0):
+    if not seconds > 0:  # (NaN too)
         raise argparse.ArgumentTypeError(f"must be seconds > 0, got {value!r}")
+    if not math.isfinite(seconds):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {value!r}")
     return seconds
 
 
@@ -243,12 +250,14 @@ def load_engine(args, say):
                                              streams=getattr(args, "streams", "auto"),
                                              compile_flow=getattr(args, "compile_flow", False))
     except (ValueError, OSError, RuntimeError) as e:  # (the messages name the problem and the fix)
-        raise StartupError(f"cannot load {label}: {e}") from e
+        asr = "" if args.asr_model in ("auto", "none") else f" with --asr-model {args.asr_model!r}"
+        raise StartupError(f"cannot load {label}{asr}: {e}") from e
+    voice = None
     if getattr(args, "voice", None) is not None:  # before the warm-up: a voice this checkpoint refuses ends here
         from taste_agents.phone_agent import load_voice
 
         try:
-            load_voice(engine, args.voice)
+            voice = load_voice(engine, args.voice)
         except ValueError as e:
             raise StartupError(f"--voice {args.voice!r}: {e} (without --voice the agent speaks in the "
                                "checkpoint's default voice)") from e
@@ -267,7 +276,7 @@ def load_engine(args, say):
     rehearsed = "" if rehearsal is None or rehearsal.first_audio_s is None else \
         f" (a rehearsal turn: first audio {1000 * rehearsal.first_audio_s:.0f} ms)"
     say(f"model ready in {time.monotonic() - started:.1f} s{rehearsed}")
-    return engine, path
+    return engine, path, voice
 
 
 def agent_config(args):
@@ -287,8 +296,9 @@ def _secs(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000.0
 
 
-def simulated_call(args, engine=None):
-    """What ``taste-agent call --simulate`` does; returns the SimulatedCall (tests use this)."""
+def simulated_call(args, engine=None, voice=None):
+    """What ``taste-agent call --simulate`` does; returns the SimulatedCall (tests use this).
+    ``engine`` and ``voice``: as ``load_engine`` made them (loaded here when not given)."""
     from taste_agents.caller import default_script
     from taste_agents.simulate import simulate_call
 
@@ -296,19 +306,26 @@ def simulated_call(args, engine=None):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
     if engine is None:
-        engine, path = load_engine(args, say)
+        engine, path, voice = load_engine(args, say)
     else:
         path = getattr(engine, "checkpoint_dir", "given engine")
     out = args.out or os.path.join("out", "call-{call_id}")  # (named once the call has its id)
     config = agent_config(args)
     meta = {"checkpoint": str(path), "device": str(getattr(engine, "device", args.device)),
-            "dtype": args.dtype or "default",
+            "dtype": _weights_dtype(engine, args.dtype),
             "prompt_format": config.prompt_format, "max_reply_tokens": config.max_reply_tokens}
     result = asyncio.run(simulate_call(engine, default_script(), config=config, progress=say, out_dir=out,
-                                       max_call_s=args.max_call_seconds, meta=meta))
+                                       max_call_s=args.max_call_seconds, meta=meta, voice=voice))
     if not args.quiet:
         print(_summary(result.report, result.paths), flush=True)
     return result
+
+
+def _weights_dtype(engine, asked: str | None) -> str:
+    """The spoken LM's weights' dtype as loaded (--dtype auto resolved), for the report."""
+    llama = getattr(getattr(getattr(engine, "model", None), "spoken_lm", None), "language_model", None)
+    dtype = getattr(llama, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else (asked or "auto")
 
 
 def run_simulated_call(args) -> int:
@@ -331,15 +348,16 @@ def run_webrtc_comparison(args) -> int:
     from taste_agents.webrtc_sim import compare_with_in_process, webrtc_call
 
     say = (lambda m: None) if args.quiet else (lambda m: print(m, flush=True))
-    engine, path = load_engine(args, say)
+    engine, path, voice = load_engine(args, say)
     out = args.out or os.path.join("out", "call-{call_id}")
     args.out = os.path.join(out, "in_process")
     say("-- in-process call --")
-    local = simulated_call(args, engine=engine)
+    local = simulated_call(args, engine=engine, voice=voice)
     out = out.replace("{call_id}", (local.report.get("call_id") or "")[:8])  # (named after the in-process call)
     say("-- the same call over WebRTC (caller in another process, loopback) --")
     remote = asyncio.run(webrtc_call(engine, os.path.join(out, "webrtc"), config=ServerConfig(agent=agent_config(args)),
-                                     max_call_s=args.max_call_seconds, meta={"checkpoint": str(path)}))
+                                     max_call_s=args.max_call_seconds, meta={"checkpoint": str(path)},
+                                     voice=voice))
     comparison = compare_with_in_process(remote.report, local.report)
     comparison["webrtc_connect_s"] = remote.connect_s
     comparison["webrtc_server_teardown_s"] = remote.report.get("server_teardown_s")
@@ -380,7 +398,7 @@ def _summary(report: dict, paths: dict) -> str:
              + (" - cut short at --max-call-seconds" if report.get("timed_out") else "")
              + (" - stopped early" if report.get("stopped_early") else ""),
              "  (first audio: from the end of the caller's speech to the agent's first sound on the line; the live "
-             "lines count from the agent VAD's end of the turn, which comes later)"]
+             "lines count from the end of the speech as the agent's VAD placed it, a little later)"]
     for turn in report["turns"]:
         line = f"  {turn['utterance']:8s} decision={turn['decision']}"
         if turn.get("first_audio_latency_ms") is not None:
@@ -400,9 +418,10 @@ def _summary(report: dict, paths: dict) -> str:
                 line += f" (agent side {turn['agent_side_barge_in_stop_ms']:.0f} ms)"
         lines.append(line)
     c = report["checks"]
-    lines.append(f"  checks: every turn decided={c['every_turn_decided']}, talk-over outside barge-in="
-                 f"{c['talk_over_ms_outside_barge_in']:.0f} ms, audio synthesized==released=="
-                 f"{c.get('released_equals_synthesized', 'n/a')}, released==written=={c.get('written_equals_released', 'n/a')}"
+    lines.append(f"  checks (the command fails if one is False): every turn decided={c['every_turn_decided']}, "
+                 f"audio synthesized==released=={c.get('released_equals_synthesized', 'n/a')}, "
+                 f"released==written=={c.get('written_equals_released', 'n/a')}")
+    lines.append(f"  figures: talk-over outside barge-in={c['talk_over_ms_outside_barge_in']:.0f} ms"
                  + (", no barge-in to check" if c["barge_in_within_100ms"] is None else
                     f", barge-in<=100ms={c['barge_in_within_100ms']}"
                     f" (detected<={BARGE_IN_DETECT_BOUND_MS}ms={c[f'barge_in_detected_within_{BARGE_IN_DETECT_BOUND_MS}ms']})")
@@ -425,16 +444,6 @@ def _summary(report: dict, paths: dict) -> str:
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Files named on the command line and combinations of flags, checked before minutes of model
     loading."""
-    out = getattr(args, "out", None)
-    if out is not None and os.path.exists(out) and not os.path.isdir(out):
-        parser.error(f"--out {out!r} is a file; give a folder (it is created if missing)")
-    if out is not None:  # made now, not after the call: a folder that cannot be would lose its outputs
-        try:
-            os.makedirs(out, exist_ok=True)
-        except OSError as e:
-            parser.error(f"--out {out!r}: cannot create the folder ({e.strerror})")
-        if not os.access(out, os.W_OK | os.X_OK):
-            parser.error(f"--out {out!r}: the folder is not writable")
     for flag in ("voice", "ssl_certfile", "ssl_keyfile"):
         path = getattr(args, flag, None)
         if path is not None and not os.path.isfile(path):
@@ -461,6 +470,13 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
                          "give a few seconds of the voice speaking")
     if args.transcripts == "asr" and args.asr_model == "none":
         parser.error("--transcripts asr needs the built-in ASR: drop --asr-model none")
+    if args.asr_model not in ("auto", "none"):
+        from taste_speech.loading import looks_like_hub_id
+
+        if not os.path.isdir(os.path.expanduser(args.asr_model)) and not looks_like_hub_id(args.asr_model):
+            parser.error(f"--asr-model {args.asr_model!r}: no Whisper model there, neither a folder nor a hub id "
+                         "(owner/name, e.g. openai/whisper-large-v3); --asr-model none for no built-in ASR "
+                         "(transcripts from an upstream STT)")
     from taste_agents.phone_agent import PhoneAgentConfig
 
     stop_ms = 1000 * PhoneAgentConfig.vad_stop_secs
@@ -490,6 +506,24 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             args.ice_servers = ice_servers_from(args.ice_servers, args.turn_username, args.turn_credential)
         except ValueError as e:
             parser.error(str(e))
+    _check_out(parser, getattr(args, "out", None))
+
+
+def _check_out(parser: argparse.ArgumentParser, out: str | None) -> None:
+    """--out, made now (the last check: a refused command leaves no folder behind), not after the
+    call: a folder that cannot be would lose its outputs. Of a name with {call_id}, the folder it
+    goes in (the call's own is made once the call has its id)."""
+    if out is None:
+        return
+    folder = (os.path.dirname(out.split("{call_id}")[0]) or ".") if "{call_id}" in out else out
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        parser.error(f"--out {out!r}: {folder!r} is a file; give a folder (it is created if missing)")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {out!r}: cannot create the folder {folder!r} ({e.strerror})")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"--out {out!r}: the folder {folder!r} is not writable")
 
 
 def _quiet_logs():
@@ -513,7 +547,7 @@ def main(argv=None) -> int:
         parser.exit(2, f"taste-agent: the agent needs {', '.join(missing)}: pip install 'pipecat-taste[pipecat]' "
                        "(the model library alone, taste_speech, runs without them)\n")
     _quiet_logs()  # (before the checks: they import Pipecat, whose import logs a banner)
-    _check_args(parser, args)
+    _check_args(args.command_parser, args)
     configure_malloc()  # calls allocate and free all day from many threads: keep the resident size flat
     try:
         return _run(args)

@@ -262,7 +262,9 @@ class SignallingError(Exception):
 
 
 class TasteServer:
-    def __init__(self, engine, config: ServerConfig | None = None):
+    def __init__(self, engine, config: ServerConfig | None = None, voice=None):
+        """``voice``: the agent's speaker embedding if made already (``taste-agent`` makes it before
+        the warm-up), else made here from ``config.agent.voice``."""
         from pipecat.transports.smallwebrtc.request_handler import ConnectionMode, SmallWebRTCRequestHandler
 
         self.engine = engine
@@ -278,7 +280,7 @@ class TasteServer:
                              "e.g. https://app.example.com")
         self.ice_servers = ice_servers_from(self.config.ice_servers)
         # the agent's voice, once: a bad reference recording is a start-up error, not every call's
-        self.voice = load_voice(engine, self.config.agent.voice)
+        self.voice = voice if voice is not None else load_voice(engine, self.config.agent.voice)
         self.calls: dict[str, ActiveCall] = {}
         self._opening = 0  # calls past the limit check whose pipelines are not running yet
         self.finished: list[dict] = []  # summaries of ended calls (newest last, bounded)
@@ -711,14 +713,14 @@ def serve(args) -> int:
     _quiet_logs()
     sock = _listening_socket(args.host, args.port)  # a port in use is said now, not after the model loaded
     try:
-        engine, _ = load_engine(args, print)
+        engine, _, voice = load_engine(args, print)
     except BaseException:
         sock.close()
         raise
     config = ServerConfig(host=args.host, port=args.port, max_calls=args.max_calls, ice_servers=args.ice_servers,
                           max_call_seconds=args.max_call_seconds, idle_seconds=args.idle_seconds,
                           allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()), agent=agent_config(args))
-    server = TasteServer(engine, config)
+    server = TasteServer(engine, config, voice=voice)
     scheme = "https" if args.ssl_certfile else "http"
     host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host  # IPv6
     print(f"taste-agent: open {scheme}://{host}:{config.port}/ (max {config.max_calls} calls)", flush=True)

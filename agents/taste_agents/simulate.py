@@ -189,10 +189,11 @@ class SimulatedCall:
 async def simulate_call(engine, script: list, *, config=None, sample_rate: int = 16000, stt_delay_s: float = 0.3,
                         tail_s: float = 1.5, max_call_s: float = 300.0, progress: Callable[[str], None] | None = None,
                         out_dir: str | Path | None = None, meta: dict | None = None,
-                        service_factory=None) -> SimulatedCall:
+                        service_factory=None, voice=None) -> SimulatedCall:
     """Run one call between ``script`` (a ScriptedCaller script) and the phone agent built from
     ``engine`` and ``config`` (a PhoneAgentConfig; or any processor from
-    ``service_factory(call_log)``). Returns the recording and the call log; with ``out_dir`` it
+    ``service_factory(call_log)``; ``voice``: the agent's speaker embedding if made already, else
+    made from ``config.voice``). Returns the recording and the call log; with ``out_dir`` it
     writes ``recording.wav`` (stereo: caller | agent), ``report.json`` and ``timeline.png`` there
     (``{call_id}`` in it: the first 8 characters of the call's id, the one in the report)."""
     from taste_agents.phone_agent import build_phone_agent
@@ -202,7 +203,7 @@ async def simulate_call(engine, script: list, *, config=None, sample_rate: int =
     caller = ScriptedCaller(script, sample_rate=sample_rate)
     log = CallLog(keep_audio=True)
     transport = LineTransport(line)
-    agent = service_factory(log) if service_factory is not None else build_phone_agent(engine, config, log=log)
+    agent = service_factory(log) if service_factory is not None else build_phone_agent(engine, config, log=log, voice=voice)
     up_tap = FrameTap((ErrorFrame, TranscriptionFrame), FrameDirection.UPSTREAM, name="UpstreamTap")
     out_tap = FrameTap(OBSERVED_FRAMES, FrameDirection.DOWNSTREAM, name="DownstreamTap")
     pipeline = Pipeline([transport.input(), up_tap, agent, transport.output(), out_tap])

@@ -30,7 +30,7 @@ SR = 16000
 
 
 @asynccontextmanager
-async def running_server(engine, config: ServerConfig | None = None, loopback: bool = True):
+async def running_server(engine, config: ServerConfig | None = None, loopback: bool = True, voice=None):
     """A TasteServer on 127.0.0.1 and a free port (yields (server, base_url)); ICE on loopback only."""
     import aioice.ice
     import uvicorn
@@ -39,7 +39,7 @@ async def running_server(engine, config: ServerConfig | None = None, loopback: b
     if loopback:
         aioice.ice.get_host_addresses = lambda use_ipv4=True, use_ipv6=False: ["127.0.0.1"]
     config = config or ServerConfig()
-    server = TasteServer(engine, config)
+    server = TasteServer(engine, config, voice=voice)
     uv = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
                                        ws_max_size=MAX_WEBSOCKET_MESSAGE_BYTES))
     task = asyncio.create_task(uv.serve())
@@ -107,11 +107,13 @@ class WebRTCCall:
 
 
 async def webrtc_call(engine, out_dir, *, config: ServerConfig | None = None, reply_timeout_s: float = 20.0,
-                      max_call_s: float = 240.0, timeout_s: float = 400.0, meta: dict | None = None) -> WebRTCCall:
-    """Serve, run the caller process against the server, and build the caller-side report."""
+                      max_call_s: float = 240.0, timeout_s: float = 400.0, meta: dict | None = None,
+                      voice=None) -> WebRTCCall:
+    """Serve, run the caller process against the server, and build the caller-side report
+    (``voice``: the agent's speaker embedding if made already, as for ``TasteServer``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    async with running_server(engine, config) as (server, url):
+    async with running_server(engine, config, voice=voice) as (server, url):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "taste_agents.webrtc_caller", "--url", url, "--out", str(out), "--loopback",
