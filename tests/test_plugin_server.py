@@ -10,6 +10,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -668,3 +669,21 @@ async def test_closing_the_server_cancels_a_call_that_does_not_end_when_asked():
     server.calls[stuck.call_id] = stuck
     await server.close(timeout_s=0.2)
     assert stuck.task.cancelled() and stuck.worker.reason == "the server is shutting down"
+
+
+def test_a_voice_made_at_start_up_is_the_server_s_and_not_made_again():
+    """taste-agent makes the --voice embedding before the warm-up (a refused recording ends the
+    start-up there): the server takes it, not a second one made from the file."""
+    class CountingEngine(FakeEngine):
+        made = 0
+
+        def speaker_embedding(self, reference_audio=None, sample_rate=16000):
+            CountingEngine.made += 1
+            return super().speaker_embedding(reference_audio, sample_rate)
+
+    voice_file = Path(__file__).resolve().parents[1] / "agents" / "taste_agents" / "caller_audio" / "hello.wav"
+    made_at_start = np.zeros((1, 192), np.float32)
+    server = TasteServer(CountingEngine(), config(agent=PhoneAgentConfig(voice=str(voice_file))), voice=made_at_start)
+    assert server.voice is made_at_start and CountingEngine.made == 0
+    server = TasteServer(CountingEngine(), config(agent=PhoneAgentConfig(voice=str(voice_file))))  # (made here)
+    assert CountingEngine.made == 1
