@@ -188,6 +188,31 @@ async def test_an_stt_s_words_that_come_before_the_built_in_asr_s_are_the_transc
     assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [hello.text]
 
 
+async def test_an_stt_s_interim_words_make_the_first_turn_wait_for_its_final_words(utterances):
+    """An STT that sends interim words while the caller speaks is there: the call's first turn
+    waits for its final words as later turns do (transcript_timeout_secs), instead of racing the
+    built-in ASR for first_transcript_grace_secs - its final words 1.0 s after the speech are the
+    transcript, not the ASR's, and nothing is dropped."""
+    from pipecat.frames.frames import InterimTranscriptionFrame
+    from loguru import logger
+
+    hello = utterances["hello"]
+    half = hello.audio.size // 2
+    frames = (audio_frames(np.concatenate([silence(0.5), hello.audio[:half]]))
+              + [InterimTranscriptionFrame("hello I would", "caller", time_now_iso8601()), SleepFrame(0.2)]
+              + audio_frames(np.concatenate([hello.audio[half:], silence(0.5)])) + [SleepFrame(0.5)]
+              + transcript(hello.text) + audio_frames(silence(0.5)))
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        call, down, _ = await run_capture(frames, engine=FakeEngine(asr_text="built in words"),
+                                          params=TurnCaptureParams(transcript_timeout_secs=3.0), tail_secs=2.0)
+    finally:
+        logger.remove(sink)
+    assert [t.transcript for t in of(down, TasteUserTurnFrame)] == [hello.text]
+    assert not [w for w in warnings if "dropped" in w], warnings
+
+
 async def test_an_stt_s_late_words_for_a_turn_the_built_in_asr_took_are_not_the_next_turn_s(utterances):
     """'auto' waits only a grace for the call's first upstream transcript, then the built-in ASR
     takes the turn; the STT's words for it, coming while the caller already says the next thing,

@@ -124,7 +124,7 @@ class TurnCaptureParams:
     otherwise it is transcribed, and answered when it has words (the VAD measures a spoken 'yes' at
     about 0.2 s). transcript_timeout_secs: how long to wait after
     the turn for an upstream transcript before falling back to the built-in ASR; in 'auto' with a
-    built-in ASR, until the call's first upstream transcript arrives, only
+    built-in ASR, until the call's first upstream transcript (or interim words) arrives, only
     first_transcript_grace_secs, while the built-in ASR already transcribes the turn: the first of
     the two is the transcript (a call that relies on the built-in ASR would otherwise lose the
     wait on every turn, and its early replies their head start). transcript_quiet_secs: an STT
@@ -413,7 +413,11 @@ class TasteTurnCapture(FrameProcessor):
             if current and _has_words(frame.text):
                 await self._words_heard(self._turn_id)
         elif isinstance(frame, InterimTranscriptionFrame) and direction == FrameDirection.DOWNSTREAM:
-            # (only a paused reply waits for these)
+            # consumed by a paused reply only; but an STT's interim words say it is there as its
+            # final words would: 'auto' waits for them from now on (the first turn too, instead of
+            # racing the built-in ASR for first_transcript_grace_secs)
+            if _has_words(frame.text):
+                self._transcripts.seen = True
             if self._capturing and _has_words(frame.text) and self._transcripts.for_current():
                 await self._words_heard(self._turn_id)
             await self.push_frame(frame, direction)
