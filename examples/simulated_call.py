@@ -38,7 +38,9 @@ async def main(engine: TasteEngine, model: str | None) -> None:
         Say(u["hello"]), WaitForReply(),
         Say(u["time"]), BargeIn(u["bargein"], after_agent_ms=600), WaitForReply(),
     ]
-    result = await simulate_call(engine, script, config=config, progress=print, out_dir="out/example-call")
+    # the scripted caller's STT: interim words 0.8 s into each utterance, its final words 0.3 s after it
+    result = await simulate_call(engine, script, config=config, progress=print, out_dir="out/example-call",
+                                 stt_interim_after_s=0.8, stt_delay_s=0.3)
     for turn in result.report["turns"]:
         print(turn["utterance"], turn["decision"], turn.get("first_audio_latency_ms"), turn.get("barge_in_stop_ms"))
     print(result.paths)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from taste_agents.caller import load_utterances
 from taste_agents.cli import build_parser, simulated_call
 from taste_agents.report import reply_audio_intact
 
@@ -167,3 +168,18 @@ def test_the_summary_says_which_reply_the_caller_cut_off(call):
     assert set(rows) == {"hello", "time", "bargein", "goodbye"}
     cut = {name for name, line in rows.items() if "(cut off)" in line}
     assert cut == {turn["utterance"] for turn in call.report["turns"] if turn.get("interrupted")} == {"time"}
+
+
+def test_the_stt_s_interim_words_make_the_barge_in_and_its_words_are_every_turn_s_transcript(call):
+    """The main job's STT sends interim words 0.8 s into each utterance, as a streaming STT does:
+    the pause over the reply becomes the barge-in then, while the caller still speaks (not at the
+    end of their turn), and from the first turn on the agent waits for the STT's words (no race
+    with the built-in ASR, whose tiny random model would give random words)."""
+    events = {e["kind"]: e for e in call.log.events}  # (the last of each kind)
+    barge = next(e for e in call.caller.events if e.kind == "barge_in")
+    said_until = next(end for start, end, name in call.caller.speech_intervals if start >= barge.sample)
+    assert "reply_paused" in events and "barge_in" in events
+    cut_at = call.line.sample_of(events["barge_in"]["t"] + call.log.t0)
+    assert barge.sample < cut_at < said_until  # while the caller still spoke
+    scripted = {u.text for u in load_utterances().values()}
+    assert all(r.transcript in scripted for r in call.log.turns.values() if r.decision == "reply")

@@ -176,6 +176,9 @@ def positive_seconds(value: str) -> float:
     return seconds
 
 
+# The simulated call's STT sends interim words this long into each utterance, as a streaming STT does
+# (they also tell the agent from the first turn on that an STT is there).
+SIMULATED_STT_INTERIM_S = 0.8
 MAX_SIMULATED_CALL_S = 3600.0  # the simulated line records both ways for the whole limit, set aside at the start
 
 
@@ -315,7 +318,8 @@ def simulated_call(args, engine=None, voice=None):
             "dtype": _weights_dtype(engine, args.dtype),
             "prompt_format": config.prompt_format, "max_reply_tokens": config.max_reply_tokens}
     result = asyncio.run(simulate_call(engine, default_script(), config=config, progress=say, out_dir=out,
-                                       max_call_s=args.max_call_seconds, meta=meta, voice=voice))
+                                       stt_interim_after_s=SIMULATED_STT_INTERIM_S, max_call_s=args.max_call_seconds,
+                                       meta=meta, voice=voice))
     if not args.quiet:
         print(_summary(result.report, result.paths), flush=True)
     return result

@@ -10,7 +10,9 @@ barge-in stop time are measured on the recording itself.
     result.report["turns"]   # per caller utterance: decision, first-audio latency, ...
 
 An oracle STT stands in for a speech recogniser: when the caller finishes an utterance its
-transcript goes into the agent's pipeline as a ``TranscriptionFrame`` after ``stt_delay_s``.
+transcript goes into the agent's pipeline as a ``TranscriptionFrame`` after ``stt_delay_s``; with
+``stt_interim_after_s``, as a streaming STT's do, the first half of its words go in as an
+``InterimTranscriptionFrame`` that long after the utterance began (if it still goes on).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pipecat.frames.frames import (
     ErrorFrame,
     Frame,
     InputAudioRawFrame,
+    InterimTranscriptionFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
     LLMTextFrame,
@@ -52,7 +55,7 @@ from pipecat_taste.audio import float_to_int16, float_to_pcm16, resample
 from pipecat_taste.call import CallLog
 from pipecat_taste.frames import TasteTurnDecisionFrame, TasteTurnMetricsFrame
 
-from taste_agents.caller import ScriptedCaller
+from taste_agents.caller import CallerEvent, ScriptedCaller
 
 
 # What the call records after the output transport (the frames a Pipecat app would observe).
@@ -187,7 +190,7 @@ class SimulatedCall:
 
 
 async def simulate_call(engine, script: list, *, config=None, sample_rate: int = 16000, stt_delay_s: float = 0.3,
-                        tail_s: float = 1.5, max_call_s: float = 300.0, progress: Callable[[str], None] | None = None,
+                        stt_interim_after_s: float | None = None, tail_s: float = 1.5, max_call_s: float = 300.0, progress: Callable[[str], None] | None = None,
                         out_dir: str | Path | None = None, meta: dict | None = None,
                         service_factory=None, voice=None) -> SimulatedCall:
     """Run one call between ``script`` (a ScriptedCaller script) and the phone agent built from
@@ -227,7 +230,8 @@ async def simulate_call(engine, script: list, *, config=None, sample_rate: int =
         line.start()
         log.t0, connected = line.t0, True
         say("call connected")
-        timed_out = not await _drive_caller(line, caller, worker, transport, stt_delay_s, tail_s, max_call_s, printer)
+        timed_out = not await _drive_caller(line, caller, worker, transport, stt_delay_s, stt_interim_after_s, tail_s,
+                                            max_call_s, printer)
         # The caller hangs up (as the server does when the peer leaves): what is still playing is cut.
         await _hang_up(worker, run_task, "the caller hung up")
     except asyncio.CancelledError as e:
@@ -271,12 +275,13 @@ async def _run(runner: WorkerRunner, worker: PipelineWorker):
 
 
 async def _drive_caller(line: SimulatedLine, caller: ScriptedCaller, worker, transport, stt_delay_s: float,
-                        tail_s: float, max_call_s: float, printer) -> bool:
+                        stt_interim_after_s: float | None, tail_s: float, max_call_s: float, printer) -> bool:
     """The caller's clock: one frame per frame period, on absolute time. Returns False on timeout."""
     frame = line.frame_samples
     period = frame / line.sample_rate
     k, seen_events, done_at = 0, 0, None
     pending: list[asyncio.Task] = []  # transcripts on their way (the simulated STT's delay)
+    under_way = None  # the utterance the caller is saying (its start event), for the STT's interim words
     try:
         while True:
             target = line.t0 + (k + 1) * period
@@ -288,7 +293,13 @@ async def _drive_caller(line: SimulatedLine, caller: ScriptedCaller, worker, tra
             line.caller[k * frame:(k + 1) * frame] = float_to_int16(out)
             await transport.input().push_audio_frame(InputAudioRawFrame(float_to_pcm16(out), line.sample_rate, 1))
             for event in caller.events[seen_events:]:
-                if event.kind == "utterance_end":
+                if event.kind == "utterance_start":
+                    under_way = event
+                    if stt_interim_after_s is not None and event.text.strip():
+                        pending.append(asyncio.create_task(
+                            _interim_later(worker, event, stt_interim_after_s, lambda: under_way)))
+                elif event.kind == "utterance_end":
+                    under_way = None
                     pending.append(asyncio.create_task(_transcribe_later(worker, event.text, stt_delay_s)))
             seen_events = len(caller.events)
             printer.poll()
@@ -305,6 +316,14 @@ async def _drive_caller(line: SimulatedLine, caller: ScriptedCaller, worker, tra
     finally:  # (a call cut short leaves no transcript behind)
         for task in pending:
             task.cancel()
+
+
+async def _interim_later(worker, start: CallerEvent, delay: float, under_way: Callable[[], CallerEvent | None]):
+    await asyncio.sleep(delay)
+    if under_way() is start:  # (a shorter utterance has no interim words)
+        words = start.text.split()
+        await worker.queue_frame(InterimTranscriptionFrame(" ".join(words[: max(1, len(words) // 2)]), "caller",
+                                                           time_now_iso8601()))
 
 
 async def _transcribe_later(worker, text: str, delay: float):
