@@ -536,12 +536,15 @@ def _quiet_logs():
 
     logger.remove()
     logger.add(sys.stderr, level=os.environ.get("TASTE_AGENT_LOG_LEVEL", "WARNING"),
-               filter=lambda record: record["message"] not in AUDIO_ONLY_NOISE)
+               filter=lambda record: record["message"] not in AUDIO_ONLY_NOISE | HANG_UP_NOISE)
 
 
 # Pipecat's WebRTC transport looks for the caller's video at every connection and warns when an
 # audio-only caller (every caller here) has none: not worth a line per call.
 AUDIO_ONLY_NOISE = frozenset({"No video transceiver is available", "No screen video transceiver is available"})
+# ... and warns when the caller's audio track ends, which is what every hang-up does (the call then
+# ends on the peer's leaving, which the server logs).
+HANG_UP_NOISE = frozenset({"Media stream error while reading the audio; clearing track."})
 
 
 def main(argv=None) -> int:
