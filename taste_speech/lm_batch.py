@@ -257,13 +257,15 @@ class SlotLMCache(SlotCache):
             raise RuntimeError("cannot copy a closed KV cache")
         return copy.deepcopy(self.private, memo) if self.private is not None else self._private_copy()
 
-    def _new_private(self, rows: int = 0) -> StaticLMCache:
+    def _new_private(self) -> StaticLMCache:
         b = self.batch
-        return StaticLMCache(b.config, max(rows, b.capacity), device=b.device, dtype=b.dtype, graph_mode=b.graph_mode)
+        return StaticLMCache(b.config, b.capacity, device=b.device, dtype=b.dtype, graph_mode=b.graph_mode)
 
     def _private_copy(self) -> StaticLMCache:
+        """The slot's rows in a cache of their own, as large as they need (it grows on demand)."""
         length = self.length
-        private = self._new_private(length + 1)
+        b = self.batch
+        private = StaticLMCache(b.config, length + 1, device=b.device, dtype=b.dtype, graph_mode=b.graph_mode)
         for layer, (keys, values) in zip(private.kv.layers, self.keys_values()):
             layer.keys[:, :, :length] = keys
             layer.values[:, :, :length] = values

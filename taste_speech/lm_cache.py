@@ -215,19 +215,23 @@ class StaticLMCache:
     def _grow(self, needed: int) -> None:
         old, length = self.kv, self._length
         self._allocate(max(_round_up(needed), 2 * self.capacity))
-        for new_layer, old_layer in zip(self.kv.layers, old.layers):
+        self._take_rows(old, length)
+
+    def _take_rows(self, kv: StaticCache, length: int) -> None:
+        """The first ``length`` rows of ``kv`` (another allocation's) become this cache's rows."""
+        for new_layer, old_layer in zip(self.kv.layers, kv.layers):
             new_layer.keys[:, :, :length] = old_layer.keys[:, :, :length]
             new_layer.values[:, :, :length] = old_layer.values[:, :, :length]
         self._set_length(length)
 
     def __deepcopy__(self, memo):
+        """A copy (``Conversation.snapshot``/``restore``) holds the rows in use, not this cache's
+        whole capacity: a snapshot of a short history costs what it holds (a 1B conversation's
+        full capacity is some 144 MiB in bf16); it grows on demand like any cache. Its graphs are
+        its own: a graph is bound to the tensors it was captured on."""
         twin = copy.copy(self)
-        twin.kv = copy.deepcopy(self.kv, memo)
-        twin._row = torch.zeros_like(self._row)
-        twin._rows = {}
-        twin._step = None  # a graph is bound to this cache's tensors: the copy captures its own
-        twin._prefill_steps = {}
-        twin._pool = torch.cuda.graph_pool_handle() if self.graph_mode == "graph" else None
+        twin._allocate(_round_up(self._length + 1))
+        twin._take_rows(self.kv, self._length)
         twin.heads_step = None
         return twin
 

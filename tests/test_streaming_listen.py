@@ -539,7 +539,11 @@ def test_a_stop_callable_is_asked_once_per_step(model, processor, user_turn):
 def test_snapshot_and_restore(model, processor, user_turn, second_turn, cache_kind):
     conv = new_conversation(model, processor, cache_kind)
     run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+    live = conv.state.decode.cache
     snap = conv.snapshot()
+    if cache_kind != "dynamic":  # it holds the rows in use, not the live cache's whole capacity
+        capacity = live.batch.capacity if cache_kind == "batched" else live.capacity
+        assert snap.decode.length < snap.decode.cache.capacity <= snap.decode.length + 256 < capacity
     first = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))
     assert len(conv.turns) == 4
     conv.restore(snap)
