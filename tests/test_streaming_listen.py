@@ -630,3 +630,29 @@ def test_bad_segments_and_conversations(model, processor, user_turn):
     for factory in (every_n_words, at_punctuation):  # passed without calling it: named before generating
         with pytest.raises(ValueError, match=rf"call it, e.g. should_emit_segment={factory.__name__}\(3\)"):
             run(model, processor, [user_turn], should_emit_segment=factory)
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_a_conversation_whose_model_was_cast_makes_its_rows_again(model, processor, user_turn, second_turn,
+                                                                  cache_kind):
+    """A model cast (or moved) after a conversation made its cache rows: they were of the old dtype,
+    and the next reply failed deep in the attention ('expected scalar type Float but found
+    BFloat16'). The conversation makes its rows again from its turns, as a new one would; a
+    batched one, whose LMStepBatch holds rows of the old dtype, says so."""
+    import copy
+
+    cast = copy.deepcopy(model)
+    conv = new_conversation(cast, processor, cache_kind)
+    run(cast, processor, [user_turn], conversation=conv, text_top_p=0.0)
+    cast.spoken_lm.to(torch.bfloat16)
+    if cache_kind == "batched":
+        with pytest.raises(ValueError, match=r"LMStepBatch holds torch.float32 rows on cpu, the model is now "
+                                             r"torch.bfloat16 on cpu .*make a new LMStepBatch"):
+            run(cast, processor, [second_turn], conversation=conv, text_top_p=0.0)
+        return
+    after = reply_of(run(cast, processor, [second_turn], conversation=conv, text_top_p=0.0))
+    fresh = new_conversation(cast, processor, cache_kind)
+    for turn in conv.turns[:2]:
+        fresh.add_turn(turn)
+    again = reply_of(run(cast, processor, [second_turn], conversation=fresh, text_top_p=0.0))
+    assert torch.equal(after.text_ids, again.text_ids) and torch.equal(after.taste_ids, again.taste_ids)

@@ -61,7 +61,9 @@ class ConversationState:
     committed_hidden: torch.Tensor | None = None  # hidden state of the last committed row (1, H)
     carry: torch.Tensor | None = None  # continuation format: code the next stream row inherits
     reply_opening: int = 0  # rows the reply in progress fed before its content
-    # What the cache rows were made with (set by snapshot(), checked by restore()).
+    # What the cache rows were made with (the model's: set when they are made; the format: by
+    # snapshot(); restore() checks both, and a live conversation makes its rows again when the
+    # model was cast or moved since).
     prompt_format: str | None = None
     model_identity: tuple | None = None
 
@@ -207,6 +209,12 @@ class Conversation:
 
     def _prefill_history(self) -> None:
         st = self.state
+        identity = self.model_identity
+        now = (self.lm.lm_dtype, self.lm.embed_tokens.weight.device)
+        if self.lm_batch is not None and (self.lm_batch.dtype, self.lm_batch.device) != now:
+            raise ValueError(f"the LMStepBatch holds {self.lm_batch.dtype} rows on {self.lm_batch.device}, the model is "
+                             f"now {now[0]} on {now[1]} (cast or moved after the batch was made): make a new "
+                             "LMStepBatch for it, and new conversations")
         rows, input_ids = [self.format.sos_rows()], []
         carry = None
         if st.system is not None:
@@ -221,7 +229,8 @@ class Conversation:
             input_ids.extend(ids)
             turn_rows.append(r.shape[1])
             turn_ids.append(len(ids))
-        if st.decode is not None and isinstance(st.decode.cache, StaticLMCache) and self.lm_batch is None:
+        if st.decode is not None and isinstance(st.decode.cache, StaticLMCache) and self.lm_batch is None \
+                and st.model_identity == identity:
             cache = st.decode.cache  # refilled in place: its buffers and captured decode step stay
             # (a batched conversation's private copy, after restore(), goes back to the batch instead)
             cache.crop(0)
@@ -233,7 +242,7 @@ class Conversation:
         decode.input_ids.extend(input_ids)
         self._feed(decode, torch.cat(rows, dim=1))
         st.turn_rows, st.turn_ids, st.turn_carry = turn_rows, turn_ids, turn_carry
-        st.decode, st.carry = decode, carry
+        st.decode, st.carry, st.model_identity = decode, carry, identity
         self._mark_committed()
 
     def _mark_committed(self) -> None:
@@ -261,6 +270,8 @@ class Conversation:
 
     def _ready(self) -> LMDecodeState:
         st = self.state
+        if st.decode is not None and st.model_identity != self.model_identity:
+            self._drop_cache()  # the model was cast or moved since its rows were made: made again from the turns
         if st.decode is None:
             self._rebuild()
         elif st.decode.length != st.committed_rows:
