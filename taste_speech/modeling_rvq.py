@@ -198,10 +198,16 @@ class ResidualVQ(nn.Module):
         """Raise on indices that are not (..., K) integers in [0, codebook_size) or IGNORE. Host
         indices are read as a list (no tensor reduction, nothing waits for a GPU); device ones
         through their least and largest value (one read)."""
-        if indices.is_floating_point() or indices.dim() == 0 or indices.shape[-1] != self.num_quantizers:
+        if indices.is_floating_point() or indices.dim() == 0:
             raise ValueError(
                 f"RVQ indices must be an integer tensor (..., {self.num_quantizers}), got "
                 f"{indices.dtype} {tuple(indices.shape)}"
+            )
+        if indices.shape[-1] != self.num_quantizers:
+            raise ValueError(
+                f"RVQ indices have {indices.shape[-1]} codes each (shape {tuple(indices.shape)}), but this RVQ has "
+                f"{self.num_quantizers} levels: give (..., {self.num_quantizers}) codes, as this checkpoint's "
+                "taste_tokenize makes them"
             )
         if not indices.numel():
             return

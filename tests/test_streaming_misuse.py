@@ -481,3 +481,14 @@ def test_a_first_chunk_over_the_growth_limit_never_reports_more_tokens_than_were
     committed = [chunk.tokens_committed for chunk in chunks]
     assert committed == sorted(committed) and max(committed) == 40 == state.committed_tokens
     assert sum(chunk.audio_22k.shape[-1] for chunk in chunks) == 256 * frames_for_tokens(40)
+
+
+def test_codes_of_another_width_are_named_as_such(model, processor, speech):
+    """TASTE codes with fewer levels than the model's RVQ (another checkpoint's, or sliced): the
+    message said 'must be an integer tensor' of an integer tensor."""
+    vg, ids, taste, _ = speech
+    speaker = processor.default_speaker_embedding()
+    levels = taste.shape[-1]
+    with pytest.raises(ValueError, match=rf"have 2 codes each .* this RVQ has {levels} levels: give \(\.\.\., {levels}\)"):
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste[..., :2], 16000,
+                         voice_generator=vg)
