@@ -537,3 +537,21 @@ async def test_a_call_that_ends_with_a_reply_paused_by_no_one_s_verdict_still_en
     released = sum(len(f.audio) // 2 for f in down if isinstance(f, TTSAudioRawFrame))
     frame = call.log.frame_samples  # all of it, and the faded frame into the pause
     assert released == -(-int(1.0 * RATE) // frame) * frame + frame
+
+
+async def test_a_hang_up_records_what_the_caller_heard_not_what_the_transport_still_held():
+    """A CancelFrame mid-reply: the transport drops the lead it held, unheard; the record's played
+    audio (and the words counted by it) ends where the caller stopped hearing."""
+    from pipecat.frames.frames import CancelFrame
+
+    call = TasteCall(FakeEngine())
+    frames = [*_reply(1, _tone(2.0))[:2], SleepFrame(0.6), CancelFrame()]
+    playout = TastePlayout(call, params=PlayoutParams(lead_ms=200))
+    down, _ = await run_test(playout, frames_to_send=frames, send_end_frame=False,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    record = call.log.turn(1)
+    released = sum(len(f.audio) // 2 for f in down if isinstance(f, TTSAudioRawFrame))
+    assert record.ended_by_hangup
+    heard_s = record.played_samples / RATE
+    assert released / RATE - heard_s > 0.1, (released / RATE, heard_s)  # the lead was not heard
+    assert 0.4 < heard_s < 0.7

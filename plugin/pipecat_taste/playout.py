@@ -308,9 +308,14 @@ class TastePlayout(FrameProcessor):
 
     async def _end_of_call(self, frame: Frame, direction: FrameDirection):
         await self._pass_held_interruption()
+        now = time.monotonic()
         for reply in self._replies.values():  # the call ends before these were played to the end
             self._call.log.turn(reply.turn_id).ended_by_hangup = True
-            self._record_played(reply, reply.released, interrupted=False)
+            played = reply.released
+            if isinstance(frame, CancelFrame) and reply.origin is not None:
+                # a hang-up: the transport drops what it still held, the caller heard what had played
+                played = min(played, int((now - reply.origin) * self._rate))
+            self._record_played(reply, played, interrupted=False)
         self._end_passed = True
         await self.push_frame(frame, direction)
 
