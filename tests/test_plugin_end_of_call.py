@@ -112,6 +112,21 @@ async def test_speech_still_going_on_at_the_end_is_dropped_as_a_turn():
     assert not any(isinstance(f, TTSStartedFrame) for f in down) and engine.sessions[0].history == []
 
 
+async def test_speech_over_a_reply_that_the_call_ends_during_cuts_the_reply_off():
+    """The caller speaks over the reply (it pauses: no words known yet) and the call ends while they
+    still speak: the speech stands, as its mute does, and the reply is cut off where it paused -
+    not resumed over the caller and played to its end before the call could end."""
+    engine = FakeEngine(asr_text="what time is it", reply_words=tuple(f"word{i}" for i in range(20)))  # 4 s
+    frames = caller_audio(silence_secs=0.7) + [SleepFrame(1.5)] + caller_audio(seconds_of_speech=1.0)
+    log, down = await run_call(frames, engine)
+    reply, speech = log.turns[1], log.turns[2]
+    assert speech.decision == "ignored"
+    kinds = [e["kind"] for e in log.events]
+    assert "reply_paused" in kinds and "barge_in" in kinds and "reply_resumed" not in kinds
+    assert reply.interrupted and 0 < reply.played_words < 20 and not reply.ended_by_hangup
+    assert played(down).size < 3 * OUT_RATE
+
+
 async def test_cancel_frame_hangs_up_in_the_middle_of_the_reply():
     engine = FakeEngine(asr_text="what time is it", reply_words=tuple(f"word{i}" for i in range(20)))  # 4 s
     frames = caller_audio(silence_secs=0.7) + [SleepFrame(1.5), CancelFrame()]

@@ -61,8 +61,8 @@ not see, that is ``min_speech_secs`` plus the VAD's ``stop_secs``.
 
 ``EndFrame``: the turns already ended are finished (transcribed with the words that came before
 it, tokenized, handed on; a turn handed on early is confirmed) and the EndFrame follows them; the
-speech still going on is dropped (decision 'ignored'; a reply it paused goes on to its end before
-the call ends, as any reply the EndFrame finds playing). ``CancelFrame`` stops everything at once.
+speech still going on is dropped (decision 'ignored'; a reply it paused is cut off, as its words
+would have cut it: the caller was still talking over it). ``CancelFrame`` stops everything at once.
 """
 
 from __future__ import annotations
@@ -664,6 +664,10 @@ class TasteTurnCapture(FrameProcessor):
         has not yet, it will barge in without one)."""
         if self._capturing and turn_id == self._turn_id:
             self._words_came = True
+        await self._cut_paused_reply(turn_id)
+
+    async def _cut_paused_reply(self, turn_id: int):
+        """The speech of ``turn_id`` paused the reply and stands: the pause was a barge-in."""
         paused_at = self._pauses.pop(turn_id, None)
         if paused_at is None:
             return
@@ -673,10 +677,14 @@ class TasteTurnCapture(FrameProcessor):
             await self.push_frame(TasteReplyPauseFrame(turn_id, paused=False))
 
     async def _settle_pause(self, turn: _CapturedTurn):
-        """A finished turn that paused the reply and brought no words (a noise, a failure, the end of
-        the call) resumes it; one handed on early, once the VAD confirms it (a retraction moves the
-        pause to the speech that goes on, as it does its mute)."""
+        """A finished turn that paused the reply and brought no words (a noise, a failure) resumes
+        it; one handed on early, once the VAD confirms it (a retraction moves the pause to the
+        speech that goes on, as it does its mute). Speech the call ended during stands, as its mute
+        does: the caller was still talking over the reply, which is cut off, not resumed over them."""
         if turn.retracted.is_set() or turn.turn_id not in self._pauses:
+            return
+        if turn.dropped is not None:
+            await self._cut_paused_reply(turn.turn_id)
             return
         if turn.tentative and not turn.confirmed:
             async def resume_when_confirmed():
