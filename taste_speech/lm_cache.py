@@ -212,6 +212,12 @@ class StaticLMCache:
                            position_ids=position.view(1, 1))
         return out.last_hidden_state[:, -1]
 
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows, made now rather than by growing (and, with graphs, capturing the
+        steps again) in the middle of a reply."""
+        if rows > self.capacity:
+            self._grow(rows)
+
     def _grow(self, needed: int) -> None:
         old, length = self.kv, self._length
         self._allocate(max(_round_up(needed), 2 * self.capacity))

@@ -555,3 +555,21 @@ async def test_a_hang_up_records_what_the_caller_heard_not_what_the_transport_st
     heard_s = record.played_samples / RATE
     assert released / RATE - heard_s > 0.1, (released / RATE, heard_s)  # the lead was not heard
     assert 0.4 < heard_s < 0.7
+
+
+async def test_a_hang_up_just_after_a_pause_began_records_the_audio_before_its_fade():
+    """The pause's faded frame moves the reply's clock on by a frame; the audio released before it
+    is heard on the old clock. A hang-up right then counted one frame too few: below zero when the
+    pause came during the first frame."""
+    from pipecat.frames.frames import CancelFrame
+
+    from pipecat_taste.frames import TasteReplyPauseFrame
+
+    call = TasteCall(FakeEngine())
+    frames = [*_reply(1, _tone(2.0))[:2], SleepFrame(0.005), TasteReplyPauseFrame(2, paused=True), SleepFrame(0.01),
+              CancelFrame()]
+    await run_test(TastePlayout(call), frames_to_send=frames, send_end_frame=False,
+                   pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    record = call.log.turn(1)
+    [(gap_at, _)] = record.audio_gaps
+    assert 0 < record.played_samples <= gap_at, (record.played_samples, gap_at)

@@ -542,6 +542,7 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
         (["serve", "--idle-seconds", "inf"], "--idle-seconds: must be a finite number of seconds"),
         (["serve", "--idle-seconds", "-1"], "--idle-seconds: must be seconds > 0"),
         (["call", "--simulate", "--seed", "x"], "--seed: must be a whole number, got 'x'"),
+        (["call"], "call needs --simulate (live calls: taste-agent serve)"),
         (["call", "--simulate", "--asr-model", "/nonexistent"], "--asr-model '/nonexistent': no Whisper model there"),
         (["serve", "--ice-server", "stun.example.org:3478"], "expected stun:HOST"),
         (["serve", "--ice-server", "turn:turn.example.org"], "--turn-username"),
@@ -564,9 +565,10 @@ def test_the_command_line_refuses_bad_values_before_loading_anything(tmp_path, c
         assert err.startswith(f"usage: taste-agent {argv[0]} "), err  # the command's usage, not the top level's
 
     # a refused command leaves no output folder behind, and {call_id} is no folder's name
-    for argv in (["--early-reply-ms", "600"], ["--voice", str(tmp_path / "missing.wav")]):
+    for argv in (["--simulate", "--early-reply-ms", "600"], ["--simulate", "--voice", str(tmp_path / "missing.wav")],
+                 []):  # (the last: a call without --simulate)
         with pytest.raises(SystemExit):
-            main(["call", "--simulate", "--out", str(tmp_path / "refused" / "{call_id}"), *argv])
+            main(["call", "--out", str(tmp_path / "refused" / "{call_id}"), *argv])
     assert not (tmp_path / "refused").exists()
     from taste_agents.cli import _check_out, build_parser
 

@@ -548,6 +548,8 @@ def test_snapshot_and_restore(model, processor, user_turn, second_turn, cache_ki
     assert len(conv.turns) == 4
     conv.restore(snap)
     assert len(conv.turns) == 2 and conv.state.decode.length == snap.decode.length
+    if cache_kind == "static":  # restored, it has a live cache's room again (no growing mid-reply)
+        assert conv.state.decode.cache.capacity >= conv.max_tokens
     again = reply_of(run(model, processor, [second_turn], conversation=conv, text_top_p=0.0))
     assert torch.equal(first.text_ids, again.text_ids) and torch.equal(first.taste_ids, again.taste_ids)
     assert snap.decode.length < conv.state.decode.length  # the snapshot was not touched
@@ -650,7 +652,12 @@ def test_a_conversation_whose_model_was_cast_makes_its_rows_again(model, process
                                              r"torch.bfloat16 on cpu .*make a new LMStepBatch"):
             run(cast, processor, [second_turn], conversation=conv, text_top_p=0.0)
         return
+    snapshot = conv.snapshot()  # (its rows are the old model's: the restored state makes them again)
     after = reply_of(run(cast, processor, [second_turn], conversation=conv, text_top_p=0.0))
+    restored = new_conversation(cast, processor, cache_kind)
+    restored.restore(snapshot)
+    from_snapshot = reply_of(run(cast, processor, [second_turn], conversation=restored, text_top_p=0.0))
+    assert torch.equal(after.text_ids, from_snapshot.text_ids)
     fresh = new_conversation(cast, processor, cache_kind)
     for turn in conv.turns[:2]:
         fresh.add_turn(turn)

@@ -510,6 +510,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             args.ice_servers = ice_servers_from(args.ice_servers, args.turn_username, args.turn_credential)
         except ValueError as e:
             parser.error(str(e))
+    if args.command == "call" and not args.simulate:
+        parser.error("call needs --simulate (live calls: taste-agent serve)")
     _check_out(parser, getattr(args, "out", None))
 
 
@@ -567,10 +569,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
-    if args.command == "call":
-        if not args.simulate:
-            print("taste-agent call needs --simulate (live calls: taste-agent serve)", file=sys.stderr)
-            return 2
+    if args.command == "call":  # (with --simulate: _check_args said so)
         return run_simulated_call(args)
     if args.command == "serve":
         from taste_agents.server import serve

@@ -314,7 +314,9 @@ class TastePlayout(FrameProcessor):
             played = reply.released
             if isinstance(frame, CancelFrame) and reply.origin is not None:
                 # a hang-up: the transport drops what it still held, the caller heard what had played
-                played = min(played, int((now - reply.origin) * self._rate))
+                # (a bridge moved the clock on by its frame: the audio before it is on the old one)
+                heard = int((now - reply.origin) * self._rate) + (self._frame_samples if reply.bridged else 0)
+                played = max(0, min(played, heard))
             self._record_played(reply, played, interrupted=False)
         self._end_passed = True
         await self.push_frame(frame, direction)

@@ -502,6 +502,8 @@ class Conversation:
         """A deep copy of the whole state (cache, window bookkeeping); the segments themselves, never
         changed in place, are shared."""
         with self._exclusive("snapshot"):
+            if self.state.model_identity != self.model_identity:
+                self._drop_cache()  # rows of a model since cast or moved: the restored state makes them again
             memo = {id(segment): segment for segment in self.state.segments}
             snapshot = copy.deepcopy(self.state, memo)
         snapshot.prompt_format, snapshot.model_identity = self.prompt_format, self.model_identity
@@ -529,6 +531,11 @@ class Conversation:
         # finds the caller's objects
         memo = {id(segment): segment for segment in snapshot.segments}
         restored = copy.deepcopy(snapshot, memo)
+        cache = getattr(restored.decode, "cache", None)
+        if isinstance(cache, StaticLMCache) and self.lm_batch is None:
+            # a copy holds only its rows: a live cache's room again (a batched conversation's goes
+            # back to the batch at its next prefill)
+            cache.reserve(self.max_tokens + REPLY_ROWS)
         with self._exclusive("restore"):
             _close_cache(self.state.decode)
             self.state = restored
