@@ -639,6 +639,38 @@ async def test_an_oversized_phone_message_is_dropped_unread():
     assert len(huge) > MAX_PHONE_MESSAGE_BYTES and await serializer.deserialize(huge) is None
 
 
+async def test_a_phone_stream_sending_junk_is_logged_a_few_times_then_ended():
+    """A peer sending malformed messages as fast as it can wrote a warning for each (some 11 MB/s of
+    log): the first few are logged, the rest counted, and a stream that keeps at it is ended, its
+    call saying why."""
+    import websockets
+    from loguru import logger
+
+    from taste_agents.server import LOGGED_PHONE_DROPS, MAX_PHONE_DROPS
+
+    warnings = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
+    try:
+        async with running_server(FakeEngine(), config(max_calls=1, idle_seconds=60.0)) as (server, url):
+            async with websockets.connect(url.replace("http", "ws") + "/ws/phone", open_timeout=10) as ws:
+                await ws.send(json.dumps({"event": "connected"}))
+                await ws.send(json.dumps({"event": "start", "streamSid": "MZ", "start": {"streamSid": "MZ"}}))
+                try:
+                    for _ in range(2 * MAX_PHONE_DROPS):
+                        await ws.send("x" * 100)
+                    await asyncio.wait_for(ws.wait_closed(), 10)
+                except websockets.ConnectionClosed:
+                    pass
+            deadline = time.monotonic() + 5
+            while (server.calls_in_use or not server.finished) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert server.finished and "malformed messages" in server.finished[-1]["ended_because"], server.finished
+    finally:
+        logger.remove(sink)
+    dropped = [w for w in warnings if w.startswith("phone stream: dropping")]
+    assert len(dropped) == LOGGED_PHONE_DROPS and "counted, not logged" in dropped[-1]
+
+
 async def test_closing_a_phone_websocket_whose_client_already_hung_up_raises_nothing():
     """A phone client gone before its 'start' (or refused at the call limit) is closed quietly, not
     with an unhandled exception in the server's log."""

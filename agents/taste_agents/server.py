@@ -121,34 +121,50 @@ class ClientEvents(FrameProcessor):
 # phone audio, and a huge one (524 s of audio in one message) stalled every call for seconds.
 MAX_PHONE_MESSAGE_BYTES = 16 * 1024
 MAX_WEBSOCKET_MESSAGE_BYTES = 64 * 1024  # the server's limit for any websocket message (uvicorn's: 16 MiB)
+# A phone provider sends no malformed messages: the first few a stream sends are logged, the rest
+# counted (a peer sending junk as fast as it can wrote some 11 MB/s of warnings), and a stream that
+# keeps sending them is no phone call: it is ended.
+LOGGED_PHONE_DROPS = 5
+MAX_PHONE_DROPS = 100
 
 
 class SafeTwilioSerializer(TwilioFrameSerializer):
     """Twilio's serializer, made safe for a public endpoint: malformed or oversized messages are
-    logged and dropped (the stock one raises, which ends the call), and ``stop`` ends the call."""
+    dropped (the stock one raises, which ends the call) - the first ``LOGGED_PHONE_DROPS`` logged,
+    the call ended at ``MAX_PHONE_DROPS`` - and ``stop`` ends the call. ``on_stop(reason)`` ends it."""
 
     def __init__(self, *args, on_stop=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._on_stop = on_stop
+        self.dropped = 0  # malformed messages of this stream
+
+    async def _drop(self, why: str) -> None:
+        self.dropped += 1
+        if self.dropped <= LOGGED_PHONE_DROPS:
+            more = " (more from this stream are counted, not logged)" if self.dropped == LOGGED_PHONE_DROPS else ""
+            logger.warning(f"phone stream: dropping {why}{more}")
+        if self.dropped == MAX_PHONE_DROPS:
+            logger.warning(f"phone stream: {MAX_PHONE_DROPS} malformed messages: ending the call")
+            if self._on_stop is not None:
+                await self._on_stop(f"the phone stream sent {MAX_PHONE_DROPS} malformed messages")
 
     async def deserialize(self, data):
         if len(data) > MAX_PHONE_MESSAGE_BYTES:
-            logger.warning(f"phone stream: dropping a {len(data)}-byte message (a phone's are under "
-                           f"{MAX_PHONE_MESSAGE_BYTES} bytes)")
+            await self._drop(f"a {len(data)}-byte message (a phone's are under {MAX_PHONE_MESSAGE_BYTES} bytes)")
             return None
         try:
             message = json.loads(data)
         except (TypeError, ValueError):
-            logger.warning(f"phone stream: dropping a message that is not JSON ({str(data)[:60]!r})")
+            await self._drop(f"a message that is not JSON ({str(data)[:60]!r})")
             return None
         if not isinstance(message, dict):
-            logger.warning("phone stream: dropping a JSON message that is not an object")
+            await self._drop("a JSON message that is not an object")
             return None
         event = message.get("event")
         if event == "stop":
             logger.info("phone stream: stop event, ending the call")
             if self._on_stop is not None:
-                await self._on_stop()
+                await self._on_stop("stop event")
             return None
         if event not in ("media", "dtmf"):
             logger.debug(f"phone stream: ignoring event {event!r}")
@@ -156,7 +172,7 @@ class SafeTwilioSerializer(TwilioFrameSerializer):
         try:
             return await super().deserialize(data)
         except Exception as e:  # bad base64, bad payload: never fatal
-            logger.warning(f"phone stream: dropping a bad {event!r} message: {e}")
+            await self._drop(f"a bad {event!r} message: {e}")
             return None
 
 
@@ -629,10 +645,14 @@ class TasteServer:
         stream_sid, call_sid = start
         holder: dict = {}
 
-        async def on_stop():
-            worker = holder.get("worker")
-            if worker is not None:
-                await worker.cancel(reason="stop event")
+        async def on_stop(reason: str):
+            active = holder.get("active")
+            if active is None:
+                return
+            if reason == "stop event":  # the caller hung up
+                await active.worker.cancel(reason=reason)
+            else:
+                await self._end(active, reason)
 
         serializer = SafeTwilioSerializer(stream_sid, call_sid, on_stop=on_stop,
                                           params=TwilioFrameSerializer.InputParams(auto_hang_up=False))
@@ -648,8 +668,7 @@ class TasteServer:
             return None
         pipeline = Pipeline([transport.input(), agent, transport.output()])
         worker = self._worker(pipeline, PHONE_SAMPLE_RATE, PHONE_SAMPLE_RATE)
-        holder["worker"] = worker
-        active = ActiveCall(agent.call.call_id, "phone", worker, agent=agent)
+        active = holder["active"] = ActiveCall(agent.call.call_id, "phone", worker, agent=agent)
 
         @transport.event_handler("on_client_disconnected")
         async def _left(_transport, _client):
