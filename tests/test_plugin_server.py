@@ -661,6 +661,7 @@ async def test_a_phone_stream_sending_junk_is_logged_a_few_times_then_ended():
                     await asyncio.wait_for(ws.wait_closed(), 10)
                 except websockets.ConnectionClosed:
                     pass
+                assert "malformed messages" in (ws.close_reason or ""), (ws.close_code, ws.close_reason)
             deadline = time.monotonic() + 5
             while (server.calls_in_use or not server.finished) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
@@ -669,6 +670,19 @@ async def test_a_phone_stream_sending_junk_is_logged_a_few_times_then_ended():
         logger.remove(sink)
     dropped = [w for w in warnings if w.startswith("phone stream: dropping")]
     assert len(dropped) == LOGGED_PHONE_DROPS and "counted, not logged" in dropped[-1]
+
+
+async def test_a_phone_call_the_server_ends_tells_its_client_why():
+    """The idle timeout (or the call's time limit) ends a phone call: its websocket closed with code
+    1000 and no reason, and a proxy or the provider could not tell it from a normal end."""
+    import websockets
+
+    async with running_server(FakeEngine(), config(max_calls=1, idle_seconds=1.0)) as (server, url):
+        async with websockets.connect(url.replace("http", "ws") + "/ws/phone", open_timeout=10) as ws:
+            await ws.send(json.dumps({"event": "connected"}))
+            await ws.send(json.dumps({"event": "start", "streamSid": "MZ", "start": {"streamSid": "MZ"}}))
+            await asyncio.wait_for(ws.wait_closed(), 10)
+        assert (ws.close_code, ws.close_reason) == (1000, "nobody spoke for 1 s")
 
 
 async def test_closing_a_phone_websocket_whose_client_already_hung_up_raises_nothing():

@@ -184,6 +184,7 @@ class ActiveCall:
     started: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
     connection: object = None  # WebRTC: the peer connection
+    websocket: object = None  # phone: the media stream's websocket
     connected: asyncio.Event | None = None  # WebRTC: set once the peer has connected
     agent: object = None
     end_reason: str | None = None  # why the server ended it (None: the peer left)
@@ -542,7 +543,7 @@ class TasteServer:
         self.calls[active.call_id] = active
         active.task = asyncio.create_task(self._run(active), name=f"call-{active.call_id}")
         if self._closed:  # set up while the server was closing: end it at once
-            asyncio.create_task(self._end(active, "the server is shutting down"))
+            asyncio.create_task(self._end(active, "the server is shutting down", code=1001))
 
     async def _run(self, active: ActiveCall) -> None:
         runner = WorkerRunner(handle_sigint=False, handle_sigterm=False)
@@ -551,6 +552,7 @@ class TasteServer:
         @active.worker.event_handler("on_idle_timeout")
         async def _idle(_worker):
             active.end_reason = active.end_reason or f"nobody spoke for {self.config.idle_seconds:g} s"
+            await _tell_phone_client(active, active.end_reason)
 
         @active.worker.event_handler("on_pipeline_error")
         async def _error(_worker, frame):
@@ -611,9 +613,12 @@ class TasteServer:
         await asyncio.sleep(max(0.0, cfg.max_call_seconds - (time.monotonic() - active.started)))
         await self._end(active, f"the call reached its limit of {cfg.max_call_seconds:g} s")
 
-    async def _end(self, active: ActiveCall, reason: str) -> None:
+    async def _end(self, active: ActiveCall, reason: str, code: int = 1000) -> None:
+        """End a call the server ends (``code``: the phone websocket's close code; 1001 when the
+        server goes away)."""
         logger.info(f"call {active.call_id}: ending it, {reason}")
         active.end_reason = active.end_reason or reason
+        await _tell_phone_client(active, reason, code)
         await active.worker.cancel(reason=reason)
 
     async def _phone_call(self, websocket) -> None:
@@ -668,7 +673,7 @@ class TasteServer:
             return None
         pipeline = Pipeline([transport.input(), agent, transport.output()])
         worker = self._worker(pipeline, PHONE_SAMPLE_RATE, PHONE_SAMPLE_RATE)
-        active = holder["active"] = ActiveCall(agent.call.call_id, "phone", worker, agent=agent)
+        active = holder["active"] = ActiveCall(agent.call.call_id, "phone", worker, agent=agent, websocket=websocket)
 
         @transport.event_handler("on_client_disconnected")
         async def _left(_transport, _client):
@@ -682,7 +687,7 @@ class TasteServer:
             return
         self._closed = True
         for active in list(self.calls.values()):
-            await self._end(active, "the server is shutting down")
+            await self._end(active, "the server is shutting down", code=1001)
         tasks = [a.task for a in self.calls.values() if a.task is not None]
         if tasks:
             _, running = await asyncio.wait(tasks, timeout=timeout_s)
@@ -692,6 +697,13 @@ class TasteServer:
             if running:
                 await asyncio.wait(running, timeout=timeout_s)
         await self._handler.close()
+
+
+async def _tell_phone_client(active: ActiveCall, reason: str, code: int = 1000) -> None:
+    """A phone call the server ends: its websocket is closed with the reason (a proxy or the
+    provider sees why), before the transport would close it bare."""
+    if active.websocket is not None:
+        await _close_quietly(active.websocket, code, reason[:120])
 
 
 async def _close_quietly(websocket, code: int, reason: str) -> None:
