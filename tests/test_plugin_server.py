@@ -90,6 +90,8 @@ async def test_signalling_rejects_bad_requests_with_a_message():
             (json.dumps({"sdp": "v=0\r\n", "type": "answer"}).encode(), 400, "'type'"),
             (json.dumps({"sdp": "v=0\r\nthis is not sdp\r\n", "type": "offer"}).encode(), 400, "m=audio"),
             (json.dumps({"sdp": "v=0\r\nm=audio x y z\r\n", "type": "offer"}).encode(), 400, "offer"),
+            (json.dumps({"sdp": "v=0\r\nm=audio 9 UDP 0\r\na=fingerprint:x\r\na=ice-ufrag:x\r\na=ice-pwd:x\r\n",
+                         "type": "offer"}).encode(), 400, "the SDP offer could not be used (ValueError: "),
             (json.dumps({"sdp": "v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\n", "type": "offer", "pc_id": "nope"}).encode(),
              404, "pc_id"),
             # video before the microphone: Pipecat reads the caller's audio from the first transceiver

@@ -459,7 +459,8 @@ class TasteServer:
         try:
             answer = await self._handler.handle_web_request(request, start_call)
         except ValueError as e:
-            raise SignallingError(400, f"invalid SDP offer: {type(e).__name__}: {e}") from None
+            raise SignallingError(400, f"the SDP offer could not be used ({type(e).__name__}: {e}): send the offer an "
+                                       "RTCPeerConnection made (createOffer), with the microphone's audio track") from None
         except Exception as e:
             raise SignallingError(400, f"the offer could not be answered: {type(e).__name__}: {e}") from None
         finally:
