@@ -131,7 +131,8 @@ MAX_PHONE_DROPS = 100
 class SafeTwilioSerializer(TwilioFrameSerializer):
     """Twilio's serializer, made safe for a public endpoint: malformed or oversized messages are
     dropped (the stock one raises, which ends the call) - the first ``LOGGED_PHONE_DROPS`` logged,
-    the call ended at ``MAX_PHONE_DROPS`` - and ``stop`` ends the call. ``on_stop(reason)`` ends it."""
+    the call ended at ``MAX_PHONE_DROPS`` - and ``stop`` ends the call. ``on_stop(reason, hung_up)``
+    ends it (``hung_up``: the caller's ``stop``, else the server's decision)."""
 
     def __init__(self, *args, on_stop=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -146,7 +147,7 @@ class SafeTwilioSerializer(TwilioFrameSerializer):
         if self.dropped == MAX_PHONE_DROPS:
             logger.warning(f"phone stream: {MAX_PHONE_DROPS} malformed messages: ending the call")
             if self._on_stop is not None:
-                await self._on_stop(f"the phone stream sent {MAX_PHONE_DROPS} malformed messages")
+                await self._on_stop(f"the phone stream sent {MAX_PHONE_DROPS} malformed messages", hung_up=False)
 
     async def deserialize(self, data):
         if len(data) > MAX_PHONE_MESSAGE_BYTES:
@@ -164,7 +165,7 @@ class SafeTwilioSerializer(TwilioFrameSerializer):
         if event == "stop":
             logger.info("phone stream: stop event, ending the call")
             if self._on_stop is not None:
-                await self._on_stop("stop event")
+                await self._on_stop("stop event", hung_up=True)
             return None
         if event not in ("media", "dtmf"):
             logger.debug(f"phone stream: ignoring event {event!r}")
@@ -459,8 +460,9 @@ class TasteServer:
         try:
             answer = await self._handler.handle_web_request(request, start_call)
         except ValueError as e:
-            raise SignallingError(400, f"the SDP offer could not be used ({type(e).__name__}: {e}): send the offer an "
-                                       "RTCPeerConnection made (createOffer), with the microphone's audio track") from None
+            raise SignallingError(400, f"the SDP offer could not be used ({type(e).__name__}: {e}): send the offer "
+                                       "an RTCPeerConnection made (createOffer), with the microphone's audio track") \
+                from None
         except Exception as e:
             raise SignallingError(400, f"the offer could not be answered: {type(e).__name__}: {e}") from None
         finally:
@@ -651,11 +653,11 @@ class TasteServer:
         stream_sid, call_sid = start
         holder: dict = {}
 
-        async def on_stop(reason: str):
+        async def on_stop(reason: str, hung_up: bool):
             active = holder.get("active")
             if active is None:
                 return
-            if reason == "stop event":  # the caller hung up
+            if hung_up:
                 await active.worker.cancel(reason=reason)
             else:
                 await self._end(active, reason)

@@ -190,7 +190,8 @@ class SimulatedCall:
 
 
 async def simulate_call(engine, script: list, *, config=None, sample_rate: int = 16000, stt_delay_s: float = 0.3,
-                        stt_interim_after_s: float | None = None, tail_s: float = 1.5, max_call_s: float = 300.0, progress: Callable[[str], None] | None = None,
+                        stt_interim_after_s: float | None = None, tail_s: float = 1.5, max_call_s: float = 300.0,
+                        progress: Callable[[str], None] | None = None,
                         out_dir: str | Path | None = None, meta: dict | None = None,
                         service_factory=None, voice=None) -> SimulatedCall:
     """Run one call between ``script`` (a ScriptedCaller script) and the phone agent built from
@@ -206,7 +207,8 @@ async def simulate_call(engine, script: list, *, config=None, sample_rate: int =
     caller = ScriptedCaller(script, sample_rate=sample_rate)
     log = CallLog(keep_audio=True)
     transport = LineTransport(line)
-    agent = service_factory(log) if service_factory is not None else build_phone_agent(engine, config, log=log, voice=voice)
+    agent = service_factory(log) if service_factory is not None else \
+        build_phone_agent(engine, config, log=log, voice=voice)
     up_tap = FrameTap((ErrorFrame, TranscriptionFrame), FrameDirection.UPSTREAM, name="UpstreamTap")
     out_tap = FrameTap(OBSERVED_FRAMES, FrameDirection.DOWNSTREAM, name="DownstreamTap")
     pipeline = Pipeline([transport.input(), up_tap, agent, transport.output(), out_tap])
