@@ -663,15 +663,67 @@ async def test_a_phone_stream_sending_junk_is_logged_a_few_times_then_ended():
                     await asyncio.wait_for(ws.wait_closed(), 10)
                 except websockets.ConnectionClosed:
                     pass
-                assert "malformed messages" in (ws.close_reason or ""), (ws.close_code, ws.close_reason)
+                assert "malformed (or too fast) messages" in (ws.close_reason or ""), (ws.close_code, ws.close_reason)
             deadline = time.monotonic() + 5
             while (server.calls_in_use or not server.finished) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert server.finished and "malformed messages" in server.finished[-1]["ended_because"], server.finished
+            assert server.finished and "malformed (or too fast)" in server.finished[-1]["ended_because"], \
+                server.finished
     finally:
         logger.remove(sink)
     dropped = [w for w in warnings if w.startswith("phone stream: dropping")]
     assert len(dropped) == LOGGED_PHONE_DROPS and "counted, not logged" in dropped[-1]
+
+
+async def test_a_phone_stream_is_metered_at_twice_a_phone_s_rate_with_room_for_a_stall():
+    """A phone sends 50 messages a second: that pace never loses one, nor does the backlog of a
+    15 s network stall arriving at once; a peer sending faster than twice that has the excess
+    dropped unread."""
+    from taste_agents.server import PHONE_MESSAGE_BURST, PHONE_MESSAGES_PER_S, SafeTwilioSerializer
+
+    now = [0.0]
+    serializer = SafeTwilioSerializer("MZ", params=SafeTwilioSerializer.InputParams(auto_hang_up=False),
+                                      clock=lambda: now[0])
+    mark = json.dumps({"event": "mark", "mark": {"name": "x"}})
+    for _ in range(50 * 60):  # a minute of a phone's pace
+        await serializer.deserialize(mark)
+        now[0] += 0.02
+    assert serializer.dropped == 0
+    now[0] += 15.0  # a stall, then its backlog at once
+    for _ in range(50 * 15):
+        await serializer.deserialize(mark)
+    assert serializer.dropped == 0
+    now[0] += PHONE_MESSAGE_BURST / PHONE_MESSAGES_PER_S  # the bucket full again
+    for _ in range(PHONE_MESSAGE_BURST + 30):  # a flood: the bucket's worth passes, the rest does not
+        await serializer.deserialize(mark)
+    assert serializer.dropped == 30
+    for _ in range(100):  # flooding on at three times a phone's pace: a third of it passes
+        now[0] += 1 / 150
+        await serializer.deserialize(mark)
+    assert 30 + 100 - 100 * PHONE_MESSAGES_PER_S / 150 - 2 <= serializer.dropped <= 30 + 100 - 100 * PHONE_MESSAGES_PER_S / 150 + 2
+
+
+async def test_a_phone_stream_flooding_valid_events_is_ended():
+    """Valid but useless events (``mark``) as fast as a peer can send them held up every other call
+    on the server: past the meter they count as malformed, and the stream is ended."""
+    import websockets
+
+    async with running_server(FakeEngine(), config(max_calls=1, idle_seconds=60.0)) as (server, url):
+        async with websockets.connect(url.replace("http", "ws") + "/ws/phone", open_timeout=10) as ws:
+            await ws.send(json.dumps({"event": "connected"}))
+            await ws.send(json.dumps({"event": "start", "streamSid": "MZ", "start": {"streamSid": "MZ"}}))
+            mark = json.dumps({"event": "mark", "streamSid": "MZ", "mark": {"name": "m"}})
+            try:
+                for _ in range(5000):
+                    await ws.send(mark)
+                await asyncio.wait_for(ws.wait_closed(), 10)
+            except websockets.ConnectionClosed:
+                pass
+            assert "too fast" in (ws.close_reason or ""), (ws.close_code, ws.close_reason)
+        deadline = time.monotonic() + 5
+        while (server.calls_in_use or not server.finished) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert server.finished and "too fast" in server.finished[-1]["ended_because"], server.finished
 
 
 async def test_a_phone_call_the_server_ends_tells_its_client_why():
