@@ -12,7 +12,7 @@ import torch
 from taste_speech.streaming.detokenize import finish_speaking, taste_detokenize, taste_detokenize_stream
 from taste_speech.streaming.seams import measure_seams
 from taste_speech.streaming.synthesis import SynthesisFailed, offline_reference, speak, start_speaking
-from taste_speech.streaming.synthesis_state import EmissionPolicy, NoiseTape, frames_for_tokens
+from taste_speech.streaming.synthesis_state import EmissionPolicy, NoiseTape, frames_for_tokens, resampler_quality
 from taste_speech.voice_generator import SourceDraws, VoiceGenerator
 from taste_speech.voice_generator.tiny import make_tiny_voice_generator
 
@@ -258,11 +258,26 @@ def test_output_resampling(vg, utterance, rate):
     state, chunks = stream(vg, tokens[:, :60], speaker, "low_latency", sizes=[60], rate=rate)
     audio = torch.cat([c.audio for c in chunks], -1)
     source = torch.cat([c.audio_22k for c in chunks], -1)
-    reference = soxr.resample(source[0].numpy(), 22050, rate, quality="HQ")
+    reference = soxr.resample(source[0].numpy(), 22050, rate, quality=resampler_quality(rate))
     assert all(c.sampling_rate == rate for c in chunks)
     assert abs(audio.shape[-1] - reference.shape[0]) <= 2
     n = min(audio.shape[-1], reference.shape[0])
     assert np.abs(audio[0, :n].numpy() - reference[:n]).max() < 1e-3
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 24000, 48000])
+def test_the_first_chunk_brings_most_of_its_audio_at_every_rate(vg, utterance, rate):
+    """The output resampler holds back the end of each chunk until the next: at 8 kHz soxr's HQ held
+    back 60 ms of the first chunk's 128 ms, and phone lines ran dry after a reply's first syllable
+    before the second chunk came. No rate may hold back more than 30 ms."""
+    tokens, speaker = utterance
+    policy = EmissionPolicy.resolve("low_latency")
+    state = start_speaking(vg, speaker, policy, out_sampling_rate=rate, generator=torch.Generator().manual_seed(0))
+    first = speak(vg, state, tokens[:, :policy.first_chunk_tokens + policy.lookahead_tokens])
+    assert len(first) == 1
+    made_ms = 1000 * first[0].audio_22k.shape[-1] / 22050
+    out_ms = 1000 * first[0].audio.shape[-1] / rate
+    assert made_ms > 100 and made_ms - out_ms <= 30, (made_ms, out_ms)
 
 
 def test_unsupported_rate_and_finished_state(vg, utterance):

@@ -30,7 +30,7 @@ size (the reference, the default off CUDA), and 'static': the flow's ODE and HiF
 fixed-size buckets and replayed as CUDA graphs on CUDA (``synthesis_graphs``; the default on CUDA).
 Concatenated chunks have exactly the offline length (256 samples per frame, frames =
 floor(tokens * 441 / 256)); a fade-in starts the audio and a fade-out ends the final chunk, and
-the output is resampled from 22.05 kHz with soxr (streaming, HQ).
+the output is resampled from 22.05 kHz with soxr (streaming; HQ, at 8 kHz LQ: ``resampler_quality``).
 
 Usage::
 
@@ -64,6 +64,7 @@ from taste_speech.streaming.synthesis_state import (
     NoiseTape,
     SynthesisState,
     frames_for_tokens,
+    resampler_quality,
 )
 from taste_speech.voice_generator import SourceDraws, VoiceGenerator
 
@@ -159,7 +160,8 @@ def start_speaking(
     if out_sampling_rate != SOURCE_RATE:
         import soxr
 
-        resampler = soxr.ResampleStream(SOURCE_RATE, out_sampling_rate, 1, dtype="float32", quality="HQ")
+        resampler = soxr.ResampleStream(SOURCE_RATE, out_sampling_rate, 1, dtype="float32",
+                                        quality=resampler_quality(out_sampling_rate))
     state = SynthesisState(
         policy=policy,
         out_sampling_rate=out_sampling_rate,

@@ -36,6 +36,15 @@ SOURCE_RATE = 22050
 SUPPORTED_OUTPUT_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 
 
+def resampler_quality(out_sampling_rate: int) -> str:
+    """soxr's quality for streaming to ``out_sampling_rate``. HQ holds back audio in proportion to
+    1 / rate - 16 ms at 24 kHz, 27 ms at 16 kHz, but 60 ms at 8 kHz: a reply's first chunk (128 ms)
+    then brought 67 ms, and phone lines ran dry after the first syllable. LQ holds back 5.5 ms at
+    8 kHz; it is flat to 3 kHz and -3 dB at 3.25 kHz (the phone band ends at 3.4 kHz), and keeps
+    aliases over 100 dB down."""
+    return "LQ" if out_sampling_rate <= 8000 else "HQ"
+
+
 def frames_for_tokens(n_tokens: int) -> int:
     """Mel frames of the first ``n_tokens`` tokens on the utterance's global grid: floor(n * 441 / 256)
     (upstream's float32 formula gives the same for n <= 5000)."""
