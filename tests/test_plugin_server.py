@@ -773,6 +773,30 @@ async def test_closing_the_server_cancels_a_call_that_does_not_end_when_asked():
     assert stuck.task.cancelled() and stuck.worker.reason == "the server is shutting down"
 
 
+async def test_a_call_set_up_while_the_server_closes_is_ended_by_a_task_the_server_keeps():
+    """A call whose set-up finished after ``close()`` began is ended at once, by a task the server
+    holds until it is done (the event loop keeps only weak references: an unheld task can be
+    collected before it runs, and the call would outlive the server)."""
+    import gc
+
+    server = TasteServer(FakeEngine(), config())
+    await server.close()
+
+    class Ended:
+        reason = None
+
+        async def cancel(self, reason=None):
+            self.reason = reason
+
+    late = ActiveCall("late", "webrtc", Ended())
+    server._run = lambda active: asyncio.sleep(0)  # (no pipeline to run here)
+    server._launch(late)
+    gc.collect()
+    assert len(server._endings) == 1
+    await asyncio.wait_for(asyncio.gather(late.task, *server._endings), 5)
+    assert late.worker.reason == "the server is shutting down" and not server._endings
+
+
 def test_a_voice_made_at_start_up_is_the_server_s_and_not_made_again():
     """taste-agent makes the --voice embedding before the warm-up (a refused recording ends the
     start-up there): the server takes it, not a second one made from the file."""

@@ -333,6 +333,7 @@ class TasteServer:
         self.ended: list[EndedCall] = []  # the last ended calls, with their call logs
         self.ended_count = 0
         self._closed = False
+        self._endings: set[asyncio.Task] = set()  # (the loop keeps only weak references to tasks)
         self._handler = SmallWebRTCRequestHandler(ice_servers=self.ice_servers or None,
                                                   connection_mode=ConnectionMode.MULTIPLE)
         self.app = self._build_app()
@@ -574,7 +575,9 @@ class TasteServer:
         self.calls[active.call_id] = active
         active.task = asyncio.create_task(self._run(active), name=f"call-{active.call_id}")
         if self._closed:  # set up while the server was closing: end it at once
-            asyncio.create_task(self._end(active, "the server is shutting down", code=1001))
+            ending = asyncio.create_task(self._end(active, "the server is shutting down", code=1001))
+            self._endings.add(ending)
+            ending.add_done_callback(self._endings.discard)
 
     async def _run(self, active: ActiveCall) -> None:
         runner = WorkerRunner(handle_sigint=False, handle_sigterm=False)
