@@ -491,6 +491,65 @@ async def _play(call: TasteCall, frames: list, within_s: float = 20.0):
     return task.result()
 
 
+async def test_the_transport_never_holds_more_than_the_lead_also_after_the_synthesis_fell_behind():
+    """Frames go out as they are due, ``lead_ms`` ahead: a transport playing them back to back holds
+    at most the lead and a frame - also after a gap in the synthesis (without the clock restarted
+    there, the audio after it went out at once: a transport holding 300 ms of uninterruptible reply
+    stops a barge-in that much later, and counts as heard what was not)."""
+    from pipecat.frames.frames import TTSStoppedFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+
+    class Arrivals(FrameProcessor):
+        def __init__(self):
+            super().__init__()
+            self.frames = []
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            if isinstance(frame, TTSAudioRawFrame) and direction == FrameDirection.DOWNSTREAM:
+                self.frames.append((time.monotonic(), len(frame.audio) // 2))
+            await self.push_frame(frame, direction)
+
+    call = TasteCall(FakeEngine())
+    tone, context, arrivals = _tone(1.2), context_id_for(1), Arrivals()
+    first = int(0.11 * RATE)
+    frames = [TTSStartedFrame(context_id=context), TTSAudioRawFrame(float_to_pcm16(tone[:first]), RATE, 1, context_id=context),
+              SleepFrame(0.35), TTSAudioRawFrame(float_to_pcm16(tone[first:]), RATE, 1, context_id=context),
+              TTSStoppedFrame(context_id=context), SleepFrame(1.5)]
+    await run_test(Pipeline([TastePlayout(call, params=PlayoutParams(lead_ms=30.0)), arrivals]), frames_to_send=frames,
+                   pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    assert call.log.turn(1).underruns >= 1  # the gap happened
+    heard_until, held = None, []
+    for arrived, samples in arrivals.frames:  # a transport playing each frame after the one before
+        heard_until = max(heard_until or arrived, arrived) + samples / RATE
+        held.append(heard_until - arrived)
+    frame_s = call.log.frame_samples / RATE
+    assert max(held) <= 0.030 + frame_s + 0.03, (max(held), frame_s)
+
+
+async def test_a_paused_reply_fades_out_and_fades_back_in_where_it_stopped():
+    """Paused by the caller's sound and resumed, the reply fades out into the pause and back in
+    after it: no step anywhere (the audio sits well away from zero, so an unfaded restart would be
+    one), and after the pause it goes on exactly where it stopped."""
+    from pipecat_taste.frames import TasteReplyPauseFrame
+
+    call = TasteCall(FakeEngine())
+    reply = (0.2 + 0.1 * np.sin(2 * np.pi * 437 * np.arange(int(RATE * 0.6)) / RATE)).astype(np.float32)
+    frames = _reply(1, reply) + [SleepFrame(0.2), TasteReplyPauseFrame(2, paused=True), SleepFrame(0.3),
+                                 TasteReplyPauseFrame(2, paused=False), SleepFrame(0.7)]
+    down, _ = await _play(call, frames)
+    record = call.log.turn(1)
+    assert len(record.pauses_s) == 1 and len(record.audio_gaps) == 1, (record.pauses_s, record.audio_gaps)
+    audio = np.concatenate([pcm16_to_float(f.audio) for f in down if isinstance(f, TTSAudioRawFrame)])
+    steepest = np.abs(np.diff(reply)).max()
+    assert np.abs(np.diff(audio)).max() <= 1.1 * steepest + 2e-3
+    before, bridge = record.audio_gaps[0]  # the reply's samples heard before the pause, its faded frame
+    resumed = audio[before + bridge:]
+    assert abs(resumed[0]) < 0.02  # faded in
+    assert np.allclose(resumed[480:960], reply[before + 480:before + 960], atol=1e-3)  # where it stopped
+
+
 async def test_a_pause_that_comes_once_all_of_the_reply_is_out_leaves_no_gap_and_no_pause():
     """The caller's sound begins as the reply's last audio goes out: nothing is left to pause (the
     synthesizer faded its end), so no faded frame is added after it and its record shows no gap."""
@@ -505,6 +564,25 @@ async def test_a_pause_that_comes_once_all_of_the_reply_is_out_leaves_no_gap_and
     released = sum(len(f.audio) // 2 for f in down if isinstance(f, TTSAudioRawFrame))
     frame = call.log.frame_samples
     assert released == -(-int(0.3 * RATE) // frame) * frame  # (the last frame padded with silence)
+
+
+def test_the_start_hold_is_the_largest_recent_need_plus_the_lead_and_capped():
+    """The hold covers the largest need of the engine's last replies plus ``lead_ms``, never more
+    than ``start_hold_max_ms`` (a cap taken as a floor would hold every reply 400 ms), and is 0
+    once the recent replies' chunks came with time to spare."""
+    call = TasteCall(FakeEngine())
+    playout = TastePlayout(call, params=PlayoutParams(lead_ms=30.0, start_hold_max_ms=400.0))
+    assert playout.start_hold_s == 0.0  # nothing learned yet
+    call.start_needs.record(0.1)
+    assert playout.start_hold_s == pytest.approx(0.13)
+    call.start_needs.record(1.0)
+    assert playout.start_hold_s == pytest.approx(0.4)
+    for _ in range(3):  # the memory's worth of replies with time to spare
+        call.start_needs.record(-0.05)
+    assert playout.start_hold_s == 0.0
+    never = TastePlayout(TasteCall(FakeEngine()), params=PlayoutParams(start_hold_max_ms=0.0))
+    never._call.start_needs.record(0.3)
+    assert never.start_hold_s == 0.0
 
 
 async def test_a_pause_before_the_first_audio_is_not_counted_as_the_start_hold():
