@@ -505,6 +505,17 @@ def test_several_replies_in_a_row_keep_their_question_while_they_fit(model, proc
     assert_cache_equals_fresh_build(model, processor, conv)
 
 
+def test_the_window_never_opens_with_an_answer_whose_question_it_dropped(model, processor, user_turn, second_turn):
+    """Three exchanges over ``max_turns=5``: going down to its low water (3 turns), the window drops
+    a question together with its answer - never the question alone."""
+    conv = Conversation(model, processor, max_turns=5)
+    for turn in (user_turn, second_turn, user_turn):
+        run(model, processor, [turn], conversation=conv, text_top_p=0.0)
+        assert conv.turns[0].role == "user", [t.role for t in conv.turns]
+    assert [t.role for t in conv.turns] == ["user", "assistant"] and conv.turns[0] is user_turn
+    assert_cache_equals_fresh_build(model, processor, conv)
+
+
 def test_the_window_drops_below_its_limit_so_a_long_call_rarely_prefills_again(model, processor, user_turn):
     conv = Conversation(model, processor, max_turns=8)
     rebuilds, decode = 0, None
