@@ -994,6 +994,28 @@ async def test_a_short_noise_neither_barges_in_nor_mutes_the_pending_reply(utter
     assert call2.replies_muted_upto == answering2 + 1 and call2.log.turn(answering2).interrupted
 
 
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("words", ["", "hello there"])
+async def test_a_long_sound_without_words_before_a_reply_begins_does_not_leave_the_turn_unanswered(utterances, words,
+                                                                                                  early):
+    """The caller's turn waits for its reply; a sound long enough to mute it comes first. With words
+    it is the turn that answers for both (the mute stands); without (a door, a TV: no words) it is
+    no turn, and the mute is lifted - kept, the earlier turn would never be answered and the call
+    would fall silent. (Handed on early or not: the mute is settled on either path.)"""
+    call = TasteCall(FakeEngine(asr_text=words))
+    waiting = call.new_turn_id()  # a turn whose reply has not begun
+    params = TurnCaptureParams(transcripts="asr", min_speech_secs=0.5)
+    if not early:
+        params = TurnCaptureParams(transcripts="asr", min_speech_secs=0.5, early_reply_secs=None)
+    capture = TasteTurnCapture(call, vad_analyzer=WebRTCVADAnalyzer(), params=params)
+    await run_with(capture, audio_frames(np.concatenate([silence(0.3), utterances["hello"].audio, silence(1.0)])),
+                   tail_secs=1.0)
+    sound = call.log.turns[waiting + 1]
+    assert (sound.decision, sound.transcript) == ((None, words) if words else ("ignored", "")), sound
+    assert await asyncio.wait_for(call.mutes.muted(waiting), 2) is bool(words)
+    assert call.replies_muted_upto == (waiting if words else 0)
+
+
 @pytest.mark.parametrize("mode", ["asr", "auto"])
 async def test_finished_turns_are_not_held_for_the_rest_of_the_call(mode):
     """With the built-in ASR, no turn waits for upstream words once its finisher is done with it
