@@ -72,3 +72,37 @@ async def test_settling_twice_or_a_turn_that_muted_nothing_changes_nothing(keep)
     mutes.settle(2, keep=True)
     mutes.settle(2, keep=False)  # already settled: the mute stands
     assert await _verdict(mutes, 1) is True
+
+
+@pytest.mark.parametrize("muted", [True, False])
+async def test_a_muted_turn_joins_the_conversation_with_no_word_of_a_reply_made(muted):
+    """The generator asks for a muted turn's verdict before it starts the reply: muted, the turn
+    goes into the conversation and no reply is generated at all (generated and thrown away, it
+    held up the answer to the caller's new turn by a whole reply's generation)."""
+    import time
+
+    import numpy as np
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    from pipecat_taste import TasteCall
+    from pipecat_taste.frames import TasteUserTurnFrame
+    from pipecat_taste.generation import TasteGenerator
+    from pipecat_taste.testing import FakeEngine
+
+    engine = FakeEngine(word_delay=0.05)
+    call = TasteCall(engine)
+    turn_id, later = call.new_turn_id(), call.new_turn_id()
+    if muted:  # the caller's next turn came before this one's reply began, and has words
+        call.mutes.mute(later)
+        call.mutes.settle(later, keep=True)
+    session = await call.ensure_session()
+    turn = session.user_turn(np.zeros(16000, np.float32), "what time is it")
+    now = time.monotonic()
+    await run_test(TasteGenerator(call), frames_to_send=[TasteUserTurnFrame(turn_id, turn.transcript, turn, now - 1, now),
+                                                         SleepFrame(0.8)])
+    record = call.log.turn(turn_id)
+    if muted:
+        assert (record.decision, record.reason) == ("no_speech", "the caller spoke again before the reply began")
+        assert session.history == [("user", "what time is it")]  # not a word of a reply was made
+    else:
+        assert record.decision == "reply" and session.history[-1] == ("assistant", " ".join(engine.reply_words))
