@@ -43,6 +43,34 @@ async def test_barge_in_fades_without_a_step(chunk_ms, barge_in_after_s):
 
 
 
+@pytest.mark.parametrize("barge_in_after_s", [0.1, 0.5, 0.9])
+async def test_the_words_pushed_on_a_barge_in_are_the_words_the_call_keeps(barge_in_after_s):
+    """A barge-in cuts a three-word reply: the text frames the playout pushed (what Pipecat's
+    assistant context keeps) are exactly the words the call records as heard (what the TASTE
+    history keeps) - also a word whose heard point falls in the barge-in's fade. (200 ms frames;
+    each word's heard point lies 5 ms past a frame's end, and each barge-in time in the middle of
+    the frame that ends there.)"""
+    from pipecat.frames.frames import TTSStoppedFrame, TTSTextFrame
+
+    from pipecat_taste.frames import TasteSegmentAudioFrame
+
+    call = TasteCall(FakeEngine())
+    call.active_reply_turn = 1
+    bounds = [0, 9840, 19200, 29040]  # heard points (half of each word) at 4920, 14520, 24120
+    tone, context = _tone(1.3), context_id_for(1)
+    frames = [TTSStartedFrame(context_id=context)]
+    for i, text in enumerate((" one", " two", " three")):
+        start, end = bounds[i], bounds[i + 1]
+        frames += [TasteSegmentAudioFrame(1, i, text, 1, start, end),
+                   TTSAudioRawFrame(float_to_pcm16(tone[start:end]), RATE, 1, context_id=context)]
+    frames += [TTSStoppedFrame(context_id=context), SleepFrame(barge_in_after_s), InterruptionFrame(), SleepFrame(0.5)]
+    down, _ = await run_test(TastePlayout(call, params=PlayoutParams(frame_ms=200.0)), frames_to_send=frames,
+                             pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    record = call.log.turn(1)
+    assert record.interrupted and record.played_words >= 1, record
+    assert "".join(f.text for f in down if isinstance(f, TTSTextFrame)).strip() == record.played_text
+
+
 def _line_output(chunks_10ms: int):
     from pipecat.transports.base_transport import TransportParams
 
