@@ -165,3 +165,18 @@ def test_a_call_without_a_barge_in_has_no_barge_in_check_and_a_cut_by_a_noise_is
     said = _summary(noisy, {})
     assert "replies cut off by a sound that was no turn: 1" in said and "waited for a reply in vain: 1" in said
     assert "no barge-in to check" in _summary(out, {})
+
+
+def test_audio_that_stops_dead_on_the_line_and_comes_back_is_counted_as_a_cut():
+    """The line ran dry mid-sound (the event loop handed a frame over late): a click the playout's
+    fades cannot cover, counted; writes back to back, a gap between faded ends (a reply's end, the
+    playout's own bridge), or a quiet edge are no cut."""
+    from taste_agents.report import line_cuts
+
+    loud, faded = np.full(320, -1300, np.int16), np.linspace(-1300, 0, 320).astype(np.int16)
+    rising = faded[::-1].copy()
+    assert line_cuts([(0, loud), (320, loud), (640, faded)]) == 0  # back to back
+    assert line_cuts([(0, loud), (320, faded), (1000, rising), (1320, loud)]) == 0  # faded out, faded in
+    assert line_cuts([(0, loud), (400, loud)]) == 1  # stopped on -1300, came back on -1300
+    assert line_cuts([(0, faded), (400, loud), (720, loud), (2000, rising)]) == 2  # a dead start, a dead stop
+    assert line_cuts([]) == 0

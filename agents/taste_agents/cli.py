@@ -439,7 +439,9 @@ def _summary(report: dict, paths: dict) -> str:
                  + (f", replies cut off by a sound that was no turn: {s['replies_cut_by_no_turn']}"
                     if s.get("replies_cut_by_no_turn") else "")
                  + (f", times the caller waited for a reply in vain: {s['caller_heard_no_reply']}"
-                    if s.get("caller_heard_no_reply") else ""))
+                    if s.get("caller_heard_no_reply") else "")
+                 + (f", hard cuts on the line (the event loop handed a frame over late: a loaded machine): "
+                    f"{s['line_cuts']}" if s.get("line_cuts") else ""))
     for name, path in paths.items():
         lines.append(f"  {name}: {path}")
     return "\n".join(lines)

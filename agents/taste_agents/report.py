@@ -146,6 +146,23 @@ def audio_path_checks(result, chunk_samples: int, fade_samples: int) -> dict:
             "writes_never_overlap": bool(no_overlap), "written_samples": int(written.size)}
 
 
+CUT_LEVEL = 328  # 1% of full scale: the playout's fades reach 0, a cut stops on a sample past this
+
+
+def line_cuts(writes: list[tuple[int, np.ndarray]], level: int = CUT_LEVEL) -> int:
+    """Times the agent's audio stopped dead on the line and came back: a write that began after the
+    previous one had played out (the line ran dry) with sound on either side of the gap. The
+    playout's own gaps and a reply's ends are faded to silence; these are not - the event loop
+    handed the next frame over too late (a loaded machine), and no fade of the playout's can cover
+    that (it runs on the same loop). Each is a click."""
+    cuts = 0
+    for (before_at, before), (at, after) in zip(writes, writes[1:]):
+        if at > before_at + before.size and before.size and after.size \
+                and max(abs(int(before[-1])), abs(int(after[0]))) >= level:
+            cuts += 1
+    return cuts
+
+
 def build_report(result, meta: dict) -> dict:
     line, caller, log = result.line, result.caller, result.log
     sr, frame = line.sample_rate, line.sample_rate // 100
@@ -274,6 +291,7 @@ def build_report(result, meta: dict) -> dict:
                                  "median": float(np.median(asr_after_end)) if asr_after_end else None},
             "barge_in_stop_ms": stops,
             "underruns": sum(r.underruns for r in records),
+            "line_cuts": line_cuts(line.writes or []),
             # a reply paused by a sound that proved to be no turn (a noise burst: the VAD heard speech,
             # the STT or ASR no words) goes on where it stopped (barge_in='pause'); with
             # barge_in='immediate' it was cut off: the caller hears it stop
