@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -283,3 +284,35 @@ def test_the_conversation_lock_is_reentrant(model, processor):
 
     threading.Thread(target=claim_and_release_inside, daemon=True).start()
     assert done.wait(5)
+
+
+def test_a_special_token_s_text_in_a_transcript_stays_text_while_other_calls_start(model, processor):
+    """Words are encoded with ``split_special_tokens`` (a caller saying "<|begin_of_text|>" said
+    text, not a control token); that flag is the shared tokenizer's own. A conversation starting
+    in another thread encoded its prompt labels without it, switching it off under the words:
+    the special token's text came out as the control token."""
+    from taste_speech.streaming.prompt import PromptFormat
+
+    tokenizer = processor.llm_tokenizer
+    special = tokenizer.all_special_tokens[0]
+    words = [" hello", " " + special] + [f" word{i}" for i in range(200)]
+    reference = processor.encode_words(words).llm_token_ids[0].tolist()
+    assert tokenizer.convert_tokens_to_ids(special) not in reference
+    stop, differing, encodings = threading.Event(), [], [0]
+
+    def start_calls():
+        while not stop.is_set():
+            PromptFormat(model.spoken_lm, model.audio_tower.vq.rvq, tokenizer, INSTRUCT)
+
+    starter = threading.Thread(target=start_calls)
+    starter.start()
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            if processor.encode_words(words).llm_token_ids[0].tolist() != reference:
+                differing.append(1)
+            encodings[0] += 1
+    finally:
+        stop.set()
+        starter.join()
+    assert encodings[0] > 20 and not differing, (len(differing), encodings[0])

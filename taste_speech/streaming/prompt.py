@@ -95,7 +95,9 @@ class PromptFormat:
         self.ids = DialogueIds.from_tokenizer(tokenizer) if name == DIALOGUE else None
         self.labels = {}
         if name == INSTRUCT:
-            self.labels = {role: list(tokenizer.encode(text, add_special_tokens=False))
+            # split_special_tokens as every encode of the tokenizer here: the flag is the shared
+            # tokenizer's, and an encode without it turned it off under another call's words
+            self.labels = {role: list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
                            for role, text in INSTRUCT_LABELS.items()}
 
     @property
