@@ -180,12 +180,25 @@ async def test_the_page_lets_go_of_the_microphone_however_the_call_ends(tmp_path
             state = await page_when(page, ready_again, 5)
             assert state["state"] == "ended" and ready_again(state), state  # hung up
 
+            # hung up while it was starting (Hang up works from the click on Call): it stops there,
+            # the microphone let go, and no call reaches the server
+            while server.calls:  # (the hung-up call's end reaches the server's records)
+                await asyncio.sleep(0.1)
+            before = len(server.finished)
+            assert await page.evaluate("$('start').click(), $('stop').disabled") is False
+            await page.evaluate("$('stop').click()")
+            state = await page_when(page, lambda s: ready_again(s) and len(s["tracks"]) == 2, 5)
+            assert state["state"] == "ended" and ready_again(state) and len(state["tracks"]) == 2, state
+            await asyncio.sleep(1.0)
+            assert not server.calls and len(server.finished) == before
+
             while server.calls:
                 await asyncio.sleep(0.1)
             await page.evaluate("$('start').click()")
             assert (await page_when(page, lambda s: s["state"] == "connected"))["state"] == "connected"
-            state = await page_when(page, lambda s: s["state"] == "ended" and ready_again(s), 30)
-            assert state["state"] == "ended" and ready_again(state), state  # the server ended it at 4 s
+            state = await page_when(page, lambda s: (s["state"] or "").startswith("ended") and ready_again(s), 30)
+            # the server ended it at 4 s, and the page says so (not a bare "ended", as if hung up)
+            assert state["state"] == "ended: the call reached its limit of 4 s" and ready_again(state), state
 
             while server.calls:
                 await asyncio.sleep(0.1)

@@ -46,7 +46,8 @@ async def make_offer():
     from aiortc.mediastreams import AudioStreamTrack
 
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    pc.createDataChannel("messages")
+    channel, pc.messages = pc.createDataChannel("messages"), []  # (what the server sent the page)
+    channel.on("message", lambda message: pc.messages.append(json.loads(message)))
     pc.addTrack(AudioStreamTrack())
     await pc.setLocalDescription(await pc.createOffer())
     return pc, {"sdp": pc.localDescription.sdp, "type": "offer"}
@@ -58,7 +59,8 @@ async def open_peer(url):
     from aiortc.mediastreams import AudioStreamTrack
 
     pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    pc.createDataChannel("messages")
+    channel, pc.messages = pc.createDataChannel("messages"), []  # (what the server sent the page)
+    channel.on("message", lambda message: pc.messages.append(json.loads(message)))
     pc.addTrack(AudioStreamTrack())
     connected = asyncio.Event()
 
@@ -278,11 +280,12 @@ async def test_offer_and_candidate_checks_status_privacy_and_shutdown():
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             async with http.get(url + "/api/ice-servers") as res:
                 assert await res.json() == {"iceServers": []}
-        # the app's shutdown (Ctrl-C under uvicorn) ends the calls still running
+        # the app's shutdown (Ctrl-C under uvicorn) ends the calls still running, and tells them why
         async with server.app.router.lifespan_context(server.app):
             pass
         assert await wait_until(lambda: not server.calls, 5)
         assert "shutting down" in server.finished[-1]["ended_because"]
+        assert {"type": "ended", "reason": "the server is shutting down"} in pc.messages, pc.messages
         assert await wait_until(lambda: pc.connectionState == "closed", 5), pc.connectionState
         await pc.close()
         late, offer = await make_offer()  # a closed server takes no new calls
@@ -298,6 +301,9 @@ async def test_a_call_in_which_nobody_speaks_ends_at_the_idle_timeout_and_says_s
         try:
             assert await wait_until(lambda: not server.calls, 8)
             assert "nobody spoke for 1.5 s" in server.finished[-1]["ended_because"], server.finished[-1]
+            # the page is told why (else an idle timeout looks like the caller's own hang-up)
+            assert await wait_until(lambda: any(m.get("type") == "ended" for m in pc.messages), 3), pc.messages
+            assert [m["reason"] for m in pc.messages if m.get("type") == "ended"] == ["nobody spoke for 1.5 s"]
         finally:
             await pc.close()
 
@@ -766,6 +772,9 @@ async def test_closing_the_server_cancels_a_call_that_does_not_end_when_asked():
         async def cancel(self, reason=None):
             self.reason = reason
 
+        async def queue_frame(self, frame):  # (the client is told why)
+            pass
+
     stuck = ActiveCall("stuck", "webrtc", Deaf())
     stuck.task = asyncio.create_task(asyncio.sleep(3600), name="call-stuck")
     server.calls[stuck.call_id] = stuck
@@ -787,6 +796,9 @@ async def test_a_call_set_up_while_the_server_closes_is_ended_by_a_task_the_serv
 
         async def cancel(self, reason=None):
             self.reason = reason
+
+        async def queue_frame(self, frame):  # (the client is told why)
+            pass
 
     late = ActiveCall("late", "webrtc", Ended())
     server._run = lambda active: asyncio.sleep(0)  # (no pipeline to run here)

@@ -104,7 +104,7 @@ class ClientEvents(FrameProcessor):
         message = None
         if isinstance(frame, TasteTurnDecisionFrame):
             record = self._call.log.turns.get(frame.turn_id)
-            message = {"type": "turn", "turn_id": frame.turn_id, "decision": frame.decision,
+            message = {"type": "turn", "turn_id": frame.turn_id, "decision": frame.decision, "reason": frame.reason,
                        "transcript": record.transcript if record else ""}
         elif isinstance(frame, TTSTextFrame):
             message = {"type": "bot_text", "text": frame.text}
@@ -536,7 +536,7 @@ class TasteServer:
         # memory) ends the call at once: the caller would hear nothing while it held its slot.
         return PipelineWorker(pipeline, params=PipelineParams(audio_in_sample_rate=in_rate, audio_out_sample_rate=out_rate,
                                                                enable_metrics=True),
-                              idle_timeout_secs=self.config.idle_seconds, cancel_on_idle_timeout=True,
+                              idle_timeout_secs=self.config.idle_seconds, cancel_on_idle_timeout=False,  # _run ends it
                               processor_unusable_policy=ProcessorUnusablePolicy.CANCEL, enable_rtvi=False)
 
     async def _start_webrtc_call(self, connection) -> None:
@@ -585,14 +585,16 @@ class TasteServer:
 
         @active.worker.event_handler("on_idle_timeout")
         async def _idle(_worker):
-            active.end_reason = active.end_reason or f"nobody spoke for {self.config.idle_seconds:g} s"
-            await _tell_phone_client(active, active.end_reason)
+            # ended as the server ends any call (the client told why, then cancelled): cancelled by
+            # the worker itself, a WebRTC client's message was lost
+            await self._end(active, f"nobody spoke for {self.config.idle_seconds:g} s")
 
         @active.worker.event_handler("on_pipeline_error")
         async def _error(_worker, frame):
             processor = getattr(frame, "processor", None)
             if processor is not None and not getattr(processor, "is_usable", True):
                 active.end_reason = active.end_reason or f"the call could not go on: {frame.error}"
+                await _tell_client(active, active.end_reason, code=1011)
 
         try:
             await runner.add_workers(active.worker)
@@ -652,7 +654,7 @@ class TasteServer:
         server goes away)."""
         logger.info(f"call {active.call_id}: ending it, {reason}")
         active.end_reason = active.end_reason or reason
-        await _tell_phone_client(active, reason, code)
+        await _tell_client(active, reason, code)
         await active.worker.cancel(reason=reason)
 
     async def _phone_call(self, websocket) -> None:
@@ -733,11 +735,15 @@ class TasteServer:
         await self._handler.close()
 
 
-async def _tell_phone_client(active: ActiveCall, reason: str, code: int = 1000) -> None:
-    """A phone call the server ends: its websocket is closed with the reason (a proxy or the
-    provider sees why), before the transport would close it bare."""
+async def _tell_client(active: ActiveCall, reason: str, code: int = 1000) -> None:
+    """A call the server ends is told why before its transport closes it bare: a phone call's
+    websocket is closed with the reason (a proxy or the provider sees why); a WebRTC call gets an
+    ``{"type": "ended", "reason": ...}`` message (the page shows it: an idle timeout or a server
+    going down would otherwise look like a hang-up)."""
     if active.websocket is not None:
         await _close_quietly(active.websocket, code, reason[:120])
+    elif active.kind == "webrtc":
+        await active.worker.queue_frame(OutputTransportMessageUrgentFrame(message={"type": "ended", "reason": reason}))
 
 
 async def _close_quietly(websocket, code: int, reason: str) -> None:
