@@ -64,6 +64,21 @@ def test_reply_streams_words_and_commit_keeps_what_was_heard(engine, hello):
     assert segments2 and session.commit_reply(None) >= 1 and total >= 2
 
 
+def test_a_barge_in_count_after_a_turn_was_taken_back_cuts_no_earlier_reply(engine, hello):
+    """A turn answered too early is taken back with the reply begun to it (``forget_turn``); a
+    commit that comes after (the playout's report of that reply: nothing heard) has nothing to
+    cut - it must not cut the reply before it, which the caller heard whole."""
+    session = engine.new_session(GenerationSettings(max_reply_tokens=6, prompt_format="instruct"))
+    reply_segments(session, session.user_turn(hello.audio, hello.text), n_words=99)
+    assert session.commit_reply(None) >= 2  # the first reply, heard whole
+    heard = session.conversation.turns[-1]
+    early = session.user_turn(hello.audio, hello.text)
+    reply_segments(session, early, n_words=99)
+    assert session.forget_turn(early) == 2  # the caller went on speaking: taken back
+    assert session.commit_reply(0) == 0
+    assert session.conversation.turns[-1] is heard
+
+
 @pytest.mark.parametrize("winner, decision", [("user", "no_speech"), ("assistant", "reply")])
 def test_dialogue_format_decides_first(engine, hello, winner, decision):
     """The session's conversation is in the dialogue format, whose first choice (the user's role
