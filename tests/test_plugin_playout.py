@@ -297,6 +297,55 @@ async def test_a_barge_in_as_a_reply_ends_keeps_its_closing_frames(chunks_10ms, 
     assert set(counts.values()) == {2}, counts  # one of each per reply
 
 
+async def test_a_reply_after_one_taken_back_starts_clean_and_its_segments_tile_its_audio():
+    """The synthesizer alone: a reply taken back part-way (its turn retracted), then the next reply
+    with the same words. The next one starts exactly as the first did - faded in, none of the
+    taken-back reply's held-back tail in front of it - and its segment markers (where the
+    playout counts each word heard) tile its audio: each starts where the one before ends, the
+    last ends with it."""
+    from pipecat.frames.frames import TTSAudioRawFrame as Audio
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.frame_processor import FrameProcessor
+
+    from pipecat_taste.frames import TasteReplyEndFrame, TasteReplySegmentFrame, TasteSegmentAudioFrame, \
+        TasteTurnStatusFrame
+    from pipecat_taste.synthesis import TasteSynthesizer
+    from pipecat_taste.testing import FakeSegment
+
+    class Tap(FrameProcessor):
+        def __init__(self):
+            super().__init__()
+            self.audio, self.markers = {}, {}
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            if isinstance(frame, Audio):
+                self.audio.setdefault(frame.context_id, []).append(pcm16_to_float(frame.audio))
+            elif isinstance(frame, TasteSegmentAudioFrame):
+                self.markers.setdefault(frame.turn_id, []).append(frame)
+            await self.push_frame(frame, direction)
+
+    call = TasteCall(FakeEngine())
+    words = ("sure", "I", "can", "help")
+
+    def segment(turn, i):
+        return TasteReplySegmentFrame(turn, i, " " + words[i], 1, FakeSegment([words[i]], 2), None)
+
+    frames = [segment(1, 0), segment(1, 1), SleepFrame(0.3), TasteTurnStatusFrame(1, "retracted"), SleepFrame(0.1),
+              *(segment(2, i) for i in range(4)), TasteReplyEndFrame(2, "finished", 4), SleepFrame(0.5)]
+    tap = Tap()
+    await run_test(Pipeline([TasteSynthesizer(call), tap]), frames_to_send=frames,
+                   pipeline_params=PipelineParams(audio_out_sample_rate=RATE))
+    first, second = (np.concatenate(tap.audio[context_id_for(t)]) for t in (1, 2))
+    n = min(first.size, int(0.05 * RATE))
+    assert n > int(0.02 * RATE) and np.allclose(second[:n], first[:n], atol=1e-4)  # the same clean start
+    markers = sorted(tap.markers[2], key=lambda m: m.index)
+    assert [m.index for m in markers] == [0, 1, 2, 3] and markers[0].start_sample == 0
+    assert all(m.end_sample > m.start_sample for m in markers)
+    assert all(b.start_sample == a.end_sample for a, b in zip(markers, markers[1:]))
+    assert markers[-1].end_sample == second.size
+
+
 async def test_a_reply_whose_synthesis_fails_ends_where_it_failed():
     """The third word's synthesis fails while the LM is still generating: the audio before it plays
     straight through and fades out, and the reply ends there (its last partial frame waited in the
