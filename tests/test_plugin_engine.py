@@ -79,6 +79,20 @@ def test_a_barge_in_count_after_a_turn_was_taken_back_cuts_no_earlier_reply(engi
     assert session.conversation.turns[-1] is heard
 
 
+def test_a_reply_s_speech_given_up_withdraws_it_from_the_shared_synthesis_steps(engine, monkeypatch):
+    """``drop_speech`` (a reply cut off or taken back) tells the library the utterance is given up
+    (``stop_speaking``): on the static path the calls' shared first flow windows would otherwise
+    keep waiting for it, adding to every other call's first audio."""
+    import taste_speech.streaming.synthesis as synthesis
+
+    given_up = []
+    monkeypatch.setattr(synthesis, "stop_speaking", lambda state: given_up.append(state))
+    session = engine.new_session(GenerationSettings(max_reply_tokens=6))
+    state = session.start_speech(24000)
+    session.drop_speech(state)
+    assert given_up == [state.synthesis]
+
+
 @pytest.mark.parametrize("winner, decision", [("user", "no_speech"), ("assistant", "reply")])
 def test_dialogue_format_decides_first(engine, hello, winner, decision):
     """The session's conversation is in the dialogue format, whose first choice (the user's role
