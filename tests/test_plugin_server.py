@@ -647,11 +647,31 @@ async def test_an_oversized_phone_message_is_dropped_unread():
     assert len(huge) > MAX_PHONE_MESSAGE_BYTES and await serializer.deserialize(huge) is None
 
 
+async def flooded_phone_call(message: str, count: int) -> tuple[str, str]:
+    """A phone call that sends ``message`` ``count`` times as fast as it can after its start: the
+    reason its websocket was closed with, and why the server says the call ended."""
+    import websockets
+
+    async with running_server(FakeEngine(), config(max_calls=1, idle_seconds=60.0)) as (server, url):
+        async with websockets.connect(url.replace("http", "ws") + "/ws/phone", open_timeout=10) as ws:
+            await ws.send(json.dumps({"event": "connected"}))
+            await ws.send(json.dumps({"event": "start", "streamSid": "MZ", "start": {"streamSid": "MZ"}}))
+            try:
+                for _ in range(count):
+                    await ws.send(message)
+                await asyncio.wait_for(ws.wait_closed(), 10)
+            except websockets.ConnectionClosed:
+                pass
+        deadline = time.monotonic() + 5
+        while (server.calls_in_use or not server.finished) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return ws.close_reason or "", server.finished[-1]["ended_because"] if server.finished else ""
+
+
 async def test_a_phone_stream_sending_junk_is_logged_a_few_times_then_ended():
     """A peer sending malformed messages as fast as it can wrote a warning for each (some 11 MB/s of
     log): the first few are logged, the rest counted, and a stream that keeps at it is ended, its
     call saying why."""
-    import websockets
     from loguru import logger
 
     from taste_agents.server import LOGGED_PHONE_DROPS, MAX_PHONE_DROPS
@@ -659,22 +679,8 @@ async def test_a_phone_stream_sending_junk_is_logged_a_few_times_then_ended():
     warnings = []
     sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
     try:
-        async with running_server(FakeEngine(), config(max_calls=1, idle_seconds=60.0)) as (server, url):
-            async with websockets.connect(url.replace("http", "ws") + "/ws/phone", open_timeout=10) as ws:
-                await ws.send(json.dumps({"event": "connected"}))
-                await ws.send(json.dumps({"event": "start", "streamSid": "MZ", "start": {"streamSid": "MZ"}}))
-                try:
-                    for _ in range(2 * MAX_PHONE_DROPS):
-                        await ws.send("x" * 100)
-                    await asyncio.wait_for(ws.wait_closed(), 10)
-                except websockets.ConnectionClosed:
-                    pass
-                assert "malformed (or too fast) messages" in (ws.close_reason or ""), (ws.close_code, ws.close_reason)
-            deadline = time.monotonic() + 5
-            while (server.calls_in_use or not server.finished) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert server.finished and "malformed (or too fast)" in server.finished[-1]["ended_because"], \
-                server.finished
+        closed, ended = await flooded_phone_call("x" * 100, 2 * MAX_PHONE_DROPS)
+        assert "malformed (or too fast) messages" in closed and "malformed (or too fast)" in ended, (closed, ended)
     finally:
         logger.remove(sink)
     dropped = [w for w in warnings if w.startswith("phone stream: dropping")]
@@ -712,24 +718,9 @@ async def test_a_phone_stream_is_metered_at_twice_a_phone_s_rate_with_room_for_a
 async def test_a_phone_stream_flooding_valid_events_is_ended():
     """Valid but useless events (``mark``) as fast as a peer can send them held up every other call
     on the server: past the meter they count as malformed, and the stream is ended."""
-    import websockets
-
-    async with running_server(FakeEngine(), config(max_calls=1, idle_seconds=60.0)) as (server, url):
-        async with websockets.connect(url.replace("http", "ws") + "/ws/phone", open_timeout=10) as ws:
-            await ws.send(json.dumps({"event": "connected"}))
-            await ws.send(json.dumps({"event": "start", "streamSid": "MZ", "start": {"streamSid": "MZ"}}))
-            mark = json.dumps({"event": "mark", "streamSid": "MZ", "mark": {"name": "m"}})
-            try:
-                for _ in range(5000):
-                    await ws.send(mark)
-                await asyncio.wait_for(ws.wait_closed(), 10)
-            except websockets.ConnectionClosed:
-                pass
-            assert "too fast" in (ws.close_reason or ""), (ws.close_code, ws.close_reason)
-        deadline = time.monotonic() + 5
-        while (server.calls_in_use or not server.finished) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert server.finished and "too fast" in server.finished[-1]["ended_because"], server.finished
+    mark = json.dumps({"event": "mark", "streamSid": "MZ", "mark": {"name": "m"}})
+    closed, ended = await flooded_phone_call(mark, 5000)
+    assert "too fast" in closed and "too fast" in ended, (closed, ended)
 
 
 async def test_a_phone_call_the_server_ends_tells_its_client_why():
