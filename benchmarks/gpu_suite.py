@@ -881,7 +881,7 @@ def prefill_ms(engine, repeats: int, rows: int = 48) -> dict:
     return out
 
 
-def levers(engine, steps: int, context: int = 1024) -> dict:
+def levers(engine, steps: int, context: int = 1024, seconds: float = 8.0) -> dict:
     from benchmarks.bench_first_chunk_flow import first_chunk_steps
     from benchmarks.bench_flow_kernels import flow_kernel_figures, time_conditioning_figures
     from taste_speech.streaming.synthesis_state import EmissionPolicy
@@ -899,10 +899,11 @@ def levers(engine, steps: int, context: int = 1024) -> dict:
     out["flow_kernels"] = flow_kernel_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     out["time_conditioning"] = time_conditioning_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     grown = EmissionPolicy.low_latency()
-    out["synthesis"] = {"fixed": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(max_chunk_tokens=0)),
-                        "growing": synthesis_rtf(engine, GRAPHED, grown), "max_chunk_tokens": grown.max_chunk_tokens,
+    out["synthesis"] = {"fixed": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(max_chunk_tokens=0), seconds),
+                        "growing": synthesis_rtf(engine, GRAPHED, grown, seconds),
+                        "max_chunk_tokens": grown.max_chunk_tokens, "seconds": seconds,
                         # growing chunks, each window at its context's size (padded steps)
-                        "narrow": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(window_frames=()))}
+                        "narrow": synthesis_rtf(engine, GRAPHED, EmissionPolicy.low_latency(window_frames=()), seconds)}
     return out
 
 
@@ -1399,7 +1400,7 @@ class Suite:
                      f"{rounded(entry['speech_decoder_ms_per_token'])}, synthesis {rounded(entry['synthesis'])}")
 
     def part_levers(self, _name) -> None:
-        self.data["levers"] = levers(self.engine_for(GRAPHED), self.args.steps)
+        self.data["levers"] = levers(self.engine_for(GRAPHED), self.args.steps, seconds=4.0 if self.args.quick else 8.0)
         progress(f"levers: {rounded(self.data['levers'])}")
 
     def part_flow_precision(self, _name) -> None:
