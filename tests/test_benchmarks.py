@@ -268,3 +268,18 @@ def test_eager_ops_benchmark_counts_fewer_operators_outside_the_fast_path_s_step
     host = result["host ms"]
     assert set(host) == {*STAGES, "first audio"} and all(host[stage] > 0 for stage in STAGES)
     assert table(result)[0].endswith("fast path: host ms, steps skipped |")
+
+
+def test_compute_gate_benchmark_measures_both_admission_orders():
+    """Each order runs the same three calls against its own gate: every played chunk and turn waited
+    (and was timed), the long reply got jobs through, and the table compares now with before."""
+    from benchmarks.bench_compute_gate import measure, table
+
+    result = measure(seconds=0.6, slots=2)
+    assert list(result) == ["arrival order (before)", "each call in its turn (now)"]
+    for r in result.values():
+        assert len(r["played chunk"]) >= 3 and len(r["turn"]) >= 1 and r["long reply jobs"] > 3
+        assert all(ms >= 0 for ms in r["played chunk"] + r["turn"])
+    lines = table(result)
+    assert lines[0].startswith("| admission |") and len(lines) == 5
+    assert "max wait now / before" in lines[-1]

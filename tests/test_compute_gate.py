@@ -1,8 +1,10 @@
 """pipecat_taste.compute.ComputeGate: the engine-wide limit on model jobs running at once."""
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -71,6 +73,72 @@ def test_queued_jobs_go_in_in_arrival_order():
     assert order == list(range(6))
 
 
+def _queue(gate, owner, order, label, queued_before):
+    """A thread whose job (under ``owner``) notes ``label``; returns once it is queued."""
+    thread = threading.Thread(target=gate.run, args=(order.append, label), kwargs={"owner": owner})
+    thread.start()
+    _wait_until(lambda: gate.stats()["queued"] == queued_before + 1)
+    return thread
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_call_holding_a_slot_waits_behind_one_holding_none(fair):
+    """A long reply's stages fill both slots and queue a third job; another call's vocoder chunk,
+    queued after it, goes in first when a slot frees (in arrival order: after it)."""
+    gate = ComputeGate(2, fair=fair)
+    releases = [threading.Event(), threading.Event()]
+    holders = [threading.Thread(target=gate.run, args=(r.wait,), kwargs={"owner": "long reply"}) for r in releases]
+    for h in holders:
+        h.start()
+    _wait_until(lambda: gate.busy == 2)
+    order = []
+    threads = [_queue(gate, "long reply", order, "long reply's third", 0),
+               _queue(gate, "other call", order, "other call's chunk", 1)]
+    releases[0].set()
+    _wait_until(lambda: len(order) == 2)  # both went in: the other holder still holds its slot
+    releases[1].set()
+    for t in holders + threads:
+        t.join()
+    first = "other call's chunk" if fair else "long reply's third"
+    assert order[0] == first, order
+
+
+def test_with_one_slot_the_calls_take_turns():
+    """The slot goes round the calls, each call's own jobs in their order, where arrival order
+    would run one call's whole queue first."""
+    gate = ComputeGate(1)
+    release = threading.Event()
+    holder = threading.Thread(target=gate.run, args=(release.wait,), kwargs={"owner": "a"})
+    holder.start()
+    _wait_until(lambda: gate.busy == 1)
+    order, threads = [], []
+    for i, (owner, label) in enumerate([("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("b", "b2"), ("c", "c1")]):
+        threads.append(_queue(gate, owner, order, label, i))
+    release.set()
+    for t in [holder, *threads]:
+        t.join()
+    # b and c were never let in: they go first (in arrival order), then the one let in longest ago
+    assert order == ["b1", "c1", "a1", "b2", "a2", "a3"], order
+
+
+def test_the_gate_keeps_no_call_alive():
+    """Whose turn it is is remembered only while a call has jobs inside or queued: an ended call is
+    not held by the engine's gate."""
+    class Call:
+        pass
+
+    gate, call = ComputeGate(2), Call()
+    ref = weakref.ref(call)
+    threads = [threading.Thread(target=gate.run, args=(time.sleep, 0.01), kwargs={"owner": call}) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    del call, threads
+    gc.collect()
+    assert ref() is None
+
+
 def test_a_failing_job_frees_its_slot():
     gate = ComputeGate(1)
 
@@ -96,6 +164,40 @@ def test_calls_run_their_jobs_through_the_engines_gate():
 
     assert asyncio.run(main()) == [1, 1, 1, 1]  # each ran inside the gate's one slot
     assert engine.compute_gate.stats()["jobs_total"] == 4
+
+
+def test_two_calls_jobs_take_turns_in_the_engines_gate():
+    """Each call's jobs are its own in the gate: a call's job queued after three of another call's
+    goes in second, not last."""
+    engine = FakeEngine()
+    gate = engine.compute_gate = ComputeGate(1)
+    talker, other = TasteCall(engine), TasteCall(engine)
+    release = threading.Event()
+    holder = threading.Thread(target=gate.run, args=(release.wait,))
+    order = []
+
+    async def queued(n):
+        while gate.stats()["queued"] < n:
+            await asyncio.sleep(0.002)
+
+    async def main():
+        holder.start()
+        while gate.busy < 1:
+            await asyncio.sleep(0.002)
+        jobs = []
+        for i, stage in enumerate(("think", "speech_tokens", "vocode")):
+            jobs.append(asyncio.ensure_future(talker.run(stage, order.append, f"talker {stage}")))
+            await queued(i + 1)
+        jobs.append(asyncio.ensure_future(other.run("vocode", order.append, "other vocode")))
+        await queued(4)
+        release.set()
+        await asyncio.gather(*jobs)
+        await talker.close()
+        await other.close()
+
+    asyncio.run(main())
+    holder.join()
+    assert order == ["talker think", "other vocode", "talker speech_tokens", "talker vocode"], order
 
 
 def test_engine_gate_settings():

@@ -250,12 +250,12 @@ class TasteCall:
 
     async def run(self, stage: str, fn, *args):
         """Run a blocking engine call on the stage's worker thread, inside the engine's compute
-        gate when it has one (jobs of all calls queue there, first come first served)."""
+        gate when it has one (jobs of all calls queue there, each call in its turn)."""
         return await asyncio.wrap_future(self._submit(stage, fn, *args))
 
     def _submit(self, stage: str, fn, *args) -> Future:
         gate = getattr(self.engine, "compute_gate", None)
-        job = fn if gate is None else functools.partial(gate.run, fn)
+        job = fn if gate is None else functools.partial(gate.run, fn, owner=self)
         return self.executor(stage).submit(job, *args)
 
     def new_turn_id(self) -> int:
