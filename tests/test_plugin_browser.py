@@ -130,8 +130,11 @@ async def test_browser_calls_the_agent_and_hears_it(tmp_path):
         while server.calls and time.monotonic() - closed < 10:
             await asyncio.sleep(0.1)
         assert not server.calls  # the call ended when the browser hung up
-    print("page figures:", json.dumps({k: stats.get(k) for k in ("state", "receivedMs", "audibleMs", "maxRms", "turns")}))
+    print("page figures:", json.dumps({k: stats.get(k) for k in ("state", "receivedMs", "audibleMs", "maxRms", "turns",
+                                                                "trickled", "connectMs")}))
     assert stats.get("error") is None, stats
+    # the offer went at once; the candidates found after it were trickled (PATCH, accepted by the server)
+    assert stats["trickled"] >= 1 and stats["connectMs"] > 0, stats
     assert stats["audibleMs"] >= 1000 and stats["maxRms"] > 0.01  # the page heard the agent speak
     assert stats["turns"] and stats["turns"][0]["decision"] == "reply"
     assert stats["turns"][0]["latency_ms"] is not None
