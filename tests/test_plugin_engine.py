@@ -64,6 +64,21 @@ def test_reply_streams_words_and_commit_keeps_what_was_heard(engine, hello):
     assert segments2 and session.commit_reply(None) >= 1 and total >= 2
 
 
+def test_the_history_s_window_moves_when_a_reply_is_committed_between_turns(engine, hello):
+    """A reply that takes the history past its window leaves the move to the commit (after the
+    reply was heard), not to the next turn's first audio; a barge-in is cut first, then moved."""
+    session = engine.new_session(GenerationSettings(max_reply_tokens=6, prompt_format="instruct", history_max_turns=3))
+    conversation = session.conversation
+    reply_segments(session, session.user_turn(hello.audio, hello.text))
+    assert session.commit_reply(None) >= 1 and len(conversation.turns) == 2
+    second = session.user_turn(hello.audio, hello.text)
+    reply_segments(session, second)
+    assert len(conversation.turns) == 4 and conversation.window_due  # the reply was handed on unmoved
+    assert session.commit_reply(1) == 1
+    assert not conversation.window_due and [t.role for t in conversation.turns] == ["user", "assistant"]
+    assert conversation.turns[0] is second.segment and int(conversation.turns[1].word_starts().sum()) == 1
+
+
 def test_a_barge_in_count_after_a_turn_was_taken_back_cuts_no_earlier_reply(engine, hello):
     """A turn answered too early is taken back with the reply begun to it (``forget_turn``); a
     commit that comes after (the playout's report of that reply: nothing heard) has nothing to

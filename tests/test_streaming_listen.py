@@ -527,6 +527,66 @@ def test_the_window_drops_below_its_limit_so_a_long_call_rarely_prefills_again(m
     assert rebuilds == 3  # down to 6 turns each time: at turns 9, 12 and 15, not at each of the 8 past the limit
 
 
+def _reply_left_open(model, processor, conv, turn):
+    """A reply to ``turn`` whose iterator has handed on its last item and is not asked for more."""
+    items = streaming_generate(model, processor, [turn], conversation=conv, text_top_p=0.0, extra_words=3,
+                               generator=torch.Generator().manual_seed(0))
+    last = next(item for item in items if item["is_complete"])
+    return items, last["reply"]
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_a_reply_past_the_window_moves_it_after_its_last_item_not_before(model, processor, user_turn, second_turn,
+                                                                          cache_kind):
+    """The window's prefill waits for the reply's last words to be handed on: the iterator makes
+    the move when asked for more after its last item (a for loop's next turn round)."""
+    conv = new_conversation(model, processor, cache_kind, max_turns=3)
+    run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+    items, reply = _reply_left_open(model, processor, conv, second_turn)
+    assert reply is not None and len(conv.turns) == 4 and conv.window_due  # nothing prefilled before the last item
+    assert next(items, None) is None  # asked for more: the window moves now
+    assert not conv.window_due and conv.turns == [second_turn, reply]
+    assert_cache_equals_fresh_build(model, processor, conv)
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_a_due_window_moves_at_move_window_or_else_before_the_next_turn(model, processor, user_turn, second_turn,
+                                                                        cache_kind):
+    moved = new_conversation(model, processor, cache_kind, max_turns=3)
+    late = new_conversation(model, processor, cache_kind, max_turns=3)
+    replies = {}
+    for conv in (moved, late):
+        run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+        items, replies[conv] = _reply_left_open(model, processor, conv, second_turn)
+        items.close()  # (a consumer that stops at the last item: the plugin's)
+        assert conv.window_due and len(conv.turns) == 4
+    assert moved.move_window() is True and moved.turns == [second_turn, replies[moved]] and not moved.window_due
+    assert moved.move_window() is False  # nothing due
+    assert_cache_equals_fresh_build(model, processor, moved)
+    late.add_turn(user_turn)  # never moved between turns: moved before the turn is fed
+    assert late.turns == [second_turn, replies[late], user_turn] and not late.window_due
+    assert_cache_equals_fresh_build(model, processor, late)
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_a_due_window_leaves_a_barge_in_s_cut_and_a_forgotten_turn_where_they_were(model, processor, user_turn,
+                                                                                   second_turn, cache_kind):
+    """Cutting the reply to the words heard, or taking back the turn it answered, works on the
+    history as the reply left it: the window moves after (the plugin's commit), not under the cut."""
+    cut, forgot = (new_conversation(model, processor, cache_kind, max_turns=3) for _ in range(2))
+    for conv in (cut, forgot):
+        run(model, processor, [user_turn], conversation=conv, text_top_p=0.0)
+        items, _ = _reply_left_open(model, processor, conv, second_turn)
+        items.close()
+    kept = cut.truncate_last_assistant(1)
+    assert kept is not None and kept.num_words == 1 and cut.turns[-1] is kept and len(cut.turns) == 4
+    assert_cache_equals_fresh_build(model, processor, cut)
+    assert cut.move_window() and cut.turns == [second_turn, kept]
+    assert_cache_equals_fresh_build(model, processor, cut)
+    assert forgot.forget_from(second_turn) == 2 and len(forgot.turns) == 2 and not forgot.window_due
+    assert_cache_equals_fresh_build(model, processor, forgot)
+
+
 def test_a_rejected_turn_leaves_the_conversation_as_it_was(model, processor, user_turn):
     conv = Conversation(model, processor)
     bad = TASTESegment("user", "audio", user_turn.text_ids, user_turn.taste_ids[..., :-1])  # one RVQ level short

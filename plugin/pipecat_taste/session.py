@@ -353,13 +353,20 @@ class TasteSession:
         if played_words is not None and not (counted and played_words >= 0):
             raise ValueError(f"played_words must be None (all heard) or a number of words >= 0, got {played_words!r}")
         total, self._last_reply_words = self._last_reply_words, 0
-        if total == 0 or played_words is None or played_words >= total:
+        cut = total > 0 and played_words is not None and played_words < total
+        if not cut and not self.conversation.window_due:
             return total
         with self._job(when_closed="skip") as open_:  # the call may end meanwhile: close() waits for this
             if not open_ or self.conversation.closed:
                 return total
-            kept = self.conversation.truncate_last_assistant(max(0, int(played_words)))
-        return 0 if kept is None else int(kept.word_starts().sum())
+            if cut:
+                kept = self.conversation.truncate_last_assistant(max(0, int(played_words)))
+                total = 0 if kept is None else int(kept.word_starts().sum())
+            try:  # the history past its window: moved now, between turns, not before the next reply
+                self.conversation.move_window()
+            except Exception as exc:  # (out of memory: the cache is dropped and the next turn prefills it)
+                logger.warning("the history's window could not be moved after the reply: %s", exc)
+        return total
 
     def forget_turn(self, turn: UserTurn) -> int:
         """Take back a user turn that was answered too early (the caller went on speaking) and the

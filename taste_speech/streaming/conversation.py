@@ -9,7 +9,10 @@ answered too early (with its reply). A rolling window (``max_tokens`` / ``max_tu
 the oldest exchanges (a user turn with the replies to it), never the system segment and never the
 newest exchange; only then is the cache prefilled again, because every later row's position
 changes. It drops down to ``WINDOW_LOW_WATER`` of the limits, so that a long call prefills its
-history every few exchanges rather than at every turn. All of it lives in one
+history every few exchanges rather than at every turn. A reply that takes the history past a
+limit leaves the move due (``window_due``); it is made between turns - ``move_window()``, or
+``streaming_generate``'s iterator run to its end - and otherwise before the next turn or reply
+is fed, so that the prefill does not hold up the reply's last words. All of it lives in one
 ``ConversationState`` that ``snapshot()`` copies and ``restore()`` puts back.
 
 With ``lm_batch`` (an ``LMStepBatch`` shared by the conversations of one model) the cache is a
@@ -268,10 +271,14 @@ class Conversation:
         with self._exclusive("ready"):
             return self._ready()
 
-    def _ready(self) -> LMDecodeState:
+    def _ready(self, move_window: bool = True) -> LMDecodeState:
+        """(``move_window=False``: for a caller about to cut the history at a turn it has found,
+        which a window move would shift)"""
         st = self.state
         if st.decode is not None and st.model_identity != self.model_identity:
             self._drop_cache()  # the model was cast or moved since its rows were made: made again from the turns
+        if move_window and self.window_due and self._apply_window():  # a move left for between turns that did not happen
+            return st.decode  # (the kept history, prefilled)
         if st.decode is None:
             self._rebuild()
         elif st.decode.length != st.committed_rows:
@@ -280,6 +287,37 @@ class Conversation:
             st.decode.last_hidden = st.committed_hidden
             st.reply_opening = 0
         return st.decode
+
+    # -- the window -----------------------------------------------------------------------------------
+    @property
+    def window_due(self) -> bool:
+        """The committed history is past ``max_turns`` or ``max_tokens`` (after a reply): the
+        window moves at ``move_window()``, else before the next turn or reply is fed."""
+        st = self.state
+        return len(st.turns) > self.max_turns or st.committed_rows > self.max_tokens
+
+    def move_window(self) -> bool:
+        """Make a due window move now: drop the oldest exchanges and prefill what is kept. Call it
+        between turns (after a reply is committed and cut to what was heard), where the prefill
+        holds up no one. Returns whether the window moved."""
+        with self._exclusive("move_window"):
+            return self._apply_window()
+
+    def _move_window_if_free(self) -> None:
+        """``move_window`` unless someone holds the conversation already (who then makes the move
+        when it feeds). A failing prefill drops the cache (``_rebuild``): the next use prefills
+        the history again and raises there, if it must."""
+        with self._lock:
+            if self._holder is not None or self.closed or not self.window_due:
+                return
+            token = object()
+            self._holder = (token, "move_window")
+        try:
+            self._apply_window()
+        except Exception:
+            pass
+        finally:
+            self._release(token)
 
     # -- turns ----------------------------------------------------------------------------------------
     def add_turn(self, segment: TASTESegment) -> None:
@@ -352,8 +390,7 @@ class Conversation:
         st.turn_ids.append(len(decode.input_ids) - st.committed_ids)
         st.turn_carry.append(st.carry)
         st.carry = carry
-        self._mark_committed()
-        self._apply_window()
+        self._mark_committed()  # (past a limit now: the window moves between turns, see window_due)
 
     def truncate_last_assistant(self, played_words: int) -> TASTESegment | None:
         """Keep only the first ``played_words`` words of the last assistant turn (barge-in: what
@@ -385,7 +422,7 @@ class Conversation:
             _close_cache(st.decode)
             st.decode = None
             return kept
-        self._ready()
+        self._ready(move_window=False)
         start_rows = st.committed_rows - st.turn_rows[index]
         start_ids = st.committed_ids - st.turn_ids[index]
         carry_before = st.turn_carry[index]
@@ -442,7 +479,7 @@ class Conversation:
         if st.decode is None:  # no cache yet: the next use prefills what is left
             del st.turns[index:], st.turn_rows[index:], st.turn_ids[index:], st.turn_carry[index:]
             return forgotten
-        self._ready()
+        self._ready(move_window=False)
         rows, ids, carry = sum(st.turn_rows[index:]), sum(st.turn_ids[index:]), st.turn_carry[index]
         del st.turns[index:], st.turn_rows[index:], st.turn_ids[index:], st.turn_carry[index:]
         self._cut(st.committed_rows - rows, st.committed_ids - ids)
@@ -468,7 +505,7 @@ class Conversation:
         st.system, st.turns, st.turn_rows, st.turn_ids, st.turn_carry = mark[0], *(list(m) for m in mark[1:])
         self._drop_cache()
 
-    def _apply_window(self) -> None:
+    def _apply_window(self) -> bool:
         """Past ``max_turns`` or ``max_tokens``, drop the oldest exchanges - a turn with the replies
         after it, so that the history never opens with an answer to a dropped question - down to
         ``WINDOW_LOW_WATER`` of either limit, then prefill what is kept. The newest exchange (the
@@ -477,8 +514,8 @@ class Conversation:
         the limits; past them only the newest reply is kept (a history of replies only is still
         bounded)."""
         st = self.state
-        if len(st.turns) <= self.max_turns and st.committed_rows <= self.max_tokens:
-            return
+        if not self.window_due:
+            return False
         keep_from = question = len(st.turns) - 1
         while question > 0 and st.turns[question].role == "assistant":
             question -= 1
@@ -496,6 +533,7 @@ class Conversation:
         if drop:  # every later row's position changes: prefill the kept history again
             del st.turns[:drop], st.turn_rows[:drop], st.turn_ids[:drop], st.turn_carry[:drop]
             self._rebuild()
+        return drop > 0
 
     # -- snapshots ------------------------------------------------------------------------------------
     def snapshot(self) -> ConversationState:

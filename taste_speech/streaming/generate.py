@@ -236,6 +236,9 @@ def _generate(model, processor, conversation: Conversation, token: object, segme
                 committed = True
                 conversation._release(token)
             yield item
+        # asked for more after the last item, which the consumer has handled: between turns, a
+        # window move this reply made due costs no one a wait
+        conversation._move_window_if_free()
     except GeneratorExit:  # closed early: the turns stay, the uncommitted reply rows are cropped on next use
         raise
     except BaseException:
