@@ -1259,3 +1259,32 @@ def test_a_turn_takes_no_more_transcript_than_two_minutes_of_speech_hold():
     assert log.dropped == [f"{part[:200]}... (2000 characters)"]
     transcripts.add("and one more", True, None, 16000, current=turn)  # (4012 characters: dropped too)
     assert len(turn.parts) == 2 and len(log.dropped) == 2
+
+
+def test_words_no_turn_took_go_to_the_next_turn_only_if_they_came_after_its_speech_began():
+    """An STT's words that arrived while no turn was captured wait for the next turn: it keeps
+    them if they came after its speech began (a fast STT, a VAD slow to confirm), else they are a
+    turn-less sound's or an earlier turn's late words, and are logged and dropped."""
+    from pipecat_taste.upstream_transcripts import UpstreamTranscripts
+
+    class Log:
+        def __init__(self):
+            self.dropped = []
+
+        def event(self, kind, **fields):
+            if kind == "transcript_dropped":
+                self.dropped.append(fields["text"])
+
+    log = Log()
+    transcripts = UpstreamTranscripts(0.4, log)
+    transcripts.add("hello there", True, None, 16000, current=None)  # no turn yet: kept aside
+    arrived = time.monotonic()
+    turn = transcripts.new_turn(arrived + 0.3, 0.5)  # its speech began 0.5 s before: after the words came
+    assert [text for _, text in turn.parts] == ["hello there"] and log.dropped == []
+    transcripts.add("old words", True, None, 16000, current=None)
+    arrived = time.monotonic()
+    turn = transcripts.new_turn(arrived + 2.0, 0.5)  # began 1.5 s after the words came: not its own
+    assert turn.parts == [] and log.dropped == ["old words"]
+    transcripts.add("said at the end", True, None, 16000, current=None)
+    transcripts.end_of_call()
+    assert log.dropped == ["old words", "said at the end"]
