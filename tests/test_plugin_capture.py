@@ -1288,3 +1288,24 @@ def test_words_no_turn_took_go_to_the_next_turn_only_if_they_came_after_its_spee
     transcripts.add("said at the end", True, None, 16000, current=None)
     transcripts.end_of_call()
     assert log.dropped == ["old words", "said at the end"]
+
+
+async def test_the_end_of_the_call_ends_a_turn_s_wait_for_its_words_at_once():
+    """A turn waiting for its STT's words (up to the transcript timeout) stops waiting when the
+    call ends: what the STT had to say came before; the call's end does not wait 30 s."""
+    from pipecat_taste.upstream_transcripts import UpstreamTranscripts
+
+    class Log:
+        def event(self, kind, **fields):
+            pass
+
+    transcripts = UpstreamTranscripts(0.4, Log())
+    now = time.monotonic()
+    turn = transcripts.new_turn(now, 0.2)
+    turn.close(now, now - 0.3, 16000, True)
+    transcripts.expect(turn)
+    waiting = asyncio.ensure_future(transcripts.wait(turn, lambda: 30.0, asyncio.Event()))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()  # no words yet: it waits
+    transcripts.end_of_call()
+    await asyncio.wait_for(waiting, 2.0)
