@@ -861,13 +861,15 @@ def tower_text_ms(engine, repeats: int) -> dict:
 
 @torch.inference_mode()
 def prefill_ms(engine, repeats: int, rows: int = 48) -> dict:
-    """A turn's prefill (``rows`` rows into an empty static cache): eager vs the 64-row bucket's graph."""
+    """A prefill of ``rows`` rows into an empty static cache: eager vs 'auto' (a turn's 48 rows:
+    the 64-row bucket's graph; the 3072 rows a 4096-row history keeps after a window move: past
+    the buckets)."""
     lm = engine.model.spoken_lm
     block = torch.randn(1, rows, lm.causal_lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
     block = block.to(engine.device, lm.lm_dtype)
-    out = {}
+    out = {"rows": rows}
     for name, mode in (("eager", "eager"), ("graph", "auto")):
-        state = lm.new_decode_state(cache=lm.new_cache("static", capacity=1024, graph_mode=mode))
+        state = lm.new_decode_state(cache=lm.new_cache("static", capacity=max(1024, rows + 256), graph_mode=mode))
         times = []
         for i in range(repeats + 1):  # the first run captures
             state.crop(0)
@@ -895,6 +897,8 @@ def levers(engine, steps: int, context: int = 1024, seconds: float = 8.0) -> dic
     out["tower_encoder_ms"] = tower_encoder_ms(engine, repeats=steps // 5 or 1)
     out["tower_text_ms"] = tower_text_ms(engine, repeats=steps // 5 or 1)
     out["prefill_ms"] = prefill_ms(engine, repeats=steps // 5 or 1)
+    # what a long call's window move costs between turns (the agent's history_max_tokens 4096, kept to 75%)
+    out["window_prefill_ms"] = prefill_ms(engine, repeats=steps // 5 or 1, rows=3072)
     out["first_chunk_flow"] = first_chunk_steps(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     out["flow_kernels"] = flow_kernel_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
     out["time_conditioning"] = time_conditioning_figures(engine.voice_generator, "auto", repeats=steps // 5 or 1)
@@ -1647,6 +1651,11 @@ def lever_lines(lever: dict) -> list[str]:
     rows.append(["spoken LM prefill ms (a 48-row turn)", "eager", fmt(prefill["eager"]),
                  f"64-row bucket step ({prefill['graph_mode']})", fmt(prefill["graph"]),
                  f"{prefill['graph'] / prefill['eager']:.2f}"])
+    if "window_prefill_ms" in lever:
+        window = lever["window_prefill_ms"]
+        rows.append([f"spoken LM prefill ms (the {window['rows']} rows kept after a window move, between turns)",
+                     "eager", fmt(window["eager"]), f"static cache ({window['graph_mode']})", fmt(window["graph"]),
+                     f"{window['graph'] / window['eager']:.2f}"])
     for row in lever["first_chunk_flow"]:
         rows.append([f"first chunk's flow step ms ({row['frames']} frames, {row['policy']})",
                      f"padded into {row['padded_bucket']}", fmt(row["padded_ms"]), f"full bucket {row['frames']}",

@@ -69,6 +69,8 @@ def test_quick_tiny_run_on_cpu(tmp_path):
     assert levers["tower_text_ms"]["eager"] > 0 and levers["tower_text_ms"]["graph"] > 0
     assert "text side one captured step per length bucket (eager)" in out.read_text()
     assert levers["prefill_ms"]["eager"] > 0 and levers["prefill_ms"]["graph"] > 0
+    assert levers["window_prefill_ms"]["rows"] == 3072 and levers["window_prefill_ms"]["graph"] > 0
+    assert "| spoken LM prefill ms (the 3072 rows kept after a window move, between turns) |" in out.read_text()
     assert [row["frames"] for row in levers["first_chunk_flow"]] == [17, 37]
     assert all(row["max_mel_diff"] < 1e-4 and row["full_ops"] < row["padded_ops"] for row in levers["first_chunk_flow"])
     assert levers["synthesis"]["growing"]["chunks"] < levers["synthesis"]["fixed"]["chunks"]
