@@ -74,6 +74,7 @@ CACHE_VERSION = "v2"  # bump when the layout changes in a way the builder source
 _BUILDER_SOURCES = ("tiny.py", "tiny_tokenizers.py", "tiny_speaker.py", os.path.join("voice_generator", "tiny.py"),
                     os.path.join("voice_generator", "config.py"))
 LLM_VOCAB_SIZE = 1024
+LLM_HIDDEN_SIZE, LLM_LAYERS = 64, 2  # the tiny Llama's (also how a tiny checkpoint's config.json is told apart)
 ASR_VOCAB_SIZE = 512
 EMBED_SCALE_WORD_START = 0.35
 EMBED_SCALE_OTHER = 0.25
@@ -123,7 +124,8 @@ def tiny_config(tokenizers, whisper: dict | None = None):
             llm__input_layer="linear_legacy", llm__static_chunk_size=1,
         ),
         text_config=dict(
-            model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            model_type="llama", hidden_size=LLM_HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=LLM_LAYERS,
+            num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=tokenizers.llm_vocab_size, tie_word_embeddings=True,
             max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu",
             rope_scaling=dict(factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
@@ -273,8 +275,38 @@ def calibrate_speech_eos(model, seed: int) -> float:
 
 
 # -- the builder -----------------------------------------------------------------------------------
-def build_tiny_checkpoint(directory: str, seed: int = SEED_DEFAULT) -> str:
-    """Write a complete tiny checkpoint to ``directory`` (see the module docstring)."""
+# What the builder writes at the top of its folder: anything else there is someone else's
+BUILT_ENTRIES = frozenset({"config.json", "model.safetensors", "llama_tokenizer", "asr_tokenizer", "whisper_joint",
+                           "cosyvoice"})
+
+
+def check_build_folder(directory: str) -> None:
+    """Refuse a folder holding anything but a tiny checkpoint: writing one there removes its other
+    weight files and replaces its config and tokenizers (a real checkpoint would be lost to random
+    weights that still load)."""
+    if not os.path.isdir(directory):
+        return
+    foreign = sorted(set(os.listdir(directory)) - BUILT_ENTRIES)
+    config = os.path.join(directory, "config.json")
+    if not foreign and os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as f:
+                text = json.load(f).get("text_config", {})
+            tiny = (text.get("hidden_size"), text.get("num_hidden_layers")) == (LLM_HIDDEN_SIZE, LLM_LAYERS)
+        except (OSError, ValueError, AttributeError):
+            tiny = False
+        if not tiny:
+            foreign = ["config.json (not a tiny checkpoint's)"]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(f"{directory!r} holds files that are not a tiny checkpoint ({shown}): building one there "
+                         "would delete its weights and replace its config and tokenizers. Give an empty or new "
+                         "folder (or pass overwrite=True, --force, to replace it on purpose)")
+
+
+def build_tiny_checkpoint(directory: str, seed: int = SEED_DEFAULT, overwrite: bool = False) -> str:
+    """Write a complete tiny checkpoint to ``directory`` (see the module docstring): a new or empty
+    folder, or one holding a tiny checkpoint already, unless ``overwrite``."""
     from transformers import AutoTokenizer
 
     from taste_speech.configuration_taste import TasteConfig
@@ -285,6 +317,8 @@ def build_tiny_checkpoint(directory: str, seed: int = SEED_DEFAULT) -> str:
     from taste_speech.voice_generator import write_tiny_voice_generator
 
     directory = os.fspath(directory)
+    if not overwrite:
+        check_build_folder(directory)
     os.makedirs(directory, exist_ok=True)
     tokenizers = build_tiny_tokenizers(directory, llm_vocab_size=LLM_VOCAB_SIZE, asr_vocab_size=ASR_VOCAB_SIZE,
                                        seed=seed)
@@ -396,11 +430,19 @@ def _readable_by_all(directory: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m taste_speech.tiny",
                                      description="Write a random tiny TASTE checkpoint in the published layout.")
-    parser.add_argument("directory", help="output folder (created; existing files are overwritten)")
+    parser.add_argument("directory", help="output folder (created; a tiny checkpoint there is rebuilt, other "
+                                          "contents are refused unless --force)")
     parser.add_argument("--seed", type=int, default=SEED_DEFAULT, help="weights/tokenizer/voice seed (default 0)")
+    parser.add_argument("--force", action="store_true",
+                        help="build even into a folder holding something else (its weight files are deleted)")
     args = parser.parse_args(argv)
     if os.path.exists(args.directory) and not os.path.isdir(args.directory):
         parser.error(f"{args.directory!r} is a file: give a folder (created if missing)")
+    if not args.force:
+        try:
+            check_build_folder(args.directory)
+        except ValueError as e:
+            parser.error(str(e))
     try:  # (now, not after the weights are made)
         os.makedirs(args.directory, exist_ok=True)
     except OSError as e:
@@ -408,7 +450,7 @@ def main(argv=None) -> int:
     if not os.access(args.directory, os.W_OK | os.X_OK):
         parser.error(f"the folder {args.directory!r} is not writable")
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
-    build_tiny_checkpoint(args.directory, args.seed)
+    build_tiny_checkpoint(args.directory, args.seed, overwrite=True)
     print(f"wrote tiny TASTE checkpoint (seed {args.seed}) to {args.directory}")
     return 0
 

@@ -210,3 +210,28 @@ def test_the_builder_refuses_a_file_for_its_folder(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:  # (a folder under a file cannot be made: said, not a traceback)
         tiny.main([str(afile / "under")])
     assert exit_.value.code == 2 and f"cannot create the folder {str(afile / 'under')!r}" in capsys.readouterr().err
+
+
+def test_the_builder_refuses_a_folder_holding_another_checkpoint_unless_forced(tiny_checkpoint, tmp_path, capsys):
+    """Building removes a folder's other weight files: a real checkpoint given by mistake stays
+    whole (the builder says why and how to go on); a tiny checkpoint's folder is rebuilt."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "config.json").write_text(json.dumps({"model_type": "taste", "text_config": {"hidden_size": 2048,
+                                                                                        "num_hidden_layers": 16}}))
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"):
+        (real / name).write_text("weights")
+    before = sorted(p.name for p in real.iterdir())
+    with pytest.raises(SystemExit) as exit_:
+        tiny.main([str(real)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "holds files that are not a tiny checkpoint" in err and "--force" in err
+    assert "model-00001-of-00002.safetensors" in err and sorted(p.name for p in real.iterdir()) == before
+    (real / "model-00001-of-00002.safetensors").unlink()
+    (real / "model-00002-of-00002.safetensors").unlink()
+    (real / "model.safetensors.index.json").unlink()
+    with pytest.raises(ValueError, match=r"config.json \(not a tiny checkpoint's\)"):  # its config alone, too
+        tiny.build_tiny_checkpoint(str(real))
+    tiny.check_build_folder(str(tiny_checkpoint))  # a tiny checkpoint's folder: fine to rebuild
+    tiny.check_build_folder(str(tmp_path / "new"))  # (a folder not there yet)
+    assert tiny.main([str(real), "--force"]) == 0 and (real / "model.safetensors").exists()
