@@ -85,8 +85,16 @@ def to_mono_float(audio) -> np.ndarray:
 
 
 def _to_float32(array: np.ndarray) -> np.ndarray:
+    if array.dtype.byteorder not in ("=", "|"):  # (big-endian samples, as read from some files)
+        array = array.astype(array.dtype.newbyteorder("="))
     if array.dtype == np.int16:
         return array.astype(np.float32) / 32768.0
+    if array.dtype.kind == "i" and array.size:
+        peak = int(np.abs(array.astype(np.int64)).max())
+        if 0 < peak <= 32768:  # int16 samples in a wider array (e.g. torch.tensor(list) makes int64)
+            raise ValueError(f"{array.dtype} audio peaks at {peak}, like int16 samples stored in a wider type "
+                             f"({array.dtype} samples are scaled to their own range: this would be near silence); "
+                             "pass .astype(np.int16)")
     if array.dtype == np.int32:
         return (array.astype(np.float64) / 2147483648.0).astype(np.float32)
     if array.dtype == np.uint8:

@@ -165,6 +165,17 @@ def test_to_mono_float_layouts_and_types():
     assert np.allclose(to_mono_float(np.array([128, 192], dtype=np.uint8)), [0.0, 0.5])
     stereo_pcm = np.stack([pcm, pcm])
     assert np.allclose(to_mono_float(stereo_pcm), to_mono_float(pcm))
+    assert np.allclose(to_mono_float(pcm.astype(">i2")), to_mono_float(pcm))  # big-endian, as some files hold it
+
+
+@pytest.mark.parametrize("wide", [np.int32, np.int64, "torch"])
+def test_int16_samples_in_a_wider_integer_type_are_named_not_taken_for_silence(wide):
+    """torch.tensor(list) and np.array(list) make int64: int16 samples in it (or in int32, scaled by
+    2**31 to near silence) are refused with the fix, not reported silent later."""
+    pcm = np.array([0, 16384, -32768, 32767], dtype=np.int16)
+    audio = torch.tensor(pcm.tolist()) if wide == "torch" else pcm.astype(wide)
+    with pytest.raises(ValueError, match=r"peaks at 32768, like int16 samples stored in a wider type.*astype\(np.int16\)"):
+        to_mono_float(audio)
 
 
 @pytest.mark.parametrize("audio, match", [
