@@ -336,7 +336,7 @@ def test_detokenizing_hands_on_the_chunks_made_before_a_failed_step_then_the_err
     import taste_speech.streaming.detokenize as detokenize
 
     model, processor, vg, speaker, ids, taste, _ = speech_setup
-    speak_for_real = detokenize.speak
+    speak_for_real = detokenize.speak_held  # (the stream holds its state)
 
     def failing_flush(vg_, state, tokens=None, final=False):
         chunks = speak_for_real(vg_, state, tokens, final=final)
@@ -344,7 +344,7 @@ def test_detokenizing_hands_on_the_chunks_made_before_a_failed_step_then_the_err
             raise SynthesisFailed("synthesis failed after 1 new chunk(s): out of memory", chunks) from None
         return chunks
 
-    monkeypatch.setattr(detokenize, "speak", failing_flush)
+    monkeypatch.setattr(detokenize, "speak_held", failing_flush)
     items = []
     with pytest.raises(SynthesisFailed, match="out of memory"):
         for item in taste_detokenize_stream(model, processor, speaker, None, None, None, 0, ids, taste, 16000,
@@ -354,7 +354,7 @@ def test_detokenizing_hands_on_the_chunks_made_before_a_failed_step_then_the_err
     with pytest.raises(SynthesisFailed, match="out of memory") as failed:
         taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 16000, voice_generator=vg,
                          generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(detokenize, "speak", speak_for_real)
+    monkeypatch.setattr(detokenize, "speak_held", speak_for_real)
     whole = taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste, 16000, voice_generator=vg,
                              generator=torch.Generator().manual_seed(0))
     assert not any(item["is_final"] for item in items)
@@ -513,3 +513,32 @@ def test_a_continuation_past_the_decoder_s_positions_is_refused_before_any_audio
                                     ids[:, cut:], taste[:, cut:], 22050, voice_generator=vg)
     with pytest.raises(ValueError, match="speech-decoder positions .* pass state="):
         next(items)
+
+
+def test_a_state_is_spoken_by_one_caller_at_a_time(speech_setup):
+    """A stream holds its state until it ends or is closed: a second stream or a speak on the same
+    state meanwhile (another thread, a retry wrapper) is refused with the reason, not left to mix
+    two callers' tokens into one utterance's caches; and a new reply given an old state is told
+    to start without one."""
+    model, processor, vg, speaker, ids, taste, cut = speech_setup
+    kw = dict(voice_generator=vg, generator=torch.Generator().manual_seed(0))
+    first = taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, :cut], taste[:, :cut], final=False,
+                             **kw)
+    state = first["state"]
+    args = (model, processor, speaker, ids[:, :cut], taste[:, :cut], first["speech_ids"], first["chunk_duration_ms"],
+            ids[:, cut:], taste[:, cut:])
+    stream = taste_detokenize_stream(*args, state=state, final=False, **kw)
+    next(stream)  # under way: it holds the state
+    with pytest.raises(RuntimeError, match="in use by another call right now"):
+        next(taste_detokenize_stream(*args, state=state, final=False, **kw))
+    with pytest.raises(RuntimeError, match="in use by another call right now"):
+        speak(vg, state, torch.tensor([[1]]))
+    with pytest.raises(RuntimeError, match="in use by another call right now"):
+        finish_speaking(vg, state)
+    stream.close()  # (a barge-in): let go
+    assert finish_speaking(vg, state).shape[-1] > 0  # the held-back end, faded out
+    fresh = taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, :cut], taste[:, :cut],
+                             final=False, **kw)
+    with pytest.raises(ValueError, match="a new reply starts with state=None"):
+        taste_detokenize(model, processor, speaker, None, None, None, 0, ids[:, cut:], taste[:, cut:],
+                         state=fresh["state"], **kw)

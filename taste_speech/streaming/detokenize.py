@@ -39,7 +39,7 @@ from taste_speech.device_copies import to_device
 from taste_speech.espnet_transformer import MAX_CACHED_POSITIONS
 from taste_speech.processing_taste import as_speaker_embedding
 from taste_speech.sampler import check_generator
-from taste_speech.streaming.synthesis import SpeechChunk, SynthesisFailed, speak, start_speaking
+from taste_speech.streaming.synthesis import IN_USE, SpeechChunk, SynthesisFailed, speak, speak_held, start_speaking
 from taste_speech.streaming.synthesis_state import (
     SAMPLES_PER_FRAME,
     SOURCE_RATE,
@@ -169,6 +169,15 @@ def _stateless_start(vg, speaker_embeds, policy, out_sampling_rate, generator, p
     return state, [chunk for chunk in primed if chunk.audio.shape[-1]]
 
 
+def _hold(state: SynthesisState) -> SynthesisState:
+    """Take ``state`` for this stream (released when the stream ends or is closed)."""
+    if not isinstance(state, SynthesisState):
+        raise ValueError(f"state must be the 'state' a previous taste_detokenize call returned, got {type(state).__name__}")
+    if not state.in_use.acquire(blocking=False):
+        raise RuntimeError(IN_USE)
+    return state
+
+
 def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.Tensor, prev_audio_ms: float,
                  prev_text_ids: torch.Tensor, prev_taste_ids: torch.Tensor, policy) -> None:
     if not isinstance(state, SynthesisState):
@@ -190,6 +199,11 @@ def _check_state(state: SynthesisState, speaker_embeds, prev_speech_ids: torch.T
     if not torch.allclose(state.speaker_embeds.cpu().float(), speaker_embeds.cpu().float(), atol=1e-5):
         raise ValueError("speaker_embeds differ from the ones this state was started with: one state per voice")
     n_prev = prev_speech_ids.shape[1]
+    if n_prev == 0 and state.tokens_before + state.n_tokens:
+        raise ValueError(f"this state belongs to an utterance under way ({state.tokens_before + state.n_tokens} speech "
+                         "tokens spoken) but prev_speech_ids is empty: a new reply starts with state=None (end the "
+                         "old one with finish_speaking(voice_generator, state)); to go on with this utterance, pass "
+                         "the 'speech_ids' returned with the state")
     if n_prev != state.tokens_before + state.n_tokens:
         raise ValueError(f"prev_speech_ids has {n_prev} tokens but the state covers {state.tokens_before + state.n_tokens}:"
                          " pass the 'speech_ids' returned by the previous call together with its 'state'")
@@ -267,91 +281,98 @@ def taste_detokenize_stream(
     _check_word_rows(processor, prev_text_ids, prev_taste_ids, "prev_taste_ids")
     _check_word_rows(processor, text_ids, taste_ids, "taste_ids")
     _check_words_add_up(processor, prev_text_ids, text_ids)
-    if state is None:
-        _check_stateless_prev_audio(prev_speech_ids, prev_audio_ms)
-    else:
-        _check_state(state, speaker_embeds, prev_speech_ids, prev_audio_ms, prev_text_ids, prev_taste_ids, policy)
-        if state.out_sampling_rate != out_sampling_rate:
-            raise ValueError(f"the state resamples to {state.out_sampling_rate} Hz, not {out_sampling_rate}")
-
-    # 1. words -> ASR tokens and TASTE embeddings (previous segment first)
-    full_text = torch.cat([prev_text_ids, text_ids], dim=1)
-    full_taste = torch.cat([prev_taste_ids, taste_ids], dim=1)
-    aligned = processor.align_llm_ids(full_text)
-    current = processor.align_llm_ids(text_ids)
-    # (host tensors: checked there and copied in without waiting for the GPU)
-    audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste, aligned.asr_word_ids)
-    prefix = decoder.prefix_embeds(speaker_embeds, audio_embeds, aligned.asr_token_ids,
-                                   graph=decoder.condition_graph(decoder_cache))
-
-    # 2. the speech decoder, continuing the previous segment's speech tokens. With a state they are
-    # the last segment's (the prefix holds that segment's words; feeding the whole utterance would
-    # also cost more with every segment); without one, what the caller gave.
-    min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
-    continued = prev_speech_ids
-    if state is not None and state.segment_tokens:  # (0: the state spoke tokens outside detokenize)
-        continued = prev_speech_ids[:, prev_speech_ids.shape[1] - state.segment_tokens:]
-    # The decoder's positions hold the prefix, the continued tokens and the new ones: refused before
-    # any audio goes out if not even the fewest new tokens fit (not at the step that runs out), and
-    # the most new tokens capped at the room left (a decode rarely comes near its 20x limit).
-    room = MAX_CACHED_POSITIONS - prefix.shape[1] - continued.shape[1]
-    if room < max(min_len, 1):
-        raise ValueError(f"this segment needs at least {prefix.shape[1] + continued.shape[1] + max(min_len, 1)} "
-                         f"speech-decoder positions ({prefix.shape[1]} of its prefix, {continued.shape[1]} continued "
-                         f"speech tokens, at least {max(min_len, 1)} new ones), more than the decoder's "
-                         f"{MAX_CACHED_POSITIONS}: pass state= (only the last segment is continued) or fewer "
-                         "prev_speech_ids")
-    max_len = min(max_len, room)
-    dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=decoder_cache)
-    if continued.shape[1]:
-        dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(to_device(continued, decoder.device)))
-    sampler = TopKSampler(generator=generator) if sampler is None else sampler
-
-    # 3. the voice generator, fed token by token
-    primed = []
-    if state is None:
-        state, primed = _stateless_start(vg, speaker_embeds, policy or "low_latency", out_sampling_rate, generator,
-                                         prev_speech_ids, prev_audio_ms)
-    new_tokens: list[int] = []
-
-    def item(chunk: SpeechChunk | None, is_final: bool) -> dict:
-        new = torch.tensor([new_tokens], dtype=torch.long).view(1, -1)
-        audio = chunk.audio if chunk is not None else torch.zeros(1, 0)
-        return {
-            "audio_waveform": audio,
-            "sampling_rate": chunk.sampling_rate if chunk is not None else out_sampling_rate,
-            "chunk_duration_ms": chunk.duration_ms if chunk is not None else 0.0,
-            "speech_ids": torch.cat([prev_speech_ids, new.to(prev_speech_ids.device)], dim=1),
-            "new_speech_ids": new,
-            "is_final": is_final,
-            "state": state,
-        }
-
-    for chunk in primed:  # the previous tokens' audio after prev_audio_ms
-        yield item(chunk, False)
-    state.segment_open = True
+    # The state is held for the whole segment: a second stream or speak on it at once raises.
+    held = None if state is None else _hold(state)
     try:
-        while (token := decoder.step(dec_state, sampler)) is not None:
-            new_tokens.append(token)
-            for chunk in speak(vg, state, torch.tensor([[token]])):
+        if state is None:
+            _check_stateless_prev_audio(prev_speech_ids, prev_audio_ms)
+        else:
+            _check_state(state, speaker_embeds, prev_speech_ids, prev_audio_ms, prev_text_ids, prev_taste_ids, policy)
+            if state.out_sampling_rate != out_sampling_rate:
+                raise ValueError(f"the state resamples to {state.out_sampling_rate} Hz, not {out_sampling_rate}")
+
+        # 1. words -> ASR tokens and TASTE embeddings (previous segment first)
+        full_text = torch.cat([prev_text_ids, text_ids], dim=1)
+        full_taste = torch.cat([prev_taste_ids, taste_ids], dim=1)
+        aligned = processor.align_llm_ids(full_text)
+        current = processor.align_llm_ids(text_ids)
+        # (host tensors: checked there and copied in without waiting for the GPU)
+        audio_embeds = decoder.audio_embeds_from_taste(model.rvq, full_taste, aligned.asr_word_ids)
+        prefix = decoder.prefix_embeds(speaker_embeds, audio_embeds, aligned.asr_token_ids,
+                                       graph=decoder.condition_graph(decoder_cache))
+
+        # 2. the speech decoder, continuing the previous segment's speech tokens. With a state they are
+        # the last segment's (the prefix holds that segment's words; feeding the whole utterance would
+        # also cost more with every segment); without one, what the caller gave.
+        min_len, max_len = decoder.length_limits(current.asr_token_ids.shape[1] + 3)
+        continued = prev_speech_ids
+        if state is not None and state.segment_tokens:  # (0: the state spoke tokens outside detokenize)
+            continued = prev_speech_ids[:, prev_speech_ids.shape[1] - state.segment_tokens:]
+        # The decoder's positions hold the prefix, the continued tokens and the new ones: refused before
+        # any audio goes out if not even the fewest new tokens fit (not at the step that runs out), and
+        # the most new tokens capped at the room left (a decode rarely comes near its 20x limit).
+        room = MAX_CACHED_POSITIONS - prefix.shape[1] - continued.shape[1]
+        if room < max(min_len, 1):
+            raise ValueError(f"this segment needs at least {prefix.shape[1] + continued.shape[1] + max(min_len, 1)} "
+                             f"speech-decoder positions ({prefix.shape[1]} of its prefix, {continued.shape[1]} continued "
+                             f"speech tokens, at least {max(min_len, 1)} new ones), more than the decoder's "
+                             f"{MAX_CACHED_POSITIONS}: pass state= (only the last segment is continued) or fewer "
+                             "prev_speech_ids")
+        max_len = min(max_len, room)
+        dec_state = decoder.start(prefix, min_len=min_len, max_len=max_len, cache=decoder_cache)
+        if continued.shape[1]:
+            dec_state.next_logp = decoder.feed(dec_state, decoder.speech_embedding(to_device(continued, decoder.device)))
+        sampler = TopKSampler(generator=generator) if sampler is None else sampler
+
+        # 3. the voice generator, fed token by token
+        primed = []
+        if state is None:
+            state, primed = _stateless_start(vg, speaker_embeds, policy or "low_latency", out_sampling_rate, generator,
+                                             prev_speech_ids, prev_audio_ms)
+            held = _hold(state)  # (handed out with the first item: held like a given one)
+        new_tokens: list[int] = []
+
+        def item(chunk: SpeechChunk | None, is_final: bool) -> dict:
+            new = torch.tensor([new_tokens], dtype=torch.long).view(1, -1)
+            audio = chunk.audio if chunk is not None else torch.zeros(1, 0)
+            return {
+                "audio_waveform": audio,
+                "sampling_rate": chunk.sampling_rate if chunk is not None else out_sampling_rate,
+                "chunk_duration_ms": chunk.duration_ms if chunk is not None else 0.0,
+                "speech_ids": torch.cat([prev_speech_ids, new.to(prev_speech_ids.device)], dim=1),
+                "new_speech_ids": new,
+                "is_final": is_final,
+                "state": state,
+            }
+
+        for chunk in primed:  # the previous tokens' audio after prev_audio_ms
+            yield item(chunk, False)
+        state.segment_open = True
+        try:
+            while (token := decoder.step(dec_state, sampler)) is not None:
+                new_tokens.append(token)
+                for chunk in speak_held(vg, state, torch.tensor([[token]])):
+                    yield item(chunk, False)
+            if not new_tokens:
+                state.segment_open = False  # (nothing was fed: the state is as it was)
+                raise ValueError("the speech decoder produced no speech tokens for this segment")
+            state.segment_open = False
+            state.segment_tokens = len(new_tokens)
+            state.segment_words = (text_ids, taste_ids)
+            chunks = speak_held(vg, state, final=True) if final else []
+        except SynthesisFailed as failed:
+            for chunk in failed.chunks:  # made before the failed step: good audio, handed on before the error
                 yield item(chunk, False)
-        if not new_tokens:
-            state.segment_open = False  # (nothing was fed: the state is as it was)
-            raise ValueError("the speech decoder produced no speech tokens for this segment")
-        state.segment_open = False
-        state.segment_tokens = len(new_tokens)
-        state.segment_words = (text_ids, taste_ids)
-        chunks = speak(vg, state, final=True) if final else []
-    except SynthesisFailed as failed:
-        for chunk in failed.chunks:  # made before the failed step: good audio, handed on before the error
-            yield item(chunk, False)
-        raise
-    if chunks:
-        for chunk in chunks[:-1]:
-            yield item(chunk, False)
-        yield item(chunks[-1], True)
-    else:
-        yield item(None, True)
+            raise
+        if chunks:
+            for chunk in chunks[:-1]:
+                yield item(chunk, False)
+            yield item(chunks[-1], True)
+        else:
+            yield item(None, True)
+    finally:
+        if held is not None:
+            held.in_use.release()
 
 
 def taste_detokenize(

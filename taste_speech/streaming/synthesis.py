@@ -45,6 +45,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -209,18 +210,41 @@ def _window_frames(policy: EmissionPolicy, graphs: Optional[SynthesisGraphs]) ->
     return graphs.full_flow_frames if graphs is not None else ()
 
 
-@torch.inference_mode()
+IN_USE = ("this utterance's synthesis state is in use by another call right now (another thread, or a "
+          "taste_detokenize_stream on it not yet run to its end or closed): an utterance is spoken by one caller "
+          "at a time - give each utterance its own state")
+
+
+@contextlib.contextmanager
+def speaking(state: SynthesisState):
+    """Hold ``state`` for one speaker while inside; raises (``IN_USE``) if someone holds it."""
+    if not state.in_use.acquire(blocking=False):
+        raise RuntimeError(IN_USE)
+    try:
+        yield state
+    finally:
+        state.in_use.release()
+
+
 def speak(vg: VoiceGenerator, state: SynthesisState, speech_tokens=None, final: bool = False) -> list[SpeechChunk]:
     """Feed new speech tokens (1, n) (any n >= 0) and get the chunks that became ready.
 
     With ``final=True`` everything left is synthesised, the held-back audio is flushed and the
-    last chunk fades out; the state cannot be fed afterwards.
+    last chunk fades out; the state cannot be fed afterwards. One call at a time per state.
     """
+    with speaking(state):
+        return speak_held(vg, state, speech_tokens, final)
+
+
+@torch.inference_mode()
+def speak_held(vg: VoiceGenerator, state: SynthesisState, speech_tokens=None, final: bool = False) -> list[SpeechChunk]:
+    """``speak`` for a caller already holding ``state`` (``speaking``)."""
     if state.finished:
-        raise ValueError("this utterance's synthesis already ended (final=True); start a new state with start_speaking")
+        raise ValueError("this utterance's synthesis already ended (final=True); a new utterance needs a new state "
+                         "(start_speaking, or state=None with taste_detokenize)")
     if state.failure is not None:
         raise ValueError(f"this utterance's synthesis failed earlier ({state.failure}); its state cannot go on: "
-                         "start a new state with start_speaking")
+                         "a new utterance needs a new state (start_speaking, or state=None with taste_detokenize)")
     new = to_device(_check_new_tokens(vg, speech_tokens), state.tokens.device)
     if new.shape[1]:
         state.tokens = torch.cat([state.tokens, new], dim=1)

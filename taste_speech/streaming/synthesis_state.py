@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -234,6 +235,26 @@ class NoiseTape:
         return NoiseTape(self.channels, self.seed, self.block, self.device, self.dtype)
 
 
+class SpeakerHold:
+    """The lock behind ``SynthesisState.in_use``; a copy of a state (deepcopy, pickle) gets a free
+    one of its own."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        return self._lock.acquire(blocking)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __deepcopy__(self, memo) -> "SpeakerHold":
+        return SpeakerHold()
+
+    def __reduce__(self):
+        return SpeakerHold, ()
+
+
 @dataclass
 class SynthesisState:
     """Continuity state of one streamed utterance (see the module docstring). Create it with
@@ -286,6 +307,9 @@ class SynthesisState:
     segment_tokens: int = 0
     segment_words: Optional[tuple] = None  # (text_ids, taste_ids) of that segment: the next one's prev_*
     segment_open: bool = False  # a segment's speech tokens are being fed (a stream left there cannot go on)
+    # held by whoever is speaking the utterance now (a speak call, a whole taste_detokenize_stream):
+    # a second thread at once would interleave its tokens and caches with the first's
+    in_use: SpeakerHold = field(default_factory=lambda: SpeakerHold(), repr=False, compare=False)
 
     def frames(self, n_tokens: int) -> int:
         """Mel frames of this state's first ``n_tokens`` tokens, on the utterance's frame grid."""
