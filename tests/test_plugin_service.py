@@ -449,3 +449,27 @@ def test_a_call_is_one_conversation_and_needs_a_loaded_engine():
     with pytest.raises(ValueError, match=r"voice must be a speaker embedding, got str.*engine\.speaker_embedding"):
         TasteSpeechToSpeech(FakeEngine(), voice="ref.wav")
     TasteCall(FakeEngine(), voice=[0.1] * 192)  # (a list the library takes as a voice vector stays accepted)
+
+
+async def test_a_text_llm_pipeline_s_requests_are_passed_on_and_said_not_spoken_once_each():
+    """A greeting's TTSSpeakFrame or an RTVI client's send-text (LLMMessagesAppendFrame) cannot
+    be spoken by TASTE: they go on down the pipeline, and the call's log and a warning say so,
+    once per kind (they were passed on in silence: a silent bot and no clue why)."""
+    from loguru import logger
+    from pipecat.frames.frames import LLMMessagesAppendFrame, LLMRunFrame, TTSSpeakFrame
+    from pipecat.tests.utils import SleepFrame, run_test
+
+    warnings = []
+    sink = logger.add(lambda message: warnings.append(str(message)), level="WARNING")
+    service = TasteSpeechToSpeech(FakeEngine())
+    try:
+        sent = [TTSSpeakFrame("Hello, how can I help?"), TTSSpeakFrame("Anyone there?"), LLMRunFrame(),
+                LLMMessagesAppendFrame([{"role": "user", "content": "hi"}], run_llm=True)]
+        down, _ = await run_test(service, frames_to_send=[*sent, SleepFrame(0.2)], start_timeout=5.0)
+    finally:
+        logger.remove(sink)
+    assert [f for f in down if f in sent] == sent  # passed on, in order
+    logged = [e["frame"] for e in service.call.log.events if e["kind"] == "text_request_not_spoken"]
+    assert logged == ["TTSSpeakFrame", "LLMRunFrame", "LLMMessagesAppendFrame"]
+    said = [w for w in warnings if "is passed on but not spoken" in w]
+    assert len(said) == 3 and any("TTSSpeakFrame" in w for w in said) and any("LLMRunFrame" in w for w in said)

@@ -39,10 +39,15 @@ from pipecat.frames.frames import (
     EndFrame,
     Frame,
     InterruptionFrame,
+    LLMContextFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
+    LLMMessagesAppendFrame,
+    LLMMessagesUpdateFrame,
+    LLMRunFrame,
     LLMTextFrame,
     StartFrame,
+    TTSSpeakFrame,
 )
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
 from pipecat.utils.errors import ErrorCategory
@@ -56,6 +61,9 @@ from pipecat_taste.frames import (
     TasteTurnStatusFrame,
     TasteUserTurnFrame,
 )
+
+# What a text-LLM pipeline sends to make the bot say or answer something: TASTE answers audio only
+TEXT_REQUESTS = (TTSSpeakFrame, LLMRunFrame, LLMMessagesAppendFrame, LLMMessagesUpdateFrame, LLMContextFrame)
 
 
 class _EndOfCall:
@@ -76,6 +84,7 @@ class TasteGenerator(FrameProcessor):
     def __init__(self, call: TasteCall, *, playback_report_timeout_secs: float = 120.0, **kwargs):
         super().__init__(**kwargs)
         self._call = call
+        self._unspoken_kinds: set[str] = set()  # text requests already warned about (``_not_spoken``)
         self._report_timeout = playback_report_timeout_secs
         call.join(self)
         call.has_generator = True
@@ -132,6 +141,9 @@ class TasteGenerator(FrameProcessor):
         elif isinstance(frame, InterruptionFrame):
             self._interrupt()
             await self.push_frame(frame, direction)
+        elif isinstance(frame, TEXT_REQUESTS):
+            self._not_spoken(frame)
+            await self.push_frame(frame, direction)
         elif isinstance(frame, TastePlaybackFrame):
             future = self._reports.get(frame.turn_id)
             if future is not None and not future.done():
@@ -139,6 +151,18 @@ class TasteGenerator(FrameProcessor):
             await self.push_frame(frame, direction)
         else:
             await self.push_frame(frame, direction)
+
+    def _not_spoken(self, frame: Frame) -> None:
+        """A text-LLM pipeline's request (a greeting's TTSSpeakFrame, an RTVI client's send-text, a
+        context update) that TASTE cannot carry out: said once per kind, not silently passed on."""
+        kind = type(frame).__name__
+        if kind in self._unspoken_kinds:
+            return
+        self._unspoken_kinds.add(kind)
+        logger.warning(f"{self}: {kind} is passed on but not spoken: the TASTE model speaks only in answer to the "
+                       "caller's audio (no text input, no greeting, no system-prompt updates from a context); "
+                       "a user-mute strategy that waits for the bot to speak first would mute the caller for good")
+        self._call.log.event("text_request_not_spoken", frame=kind)
 
     async def _announce(self, turn_id: int, frame: Frame, direction: FrameDirection = FrameDirection.DOWNSTREAM):
         """Push a frame that tells the pipeline about a reply, or hold it while its turn is tentative."""
