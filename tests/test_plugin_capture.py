@@ -16,6 +16,7 @@ from pipecat.frames.frames import (
     VADUserStartedSpeakingFrame,
     VADUserStoppedSpeakingFrame,
 )
+from pipecat.audio.vad.vad_analyzer import VADState
 from pipecat.pipeline.worker import PipelineParams
 from pipecat.tests.utils import SleepFrame, run_test
 from pipecat.utils.time import time_now_iso8601
@@ -1309,3 +1310,25 @@ async def test_the_end_of_the_call_ends_a_turn_s_wait_for_its_words_at_once():
     assert not waiting.done()  # no words yet: it waits
     transcripts.end_of_call()
     await asyncio.wait_for(waiting, 2.0)
+
+
+async def test_a_slice_the_vad_judged_while_the_call_ended_starts_no_turn(utterances):
+    """The VAD runs off the event loop: an EndFrame handled while it judged a slice ends the call's
+    audio there - the slice starts no turn (a UserStartedSpeakingFrame that no stop would follow)."""
+    from pipecat.frames.frames import UserStartedSpeakingFrame
+
+    class EndsWhileJudging(WebRTCVADAnalyzer):
+        capture = None
+
+        async def analyze_audio(self, buffer):
+            state = await super().analyze_audio(buffer)
+            if state == VADState.SPEAKING:
+                self.capture._ending = True  # (what _end_of_call sets when the EndFrame comes meanwhile)
+            return state
+
+    vad = EndsWhileJudging()
+    call = TasteCall(FakeEngine())
+    vad.capture = TasteTurnCapture(call, vad_analyzer=vad, params=TurnCaptureParams(transcript_timeout_secs=0.3))
+    down, up = await run_test(vad.capture, frames_to_send=audio_frames(utterances["hello"].audio) + [SleepFrame(0.5)],
+                              pipeline_params=PipelineParams(audio_in_sample_rate=SR))
+    assert vad.capture._ending and not of(down + up, UserStartedSpeakingFrame) and not call.log.turns

@@ -538,6 +538,8 @@ class TasteTurnCapture(FrameProcessor):
             await self._speech_heard(now)
             return
         state = await self._vad.analyze_audio(pcm)
+        if self._ending:  # the EndFrame came while the VAD judged this slice: no turn starts or ends in it
+            return
         previous, self._vad_state = self._vad_state, state
         if state == VADState.SPEAKING and previous in (VADState.QUIET, VADState.STARTING):
             await self.broadcast_frame(VADUserStartedSpeakingFrame, start_secs=self._vad.params.start_secs)
