@@ -344,8 +344,14 @@ def test_a_failing_static_loop_falls_back_to_generate(tiny_asr, audios, monkeypa
     def broken(self, utterances):
         raise RuntimeError("injected")
 
+    working = StaticWhisperDecoder.decode_many
     monkeypatch.setattr(StaticWhisperDecoder, "decode_many", broken)
     expected = generate(model, features(tiny_asr, audios[0]), language="en", task="transcribe", max_new_tokens=10)
+    for _ in range(STATIC_FAILURES_TO_GIVE_UP - 1):  # failures with a success between: not in a row
+        asr.transcribe(audios[0])
+    monkeypatch.setattr(StaticWhisperDecoder, "decode_many", working)
+    assert asr.transcribe(audios[0]).ids == expected and asr.decode == "static"
+    monkeypatch.setattr(StaticWhisperDecoder, "decode_many", broken)
     for attempt in range(1, STATIC_FAILURES_TO_GIVE_UP + 1):
         result = asr.transcribe(audios[0])
         assert result.ids == expected
