@@ -314,3 +314,14 @@ def test_turns_ending_together_are_transcribed_as_one_batch(whisper, reference, 
     assert texts == [reference(audio) for audio in audios]
     with pytest.raises(ValueError, match="batch_rows must be"):
         WhisperTranscriber(whisper.model, whisper.feature_extractor, whisper.tokenizer, batch_rows=0)
+
+
+def test_a_partial_s_tokens_are_the_draft_the_next_transcription_starts_from(whisper, reference, utterances):
+    """What a partial heard is the next pass's draft (the finish checks it instead of decoding it
+    again); the finish's transcript is the whole turn's all the same."""
+    audio = utterances["hello"].audio
+    turn = whisper.new_turn()
+    half = audio[:audio.size // 2]
+    text = turn.partial(half)
+    assert turn.draft == whisper.transcribe(half).ids and text == turn.text and turn.draft
+    assert turn.finish(audio) == reference(audio)
