@@ -325,3 +325,16 @@ def test_a_partial_s_tokens_are_the_draft_the_next_transcription_starts_from(whi
     text = turn.partial(half)
     assert turn.draft == whisper.transcribe(half).ids and text == turn.text and turn.draft
     assert turn.finish(audio) == reference(audio)
+
+
+def test_a_turn_given_up_after_it_ended_is_no_longer_waited_for(whisper):
+    """A turn announced to the shared decoding batches (its caller stopped speaking) that will
+    not be transcribed after all (it took an STT's words) is withdrawn: another call's batch does
+    not wait for it."""
+    batched = WhisperTranscriber(whisper.model, whisper.feature_extractor, whisper.tokenizer, language=None,
+                                 max_new_tokens=None, decode="static", graph_mode="rehearse", batch_rows=4)
+    turn = batched.new_turn()
+    turn.ended()
+    assert batched._batches()._ending.pending() == 1
+    turn.given_up()
+    assert batched._batches()._ending.pending() == 0
