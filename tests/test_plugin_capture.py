@@ -1332,3 +1332,23 @@ async def test_a_slice_the_vad_judged_while_the_call_ended_starts_no_turn(uttera
     down, up = await run_test(vad.capture, frames_to_send=audio_frames(utterances["hello"].audio) + [SleepFrame(0.5)],
                               pipeline_params=PipelineParams(audio_in_sample_rate=SR))
     assert vad.capture._ending and not of(down + up, UserStartedSpeakingFrame) and not call.log.turns
+
+
+def test_an_stt_s_words_go_to_the_oldest_turn_still_waiting_for_words():
+    """Two turns closed and waiting for their words (an STT behind by a turn): the next
+    transcript is the older turn's, the one after it the newer's."""
+    from pipecat_taste.upstream_transcripts import UpstreamTranscripts
+
+    class Log:
+        def event(self, kind, **fields):
+            pass
+
+    transcripts = UpstreamTranscripts(5.0, Log())
+    now = time.monotonic()
+    older, newer = transcripts.new_turn(now - 2.0, 0.2), transcripts.new_turn(now - 1.0, 0.2)
+    for turn, ended in ((older, now - 1.5), (newer, now - 0.2)):
+        turn.close(now, ended, 16000, True)
+        transcripts.expect(turn)
+    transcripts.add("the first turn's words", True, None, 16000, current=None)
+    transcripts.add("the second turn's words", True, None, 32000, current=None)
+    assert older.text() == "the first turn's words" and newer.text() == "the second turn's words"
