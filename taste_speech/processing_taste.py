@@ -172,7 +172,9 @@ class TasteProcessor:
             raise ValueError(
                 f"{directory} has no {LLAMA_TOKENIZER_DIR}/tokenizer.json; the published checkpoint ships the "
                 "Llama-3.2 tokenizer there - download the whole repository, or build a tiny checkpoint with "
-                "python -m taste_speech.tiny DIR"
+                "python -m taste_speech.tiny DIR (a model written by save_pretrained holds its weights and config "
+                f"only: copy {LLAMA_TOKENIZER_DIR}/, {ASR_TOKENIZER_DIR}/ and cosyvoice/ from the checkpoint it "
+                "came from)"
             )
         try:
             llm = AutoTokenizer.from_pretrained(llm_dir)
@@ -507,14 +509,16 @@ class TasteProcessor:
         result = pipe({"raw": wav, "sampling_rate": SAMPLE_RATE}, **kwargs)
         text = result["text"] if isinstance(result, dict) else str(result)
         if not text.strip():
-            raise ValueError("the ASR heard no words in the audio; pass text=... or use audio with speech")
+            raise ValueError("the ASR heard no words in the audio: use audio with speech, or give its transcript "
+                             "(processor(audio, sampling_rate, text=...), or process_text(text))")
         return text
 
     def _asr(self):
         if self._asr_pipeline is None:
             if not self.asr_model:
                 raise ValueError(
-                    "no transcript was given and no ASR model is configured: pass text=..., or load the processor "
+                    "no transcript was given and no ASR model is configured: give the transcript (processor(audio, "
+                    "sampling_rate, text=...), or process_text(text)), or load the processor "
                     f"with asr_model=<local Whisper model folder or hub id, e.g. {PUBLISHED_ASR_MODEL}>"
                 )
             from transformers import pipeline
@@ -529,7 +533,7 @@ class TasteProcessor:
             except (OSError, ValueError) as exc:
                 raise ValueError(
                     f"could not load the ASR model {self.asr_model!r} ({type(exc).__name__}: {exc}); download it "
-                    "and pass asr_model=<its folder>, or pass text=..."
+                    "and pass asr_model=<its folder>, or give the transcript (text=... to the processor's call)"
                 ) from exc
         return self._asr_pipeline
 
@@ -636,6 +640,11 @@ def _is_whisper_model_dir(folder: str) -> bool:
 def _load_tokenizer(source: str):
     from transformers import AutoTokenizer
 
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, name))
+                                         for name in ("tokenizer.json", "vocab.json")):
+        # (else transformers falls back to converting a slow tokenizer, and says sentencepiece is missing)
+        raise ValueError(f"the ASR tokenizer folder {source!r} has no tokenizer.json (an interrupted download?): "
+                         "download it again, or pass asr_tokenizer=<a Whisper tokenizer folder>")
     try:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as exc:

@@ -451,10 +451,15 @@ def test_transcribe_with_a_local_whisper_model(tokenizers, tmp_path):
     assert torch.equal(out["asr_token_ids"], processor.process_text(transcript).asr_token_ids)
 
 
-def test_asr_errors(processor, tmp_path):
+def test_asr_errors(processor, tiny_checkpoint, tmp_path):
     none = TasteProcessor(processor.llm_tokenizer, processor.asr_tokenizer, num_frames=300)
-    with pytest.raises(ValueError, match="pass text=..."):
+    with pytest.raises(ValueError, match=r"give the transcript \(processor\(audio, sampling_rate, text=...\)"):
         none(speechlike(1.0), 16000)
+    unfinished = tmp_path / "asr_tokenizer"  # (an interrupted download: the folder, not its tokenizer)
+    unfinished.mkdir()
+    (unfinished / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no tokenizer.json .an interrupted download"):
+        TasteProcessor.from_pretrained(str(tiny_checkpoint), asr_tokenizer=str(unfinished))
     missing = TasteProcessor(processor.llm_tokenizer, processor.asr_tokenizer, num_frames=300,
                              asr_model=str(tmp_path / "no-such-whisper"))
     with pytest.raises(ValueError, match="could not load the ASR model"):
