@@ -590,9 +590,11 @@ def test_a_due_window_leaves_a_barge_in_s_cut_and_a_forgotten_turn_where_they_we
 def test_a_rejected_turn_leaves_the_conversation_as_it_was(model, processor, user_turn):
     conv = Conversation(model, processor)
     bad = TASTESegment("user", "audio", user_turn.text_ids, user_turn.taste_ids[..., :-1])  # one RVQ level short
-    with pytest.raises(ValueError, match="codes per word"):
-        run(model, processor, [user_turn, bad], conversation=conv)
-    assert conv.turns == [] and conv.state.committed_rows == conv.ready().length
+    with pytest.raises(ValueError, match=r"input_segments\[1\] \(user, audio\): the taste_ids have 3 codes per word"):
+        streaming_generate(model, processor, [user_turn, bad], conversation=conv)  # (at the call, naming it)
+    assert conv.turns == [] and not conv.reply_in_progress
+    run(model, processor, [user_turn], conversation=conv)  # (the conversation was left free and empty)
+    assert conv.turns[0] is user_turn
 
 
 def test_a_stop_callable_is_asked_once_per_step(model, processor, user_turn):

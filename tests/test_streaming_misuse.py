@@ -492,3 +492,17 @@ def test_codes_of_another_width_are_named_as_such(model, processor, speech):
     with pytest.raises(ValueError, match=rf"have 2 codes each .* this RVQ has {levels} levels: give \(\.\.\., {levels}\)"):
         taste_detokenize(model, processor, speaker, None, None, None, 0, ids, taste[..., :2], 16000,
                          voice_generator=vg)
+
+
+def test_a_segment_s_ids_and_codes_out_of_range_are_refused_at_the_call_naming_the_segment(model, processor):
+    """They failed at the first item, deep in the model ('RVQ indices must lie in ...'), naming no
+    segment: now the call says which segment and what makes valid ones."""
+    good = TASTESegment("user", "text", processor.process_text(" hello there").llm_token_ids, None)
+    words = good.text_ids.shape[1]
+    codes = torch.full((1, words, 4), 1_000_001)
+    bad_codes = TASTESegment("user", "audio", good.text_ids, codes)
+    with pytest.raises(ValueError, match=r"input_segments\[1\] \(user, audio\): taste_ids must lie in \[0, 64\)"):
+        streaming_generate(model, processor, [good, bad_codes])
+    bad_text = TASTESegment("user", "text", torch.tensor([[5, 10**6]]), None)
+    with pytest.raises(ValueError, match=r"input_segments\[0\] \(user, text\): text_ids must be Llama token ids"):
+        streaming_generate(model, processor, [bad_text])

@@ -23,6 +23,7 @@ from taste_speech.sampler import Action, SamplingParams, TasteSampler, Vocabular
 from taste_speech.streaming.conversation import Conversation
 from taste_speech.streaming.prompt import CONTINUATION
 from taste_speech.streaming.segment import TASTESegment
+from taste_speech.streaming.tokenize import check_llm_ids
 
 PUNCTUATION = ".,;:!?"
 
@@ -153,9 +154,8 @@ def streaming_generate(model, processor, input_segments, text_top_p: float = 0.3
     if isinstance(input_segments, TASTESegment):
         input_segments = [input_segments]
     segments = list(input_segments)
-    for segment in segments:
-        if not isinstance(segment, TASTESegment):
-            raise ValueError(f"input_segments must be TASTESegment objects, got {type(segment).__name__}")
+    for i, segment in enumerate(segments):
+        _check_segment(model, processor, segment, f"input_segments[{i}]")
     params = SamplingParams(text_top_p, taste_top_p, text_temperature, repetition_penalty, extra_words)
     _check_stop(stop)  # before any work (without asking it: a callable may answer only once)
     emit = should_emit_segment or every_word
@@ -210,6 +210,25 @@ class ReplyIterator:
     def close(self) -> None:
         self._items.close()  # raises while it runs in another thread: the claim then stays
         self._release()
+
+
+def _check_segment(model, processor, segment, name: str) -> None:
+    """A turn's ids and codes, at the call (they would fail at the first item, deep in the model,
+    naming no segment)."""
+    if not isinstance(segment, TASTESegment):
+        raise ValueError(f"input_segments must be TASTESegment objects, got {type(segment).__name__} at {name}")
+    name = f"{name} ({segment.role}, {segment.modality})"
+    check_llm_ids(processor, segment.text_ids, f"{name}: text_ids")
+    rvq = model.audio_tower.vq.rvq
+    codes = segment.taste_ids
+    if codes is None:  # (a text turn)
+        return
+    if codes.shape[-1] != rvq.num_quantizers:
+        raise ValueError(f"{name}: the taste_ids have {codes.shape[-1]} codes per word but the model's RVQ has "
+                         f"{rvq.num_quantizers} levels: taste_tokenize makes them for this model")
+    if codes.numel() and (int(codes.min()) < -1 or int(codes.max()) >= rvq.codebook_size):
+        raise ValueError(f"{name}: taste_ids must lie in [0, {rvq.codebook_size}) or be -1 (no code), got values in "
+                         f"[{int(codes.min())}, {int(codes.max())}]: taste_tokenize makes them for this model")
 
 
 def _check_eos_id(eos_id, vocab_size: int) -> int:
