@@ -172,9 +172,8 @@ class TasteProcessor:
             raise ValueError(
                 f"{directory} has no {LLAMA_TOKENIZER_DIR}/tokenizer.json; the published checkpoint ships the "
                 "Llama-3.2 tokenizer there - download the whole repository, or build a tiny checkpoint with "
-                "python -m taste_speech.tiny DIR (a model written by save_pretrained holds its weights and config "
-                f"only: copy {LLAMA_TOKENIZER_DIR}/, {ASR_TOKENIZER_DIR}/ and cosyvoice/ from the checkpoint it "
-                "came from)"
+                "python -m taste_speech.tiny DIR (a folder written by model.save_pretrained holds the weights and "
+                "config only: write the processor's files there too, processor.save_pretrained(DIR))"
             )
         try:
             llm = AutoTokenizer.from_pretrained(llm_dir)
@@ -218,6 +217,33 @@ class TasteProcessor:
             asr_model=asr_model,
             max_asr_tokens=whisper.max_target_positions - WHISPER_PROMPT_TOKENS,
         )
+
+    def save_pretrained(self, directory) -> str:
+        """Write the processor's files in the published layout into ``directory``: its two
+        tokenizers and the ``cosyvoice/`` files it was loaded with (speaker encoder, voice
+        generator, default voice). ``model.save_pretrained`` writes the config and the weights:
+        both into one folder make a checkpoint that loads again (a model with merged LoRA or
+        fine-tuned keeps its processor). Returns ``directory``."""
+        import shutil
+
+        from taste_speech.voice_generator.loading import CONFIG_NAME as VOICE_GENERATOR_CONFIG
+
+        directory = os.fspath(directory)
+        self.llm_tokenizer.save_pretrained(os.path.join(directory, LLAMA_TOKENIZER_DIR))
+        self.asr_tokenizer.save_pretrained(os.path.join(directory, ASR_TOKENIZER_DIR))
+        files = [(self.speaker_model_path, SPEAKER_MODEL_FILE), (self.voice_generator_path, VOICE_GENERATOR_FILE),
+                 (self.default_speaker_path, DEFAULT_SPEAKER_FILE)]
+        if self.voice_generator_path is not None:  # (a tiny voice generator's sizes, next to its weights)
+            files.append((os.path.join(os.path.dirname(self.voice_generator_path), VOICE_GENERATOR_CONFIG),
+                          VOICE_GENERATOR_CONFIG))
+        cosy = os.path.join(directory, COSYVOICE_DIR)
+        os.makedirs(cosy, exist_ok=True)
+        for source, name in files:
+            target = os.path.join(cosy, name)
+            if source is not None and os.path.isfile(source) and not (
+                    os.path.exists(target) and os.path.samefile(source, target)):
+                shutil.copyfile(source, target)
+        return directory
 
     # -- all inputs at once ----------------------------------------------------------------------
     def __call__(

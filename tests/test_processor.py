@@ -534,3 +534,32 @@ def test_tiny_tokenizers_sizes(tmp_path):
                    dict(llm_vocab_size=1024.0)):
         with pytest.raises(ValueError, match="vocab_size"):
             build_tiny_tokenizers(str(tmp_path / "bad"), **kwargs)
+
+
+def test_a_saved_model_and_its_processor_make_a_checkpoint_that_loads_again(tiny_checkpoint, tmp_path):
+    """model.save_pretrained writes the config and weights only: with processor.save_pretrained in
+    the same folder (a model with its LoRA merged, say), it loads as the checkpoint it came from."""
+    from taste_speech.modeling_taste import TasteForCausalLM
+
+    model = TasteForCausalLM.from_pretrained(str(tiny_checkpoint), torch_dtype=torch.float32)
+    processor = TasteProcessor.from_pretrained(str(tiny_checkpoint))
+    model.spoken_lm.merge_lora()
+    saved = tmp_path / "merged"
+    model.save_pretrained(saved)
+    with pytest.raises(ValueError, match=r"processor.save_pretrained\(DIR\)"):  # the weights alone: said what to do
+        TasteProcessor.from_pretrained(str(saved))
+    assert processor.save_pretrained(saved) == str(saved)
+    again = TasteProcessor.from_pretrained(str(saved))
+    text = " we met at seven and talked about the garden"
+    assert torch.equal(again.process_text(text).llm_token_ids, processor.process_text(text).llm_token_ids)
+    assert torch.equal(again.process_text(text).asr_token_ids, processor.process_text(text).asr_token_ids)
+    for name in ("speaker_embed.onnx", "voice_generator.pth", "voice_generator_config.json"):
+        assert (saved / "cosyvoice" / name).read_bytes() == (tiny_checkpoint / "cosyvoice" / name).read_bytes()
+    speech = torch.randn(1, 16000, generator=torch.Generator().manual_seed(0)) * 0.1
+    assert torch.allclose(again.speaker_embedding(speech, 16000), processor.speaker_embedding(speech, 16000))
+    assert again.get_generator() is not None
+    TasteForCausalLM.from_pretrained(str(saved), torch_dtype=torch.float32)  # (its weights: test_checkpoint.py)
+    own = shutil.copytree(tiny_checkpoint, tmp_path / "own")
+    TasteProcessor.from_pretrained(str(own)).save_pretrained(own)  # into the folder it came from: no harm
+    assert TasteProcessor.from_pretrained(str(own)).get_generator() is not None
+    assert (own / "cosyvoice" / "voice_generator.pth").read_bytes() == (saved / "cosyvoice" / "voice_generator.pth").read_bytes()
