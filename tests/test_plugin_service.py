@@ -473,3 +473,18 @@ async def test_a_text_llm_pipeline_s_requests_are_passed_on_and_said_not_spoken_
     assert logged == ["TTSSpeakFrame", "LLMRunFrame", "LLMMessagesAppendFrame"]
     said = [w for w in warnings if "is passed on but not spoken" in w]
     assert len(said) == 3 and any("TTSSpeakFrame" in w for w in said) and any("LLMRunFrame" in w for w in said)
+
+
+async def test_usage_metrics_count_each_reply_s_lm_tokens_and_the_characters_voiced(u):
+    """With Pipecat's usage metrics on, the generator reports each reply's spoken-LM tokens (the
+    caller's turn's rows, the tokens generated) and the synthesizer the characters it voiced."""
+    from pipecat.metrics.metrics import LLMUsageMetricsData, TTSUsageMetricsData
+
+    engine = FakeEngine(reply_words=("fine", "thanks", "and", "you"), tokens_per_word=2)
+    result = await run(engine, [Pause(0.3), Say(u["time"]), WaitForReply(timeout_s=4, end_silence_s=0.8)])
+    data = [d for f in frames_of(result, MetricsFrame) for d in f.data]
+    llm = [d.value for d in data if isinstance(d, LLMUsageMetricsData)]
+    tts = [d.value for d in data if isinstance(d, TTSUsageMetricsData)]
+    assert len(llm) == 1 and llm[0].completion_tokens == 8 and llm[0].prompt_tokens > 0
+    assert llm[0].total_tokens == llm[0].prompt_tokens + llm[0].completion_tokens
+    assert tts == [len(word) for word in ("fine", "thanks", "and", "you")]

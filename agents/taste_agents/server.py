@@ -535,7 +535,7 @@ class TasteServer:
         # A processor that can no longer do its job (its session could not be made: out of GPU
         # memory) ends the call at once: the caller would hear nothing while it held its slot.
         return PipelineWorker(pipeline, params=PipelineParams(audio_in_sample_rate=in_rate, audio_out_sample_rate=out_rate,
-                                                               enable_metrics=True),
+                                                               enable_metrics=True, enable_usage_metrics=True),
                               idle_timeout_secs=self.config.idle_seconds, cancel_on_idle_timeout=False,  # _run ends it
                               processor_unusable_policy=ProcessorUnusablePolicy.CANCEL, enable_rtvi=False)
 

@@ -214,7 +214,7 @@ async def simulate_call(engine, script: list, *, config=None, sample_rate: int =
     pipeline = Pipeline([transport.input(), up_tap, agent, transport.output(), out_tap])
     worker = PipelineWorker(pipeline, params=PipelineParams(audio_in_sample_rate=sample_rate,
                                                              audio_out_sample_rate=sample_rate,
-                                                             enable_metrics=True),
+                                                             enable_metrics=True, enable_usage_metrics=True),
                             cancel_on_idle_timeout=False)
     runner = WorkerRunner(handle_sigint=False)
     started = asyncio.Event()

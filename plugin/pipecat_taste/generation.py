@@ -49,6 +49,7 @@ from pipecat.frames.frames import (
     StartFrame,
     TTSSpeakFrame,
 )
+from pipecat.metrics.metrics import LLMTokenUsage
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor, FrameProcessorSetup
 from pipecat.utils.errors import ErrorCategory
 
@@ -304,6 +305,9 @@ class TasteGenerator(FrameProcessor):
                     texts.append(event.text)
                 elif event.kind == "end":
                     reason = "cancelled" if stop.is_set() else event.reason or "finished"
+                    await self.start_llm_usage_metrics(LLMTokenUsage(
+                        prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                        total_tokens=event.prompt_tokens + event.completion_tokens))
                     break
         except Exception as e:
             reason = "error"

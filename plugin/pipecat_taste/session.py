@@ -67,6 +67,10 @@ class ReplyEvent:
     n_words: int = 0
     segment: Any = None
     reason: str | None = None
+    # 'end': the spoken LM's work for this reply (Pipecat's usage metrics): the rows the caller's
+    # turn took in its history, and the tokens the reply generated
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -320,7 +324,10 @@ class TasteSession:
                     reply = item.get("reply")  # streaming_generate has committed it to the conversation
                     self._last_reply_words = 0 if reply is None else int(reply.word_starts().sum())
                     reason = "cancelled" if item.get("cancelled") else "truncated" if item.get("truncated") else "finished"
-                    yield ReplyEvent("end", reason=reason)
+                    st = self.conversation.state
+                    prompt = next((rows for t, rows in zip(st.turns, st.turn_rows) if t is turn.segment), 0)
+                    yield ReplyEvent("end", reason=reason, prompt_tokens=int(prompt),
+                                     completion_tokens=int(item.get("steps") or 0))
                     return
         except Exception:
             self._keep_turn(turn, emitted)

@@ -294,6 +294,8 @@ class TasteSynthesizer(FrameProcessor):
             end_sample=session.speech_samples(reply.tokens, self._out_rate),
         )
         await self._groups.put(("segment", reply, marker))
+        if not self._dropped(reply.turn_id):  # (Pipecat's TTS usage: the characters of the words voiced)
+            await self.start_tts_usage_metrics(frame.text.strip())
 
     # Vocoder stage ------------------------------------------------------------------------------------
     async def _vocode_stage(self):

@@ -182,7 +182,8 @@ class FakeSession:
         if produced:
             self.history.append(("assistant", " ".join(produced)))
         self._last_reply = produced
-        yield ReplyEvent("end", reason=reason)
+        yield ReplyEvent("end", reason=reason, prompt_tokens=turn.segment.n_tokens,
+                         completion_tokens=len(produced) * self.engine.tokens_per_word)
 
     def commit_reply(self, played_words: int | None) -> int:
         words, self._last_reply = self._last_reply, []
