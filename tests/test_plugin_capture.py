@@ -67,6 +67,17 @@ def of(frames, cls):
     return [f for f in frames if isinstance(f, cls)]
 
 
+class DropLog:
+    """A call log that keeps only the upstream words dropped (``UpstreamTranscripts.drop``)."""
+
+    def __init__(self):
+        self.dropped = []
+
+    def event(self, kind, **fields):
+        if kind == "transcript_dropped":
+            self.dropped.append(fields["text"])
+
+
 @pytest.mark.parametrize("rate", [16000, 8000])
 async def test_turn_with_upstream_transcript(utterances, rate):
     hello = utterances["hello"]
@@ -1241,15 +1252,7 @@ def test_a_turn_takes_no_more_transcript_than_two_minutes_of_speech_hold():
     with a preview in the call log; the words before stay the turn's."""
     from pipecat_taste.upstream_transcripts import MAX_TURN_TRANSCRIPT_CHARS, UpstreamTranscripts
 
-    class Log:
-        def __init__(self):
-            self.dropped = []
-
-        def event(self, kind, **fields):
-            if kind == "transcript_dropped":
-                self.dropped.append(fields["text"])
-
-    log = Log()
+    log = DropLog()
     transcripts = UpstreamTranscripts(0.4, log)
     turn = transcripts.new_turn(time.monotonic(), 0.2)
     part = "word " * 399 + "last."  # 2000 characters, as the server's per-message limit
@@ -1268,15 +1271,7 @@ def test_words_no_turn_took_go_to_the_next_turn_only_if_they_came_after_its_spee
     turn-less sound's or an earlier turn's late words, and are logged and dropped."""
     from pipecat_taste.upstream_transcripts import UpstreamTranscripts
 
-    class Log:
-        def __init__(self):
-            self.dropped = []
-
-        def event(self, kind, **fields):
-            if kind == "transcript_dropped":
-                self.dropped.append(fields["text"])
-
-    log = Log()
+    log = DropLog()
     transcripts = UpstreamTranscripts(0.4, log)
     transcripts.add("hello there", True, None, 16000, current=None)  # no turn yet: kept aside
     arrived = time.monotonic()
